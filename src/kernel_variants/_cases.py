@@ -1,0 +1,151 @@
+"""Realistic inputs for one call of an op, built once, replayable on fresh copies of the state.
+
+Calibration times variants on these; the conformance tests check every variant on them. With
+``poison=True`` every state row a variant must not read (slots of other sequences, history of
+sequences without initial state, rows before the history) holds NaN, so reading one shows up in
+the output, and every row it must not write is compared bit for bit afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernel_variants.registry._models import OpName
+
+PAD_SLOT_ID = -1
+
+
+@dataclass
+class Case:
+    op: OpName
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state_arg: str  # "conv_states" (a kwarg) or "conv_state" (positional 1); "" when none
+    pool_base: torch.Tensor | None = None  # the allocation the state pool is a view of
+
+    def state(self) -> torch.Tensor | None:
+        if self.state_arg == "conv_state":
+            return self.args[1]
+        return self.kwargs.get("conv_states")
+
+    def fresh(self) -> Case:
+        """The same call with a fresh copy of the state pool, with the same strides and offset."""
+        pool = self.state()
+        if pool is None or self.pool_base is None:
+            return self
+        copy = self.pool_base.clone(memory_format=torch.contiguous_format)
+        view = copy.as_strided(pool.size(), pool.stride(), pool.storage_offset())
+        if self.state_arg == "conv_state":
+            return Case(self.op, (self.args[0], view, *self.args[2:]), dict(self.kwargs), self.state_arg, copy)
+        return Case(self.op, self.args, {**self.kwargs, "conv_states": view}, self.state_arg, copy)
+
+    def run(self, fn) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Call ``fn`` on a fresh copy; return (output, the whole pool allocation after the call)."""
+        case = self.fresh()
+        return fn(*case.args, **case.kwargs), case.pool_base
+
+
+def _lengths(gen: torch.Generator, batch: int, seqlen: int) -> list[int]:
+    """B lengths averaging ``seqlen``, including short and empty ones when there is room."""
+    lengths = torch.randint(0, 2 * seqlen, (batch,), generator=gen).tolist()
+    total = batch * seqlen
+    diff = total - sum(lengths)
+    i = 0
+    while diff != 0:
+        step = max(-lengths[i], min(diff, 2 * seqlen))
+        lengths[i] += step
+        diff -= step
+        i = (i + 1) % batch
+    return lengths
+
+
+def make_case(
+    op: OpName,
+    batch: int,
+    dim: int,
+    seqlen: int,
+    *,
+    width: int = 4,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    bias: bool = True,
+    activation: str | None = "silu",
+    states: bool = True,
+    varlen: bool = False,
+    spec: bool = False,
+    noncontig: bool = False,
+    pad: bool = False,
+    poison: bool = False,
+    extra_rows: int = 0,
+    seed: int = 0,
+) -> Case:
+    """A call of ``op`` on (B=batch, D=dim, L=seqlen) with real slot indices into a larger pool.
+
+    ``noncontig`` makes the pool a view of a bigger one (extra leading rows and a slot stride of
+    two), ``pad`` maps one sequence to the pad slot, ``spec`` adds num_accepted_tokens (update).
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    keep = width - 1
+    weight = randn(dim, width) * (1.0 / width)
+    b = randn(dim) if bias else None
+    if op == "causal_conv1d_update":
+        states = True
+        rows = keep + (seqlen - 1 if spec else 0) + extra_rows
+    else:
+        rows = keep + extra_rows
+    n_slots = batch + 3
+    pool = base = None
+    indices = None
+    if states:
+        lead = 2 if noncontig else 0
+        base = randn(n_slots * (2 if noncontig else 1), rows + lead, dim)
+        pool = base[:: 2 if noncontig else 1, lead:] if noncontig else base
+        perm = torch.randperm(n_slots, generator=gen)[:batch]
+        if pad and batch > 1:
+            perm[batch // 2] = PAD_SLOT_ID
+        indices = perm.to(device=device, dtype=torch.int32)
+        if poison:
+            used = set(perm.tolist())
+            for s in range(n_slots):
+                if s not in used:
+                    pool[s] = float("nan")
+    if op == "causal_conv1d_update":
+        x = randn(batch, dim) if seqlen == 1 and not spec else randn(batch, seqlen, dim)
+        nat = None
+        if spec:
+            nat = torch.randint(1, seqlen + 1, (batch,), generator=gen).to(device=device, dtype=torch.int32)
+        kwargs = dict(activation=activation, conv_state_indices=indices, num_accepted_tokens=nat,
+                      pad_slot_id=PAD_SLOT_ID)
+        return Case(op, (x, pool, weight, b), kwargs, "conv_state", base)
+    qsl = None
+    if varlen:
+        lengths = _lengths(gen, batch, seqlen)
+        x = randn(sum(lengths), dim)
+        qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    else:
+        x = randn(batch, seqlen, dim)
+    init = None
+    if states:
+        init = torch.rand(batch, generator=gen) < 0.7
+        init[0] = True
+        if batch > 1:
+            init[-1] = False
+        if poison:
+            for i, slot in enumerate(indices.tolist()):
+                if slot == PAD_SLOT_ID:
+                    continue
+                if not init[i]:
+                    pool[slot] = float("nan")
+                elif rows > keep:
+                    pool[slot, : rows - keep] = float("nan")
+        init = init.to(device)
+    kwargs = dict(conv_states=pool, cache_indices=indices, has_initial_state=init,
+                  query_start_loc=qsl, activation=activation, pad_slot_id=PAD_SLOT_ID)
+    return Case(op, (x, weight, b), kwargs, "conv_states" if states else "", base)

@@ -1,0 +1,264 @@
+"""Input validation for the public ops: every malformed call fails here, before any kernel runs.
+
+Checks come in two kinds. Metadata checks (ndim, sizes, dtypes, devices) are pure Python on
+shapes. Value checks read the index tensors (slot ranges, duplicates, query_start_loc order,
+num_accepted_tokens range); on an accelerator that costs a device sync, which is why
+``KV_CHECK_VALUES=0`` can turn them off where a scheduler already guarantees them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float64: "float64",
+}
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class CallKey(NamedTuple):
+    """Everything about a call that decides which variants can run it and which is fastest."""
+
+    op: str
+    device: str
+    dtype: str
+    width: int
+    batch: int
+    dim: int
+    seqlen: int
+    bias: bool
+    activation: str
+    states: bool
+    varlen: bool
+    spec: bool
+    noncontig_states: bool
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _tensor(name: str, t: object, *, optional: bool = False) -> None:
+    if t is None and optional:
+        return
+    if not isinstance(t, torch.Tensor):
+        want = "a torch.Tensor or None" if optional else "a torch.Tensor"
+        raise TypeError(f"{name}: expected {want}, got {type(t).__name__}")
+
+
+def _like_x(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
+    if t.dtype != x.dtype:
+        raise TypeError(f"{name}: expected dtype {dtype_name(x.dtype)} (x's), got {dtype_name(t.dtype)}")
+    if t.device != x.device:
+        raise ValueError(f"{name}: expected device {x.device} (x's), got {t.device}")
+
+
+def _index(name: str, t: torch.Tensor | None, length: int, x: torch.Tensor) -> None:
+    if t is None:
+        return
+    _tensor(name, t)
+    if t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name}: expected dtype int32 or int64, got {dtype_name(t.dtype)}")
+    if t.ndim != 1 or t.shape[0] != length:
+        raise ValueError(f"{name}: expected shape [{length}], got {_shape(t)}")
+    if t.device != x.device:
+        raise ValueError(f"{name}: expected device {x.device} (x's), got {t.device}")
+
+
+def _activation(activation: object) -> str:
+    if activation is None:
+        return "none"
+    if activation in ("silu", "swish"):
+        return "silu"
+    raise ValueError(f'activation: expected None, "silu" or "swish", got {activation!r}')
+
+
+def _weight_bias(x: torch.Tensor, weight: object, bias: object, dim: int) -> int:
+    _tensor("weight", weight)
+    assert isinstance(weight, torch.Tensor)
+    if weight.ndim != 2 or weight.shape[0] != dim:
+        raise ValueError(f"weight: expected shape [D={dim}, W], got {_shape(weight)}")
+    width = weight.shape[1]
+    if width < 1:
+        raise ValueError(f"weight: expected width W >= 1, got W={width}")
+    _like_x("weight", weight, x)
+    _tensor("bias", bias, optional=True)
+    if bias is not None:
+        assert isinstance(bias, torch.Tensor)
+        if bias.ndim != 1 or bias.shape[0] != dim:
+            raise ValueError(f"bias: expected shape [D={dim}], got {_shape(bias)}")
+        _like_x("bias", bias, x)
+    return width
+
+
+def _x(x: object) -> torch.Tensor:
+    _tensor("x", x)
+    assert isinstance(x, torch.Tensor)
+    if x.dtype not in _DTYPE_NAMES:
+        raise TypeError(
+            f"x: expected a floating dtype (float32, bfloat16, float16, float64), got {dtype_name(x.dtype)}"
+        )
+    return x
+
+
+def _state_pool(name: str, pool: torch.Tensor, x: torch.Tensor, dim: int, min_rows: int, why: str) -> None:
+    if pool.ndim != 3 or pool.shape[2] != dim:
+        raise ValueError(f"{name}: expected shape [N, S, D={dim}], got {_shape(pool)}")
+    _like_x(name, pool, x)
+    if pool.shape[1] < min_rows:
+        raise ValueError(f"{name}: expected S >= {min_rows} rows ({why}), got S={pool.shape[1]}")
+
+
+def _slots(name: str, idx: torch.Tensor | None, batch: int, n_slots: int, pad_slot_id: int,
+           pool_name: str) -> None:
+    if idx is None:
+        if batch > n_slots:
+            raise ValueError(
+                f"{pool_name}: expected at least B={batch} slots when {name} is None, got N={n_slots}"
+            )
+        return
+    slots = idx.tolist()
+    if len(slots) == 1 and (slots[0] == pad_slot_id or 0 <= slots[0] < n_slots):
+        return  # the common decode case, without building a set
+    seen: set[int] = set()
+    for b, s in enumerate(slots):
+        if s == pad_slot_id:
+            continue
+        if not 0 <= s < n_slots:
+            raise ValueError(
+                f"{name}: expected slot indices in [0, {n_slots}) or pad_slot_id={pad_slot_id}, "
+                f"got {s} at position {b}"
+            )
+        if s in seen:
+            raise ValueError(f"{name}: expected distinct slots, got slot {s} twice (second at position {b})")
+        seen.add(s)
+
+
+def check_fn(x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc,
+             activation, pad_slot_id, values: bool) -> CallKey:
+    """Validate a ``causal_conv1d_fn`` call; return its key."""
+    x = _x(x)
+    varlen = query_start_loc is not None
+    if varlen:
+        if x.ndim != 2:
+            raise ValueError(f"x: expected shape [T, D] when query_start_loc is given, got {_shape(x)}")
+        total, dim = x.shape
+        _tensor("query_start_loc", query_start_loc)
+        if query_start_loc.dtype not in _INDEX_DTYPES:
+            raise TypeError(
+                f"query_start_loc: expected dtype int32 or int64, got {dtype_name(query_start_loc.dtype)}"
+            )
+        if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
+            raise ValueError(f"query_start_loc: expected shape [B+1] with B >= 1, got {_shape(query_start_loc)}")
+        if query_start_loc.device != x.device:
+            raise ValueError(f"query_start_loc: expected device {x.device} (x's), got {query_start_loc.device}")
+        batch = query_start_loc.shape[0] - 1
+        seqlen = max(1, -(-total // batch))
+    else:
+        if x.ndim != 3:
+            raise ValueError(f"x: expected shape [B, L, D] (or [T, D] with query_start_loc), got {_shape(x)}")
+        batch, seqlen, dim = x.shape
+        if batch < 1 or seqlen < 1:
+            raise ValueError(f"x: expected B >= 1 and L >= 1, got {_shape(x)}")
+    width = _weight_bias(x, weight, bias, dim)
+    act = _activation(activation)
+    if not isinstance(pad_slot_id, int):
+        raise TypeError(f"pad_slot_id: expected int, got {type(pad_slot_id).__name__}")
+    _tensor("conv_states", conv_states, optional=True)
+    if conv_states is None:
+        for name, t in (("cache_indices", cache_indices), ("has_initial_state", has_initial_state)):
+            if t is not None:
+                raise ValueError(f"{name}: expected None when conv_states is None, got a tensor")
+    else:
+        _state_pool("conv_states", conv_states, x, dim, width - 1, f"W-1 history rows for W={width}")
+    _index("cache_indices", cache_indices, batch, x)
+    if has_initial_state is not None:
+        _tensor("has_initial_state", has_initial_state)
+        if has_initial_state.dtype != torch.bool:
+            raise TypeError(f"has_initial_state: expected dtype bool, got {dtype_name(has_initial_state.dtype)}")
+        if has_initial_state.ndim != 1 or has_initial_state.shape[0] != batch:
+            raise ValueError(f"has_initial_state: expected shape [{batch}], got {_shape(has_initial_state)}")
+        if has_initial_state.device != x.device:
+            raise ValueError(f"has_initial_state: expected device {x.device} (x's), got {has_initial_state.device}")
+    if values:
+        check_fn_values(x, conv_states, cache_indices, query_start_loc, pad_slot_id)
+    return CallKey(
+        "causal_conv1d_fn", x.device.type, dtype_name(x.dtype), width, batch, dim, seqlen,
+        bias is not None, act, conv_states is not None, varlen, False,
+        conv_states is not None and not conv_states.is_contiguous(),
+    )
+
+
+def check_update(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
+                 pad_slot_id, values: bool) -> CallKey:
+    """Validate a ``causal_conv1d_update`` call; return its key."""
+    x = _x(x)
+    if x.ndim == 2:
+        batch, dim = x.shape
+        seqlen = 1
+    elif x.ndim == 3:
+        batch, seqlen, dim = x.shape
+    else:
+        raise ValueError(f"x: expected shape [B, D] or [B, L, D], got {_shape(x)}")
+    if batch < 1 or seqlen < 1:
+        raise ValueError(f"x: expected B >= 1 and L >= 1, got {_shape(x)}")
+    width = _weight_bias(x, weight, bias, dim)
+    act = _activation(activation)
+    if not isinstance(pad_slot_id, int):
+        raise TypeError(f"pad_slot_id: expected int, got {type(pad_slot_id).__name__}")
+    _tensor("conv_state", conv_state)
+    spec = num_accepted_tokens is not None
+    if spec:
+        _state_pool("conv_state", conv_state, x, dim, width - 1 + seqlen - 1,
+                    f"W-1+L-1 rows for speculative decoding with W={width}, L={seqlen}")
+    else:
+        _state_pool("conv_state", conv_state, x, dim, width - 1, f"W-1 history rows for W={width}")
+    _index("conv_state_indices", conv_state_indices, batch, x)
+    _index("num_accepted_tokens", num_accepted_tokens, batch, x)
+    if values:
+        check_update_values(x, conv_state, conv_state_indices, num_accepted_tokens, pad_slot_id)
+    return CallKey(
+        "causal_conv1d_update", x.device.type, dtype_name(x.dtype), width, batch, dim, seqlen,
+        bias is not None, act, True, False, spec, not conv_state.is_contiguous(),
+    )
+
+
+def check_fn_values(x, conv_states, cache_indices, query_start_loc, pad_slot_id) -> None:
+    """Value checks of a ``causal_conv1d_fn`` call whose metadata already passed."""
+    if query_start_loc is not None:
+        starts = query_start_loc.tolist()
+        total = x.shape[0]
+        if starts[0] != 0:
+            raise ValueError(f"query_start_loc: expected to start at 0, got {starts[0]}")
+        for b in range(len(starts) - 1):
+            if starts[b + 1] < starts[b]:
+                raise ValueError(
+                    f"query_start_loc: expected non-decreasing values, got {starts[b]} then "
+                    f"{starts[b + 1]} at position {b + 1}"
+                )
+        if starts[-1] != total:
+            raise ValueError(f"query_start_loc: expected to end at T={total} (x.shape[0]), got {starts[-1]}")
+    if conv_states is not None:
+        batch = x.shape[0] if query_start_loc is None else query_start_loc.shape[0] - 1
+        _slots("cache_indices", cache_indices, batch, conv_states.shape[0], pad_slot_id, "conv_states")
+
+
+def check_update_values(x, conv_state, conv_state_indices, num_accepted_tokens, pad_slot_id) -> None:
+    """Value checks of a ``causal_conv1d_update`` call whose metadata already passed."""
+    _slots("conv_state_indices", conv_state_indices, x.shape[0], conv_state.shape[0], pad_slot_id, "conv_state")
+    if num_accepted_tokens is not None:
+        length = x.shape[1] if x.ndim == 3 else 1
+        for b, n in enumerate(num_accepted_tokens.tolist()):
+            if not 1 <= n <= length:
+                raise ValueError(
+                    f"num_accepted_tokens: expected values in 1..L={length}, got {n} at position {b}"
+                )

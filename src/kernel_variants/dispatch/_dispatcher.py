@@ -1,0 +1,121 @@
+"""The stateful side of dispatch: the registry, pinned variants and the per-process memo.
+
+Decisions are memoised per call key, so a call whose shape was seen before costs one dict hit
+on top of validation. Anything that can change a decision (calibration, registry reload) clears
+the memo; pins are part of the memo key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from kernel_variants._checks import CallKey
+from kernel_variants.registry._models import OPS
+from kernel_variants.registry._registry import Registry, make_plugin_manager
+
+from ._select import Decision, NoVariantError, select
+
+_MEMO_LIMIT = 65536  # varlen batches make many distinct keys; a bound keeps serving memory flat
+
+# Pins set by force(), as a hashable tuple of (op, id) pairs so that it can be part of a memo key.
+_pins: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar("kv_pins", default=())
+pins_in_context = _pins.get
+
+
+def parse_force(raw: str) -> dict[str, str]:
+    """``"causal_conv1d_fn=reference,causal_conv1d_update=x"``; a bare id pins every op."""
+    pins: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in raw.split(","))):
+        op, sep, vid = item.partition("=")
+        if not sep:
+            pins.update(dict.fromkeys(OPS, item))
+            continue
+        op, vid = op.strip(), vid.strip()
+        if op not in OPS:
+            raise ValueError(f"KV_FORCE: expected op names {', '.join(OPS)}, got {op!r} in {raw!r}")
+        if not vid:
+            raise ValueError(f"KV_FORCE: expected a variant id after '{op}=', got nothing in {raw!r}")
+        pins[op] = vid
+    return pins
+
+
+class VariantFailed(RuntimeError):
+    """A variant raised during a real call; the message names it, ``__cause__`` is the original."""
+
+
+class Dispatcher:
+    def __init__(self, registry: Registry | None = None, *, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        self._registry = registry
+        self._env_pins = parse_force(env.get("KV_FORCE", ""))
+        self.check_values = env.get("KV_CHECK_VALUES", "1").strip().lower() not in ("0", "false", "no", "off")
+        # call signature (shapes, dtypes, devices, strides, flags, pin) -> (id, fn, activation)
+        self.memo: dict[tuple[Any, ...], tuple[str, Callable[..., Any], str | None]] = {}
+
+    @property
+    def registry(self) -> Registry:
+        if self._registry is None:
+            self._registry = Registry(make_plugin_manager())
+        return self._registry
+
+    def pinned(self, op: str) -> str | None:
+        return dict(_pins.get()).get(op) or self._env_pins.get(op)
+
+    def decide(self, key: CallKey, forced: str | None = None) -> Decision:
+        return select(self.registry.variants(key.op), key, forced=forced)
+
+    def resolve(self, sig: tuple[Any, ...] | None, key: CallKey) -> tuple[str, Callable[..., Any], str | None]:
+        """Decide for a validated call and remember the decision under its signature ``sig``."""
+        decision = self.decide(key, self.pinned(key.op))
+        if decision.chosen is None:
+            raise NoVariantError(f"no variant can run this call\n{decision}")
+        hit = (decision.chosen.id, decision.chosen.variant.fn, None if key.activation == "none" else "silu")
+        if sig is not None:
+            if len(self.memo) >= _MEMO_LIMIT:
+                self.memo.clear()
+            self.memo[sig] = hit
+        return hit
+
+    def invalidate(self) -> None:
+        self.memo.clear()
+
+
+_current: Dispatcher | None = None
+
+
+def dispatcher() -> Dispatcher:
+    """The process-wide dispatcher, created on first use (not at import)."""
+    global _current
+    if _current is None:
+        _current = Dispatcher()
+    return _current
+
+
+def reset(registry: Registry | None = None) -> Dispatcher:
+    """Start over: re-read the environment and plugins (or use ``registry``), forget decisions."""
+    global _current
+    _current = Dispatcher(registry)
+    return _current
+
+
+@contextlib.contextmanager
+def force(**pins: str) -> Iterator[None]:
+    """Pin ops to variants inside the block: ``with force(causal_conv1d_fn="reference"): ...``.
+
+    A pinned variant that cannot run a call raises with its reasons; it never falls back.
+    """
+    for op, vid in pins.items():
+        if op not in OPS:
+            raise TypeError(f"force: expected keyword arguments among {', '.join(OPS)}, got {op!r}")
+        if not isinstance(vid, str):
+            raise TypeError(f"force: expected a variant id string for {op}, got {type(vid).__name__}")
+        dispatcher().registry.get(op, vid)  # raises KeyError listing what is registered
+    token = _pins.set(tuple({**dict(_pins.get()), **pins}.items()))
+    try:
+        yield
+    finally:
+        _pins.reset(token)

@@ -1,0 +1,174 @@
+"""Plugin manager factory and the registry facade that callers use instead of pluggy."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pluggy
+
+from ._hookspecs import PROJECT_NAME, VariantSpecs
+from ._models import OPS, OpName, Variant
+
+# Built-in plugins register through the same hook as third parties; the name is the plugin name
+# that KV_DISABLE_PLUGINS refers to.
+BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
+    ("reference", "kernel_variants.variants.reference"),
+    ("torch_shift", "kernel_variants.variants.torch_shift"),
+)
+
+
+def blocked_from_env() -> list[str]:
+    raw = os.environ.get("KV_DISABLE_PLUGINS", "")
+    return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def make_plugin_manager(
+    *,
+    builtins: bool = True,
+    entry_points: bool = True,
+    blocked: Iterable[str] | None = None,
+    extra_plugins: Sequence[tuple[str, object]] = (),
+) -> pluggy.PluginManager:
+    """A fresh plugin manager: built-ins, then ``extra_plugins``, then installed entry points.
+
+    ``blocked`` defaults to ``KV_DISABLE_PLUGINS``. Raises ``pluggy.PluginValidationError`` when
+    a plugin implements a hook that does not exist (a misspelled ``kv_register_variant``, say).
+    """
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(VariantSpecs)
+    for name in blocked_from_env() if blocked is None else blocked:
+        pm.set_blocked(name)
+    plugins: list[tuple[str, object]] = []
+    if builtins:
+        plugins += [(name, importlib.import_module(mod)) for name, mod in BUILTIN_PLUGINS]
+    plugins += list(extra_plugins)
+    for name, plugin in plugins:
+        if not pm.is_blocked(name):
+            pm.register(plugin, name=name)
+    if entry_points:
+        pm.load_setuptools_entrypoints(PROJECT_NAME)
+    pm.check_pending()
+    return pm
+
+
+def _source_hash(variant: Variant) -> str:
+    h = hashlib.sha256()
+    paths = [inspect.getsourcefile(variant.fn) or ""] + list(variant.sources)
+    for p in paths:
+        try:
+            h.update(Path(p).read_bytes())
+        except OSError:
+            # A builtin or C function has no readable source: the declared version must do.
+            h.update(p.encode())
+    return h.hexdigest()[:10]
+
+
+@dataclass(eq=False)
+class RegisteredVariant:
+    """A variant as the registry holds it: who registered it and its full version."""
+
+    variant: Variant
+    plugin: str
+    version: str
+    _reason: str | None = field(default=None, repr=False)
+    _probed: bool = field(default=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def id(self) -> str:
+        return self.variant.id
+
+    @property
+    def op(self) -> OpName:
+        return self.variant.op
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` when this variant can run here, else why not. Probed once, then remembered."""
+        with self._lock:
+            if not self._probed:
+                self._reason = _run_probe(self.variant)
+                self._probed = True
+            return self._reason
+
+
+def _run_probe(variant: Variant) -> str | None:
+    if variant.probe is None:
+        return None
+    try:
+        reason = variant.probe()
+    except Exception as exc:  # a probe is third-party code: its crash means "cannot run here"
+        return f"availability probe raised {type(exc).__name__}: {exc}"
+    if reason is not None and not isinstance(reason, str):
+        return f"availability probe returned {type(reason).__name__}, expected str or None"
+    return reason
+
+
+class DuplicateVariantError(ValueError):
+    pass
+
+
+class Register:
+    """Passed to ``kv_register_variants``; validates and keys each variant by (op, id)."""
+
+    def __init__(self, registry: Registry, plugin: str) -> None:
+        self._registry = registry
+        self._plugin = plugin
+
+    def __call__(self, variant: Variant) -> None:
+        if not isinstance(variant, Variant):
+            raise TypeError(
+                f"plugin {self._plugin!r}: register() expects a kernel_variants.Variant, "
+                f"got {type(variant).__name__}"
+            )
+        self._registry._add(variant, self._plugin)
+
+
+class Registry:
+    """Every registered variant, keyed by (op, id). Built from a plugin manager."""
+
+    def __init__(self, pm: pluggy.PluginManager) -> None:
+        self._pm = pm
+        self._by_key: dict[tuple[str, str], RegisteredVariant] = {}
+        # Calling each implementation with its own Register is how a variant is attributed to the
+        # plugin that provided it, so that a duplicate id can name both plugins.
+        for impl in pm.hook.kv_register_variants.get_hookimpls():
+            impl.function(register=Register(self, impl.plugin_name))
+
+    @property
+    def plugin_manager(self) -> pluggy.PluginManager:
+        return self._pm
+
+    def _add(self, variant: Variant, plugin: str) -> None:
+        key = (variant.op, variant.id)
+        if key in self._by_key:
+            first = self._by_key[key].plugin
+            raise DuplicateVariantError(
+                f"variant id {variant.id!r} for op {variant.op!r} is registered twice: by plugin "
+                f"{first!r} and by plugin {plugin!r}"
+            )
+        version = f"{variant.version}+{_source_hash(variant)}"
+        self._by_key[key] = RegisteredVariant(variant, plugin, version)
+
+    def variants(self, op: OpName | None = None) -> list[RegisteredVariant]:
+        if op is not None and op not in OPS:
+            raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+        return [rv for (o, _), rv in self._by_key.items() if op is None or o == op]
+
+    def get(self, op: OpName, variant_id: str) -> RegisteredVariant:
+        try:
+            return self._by_key[(op, variant_id)]
+        except KeyError:
+            known = ", ".join(sorted(i for (o, i) in self._by_key if o == op)) or "none"
+            raise KeyError(
+                f"no variant {variant_id!r} registered for op {op!r} (registered: {known})"
+            ) from None
+
+    def plugins(self) -> list[str]:
+        return [name for name, _ in self._pm.list_name_plugin()]

@@ -1,0 +1,148 @@
+"""The reference variant: the contract written as plain torch, one sequence at a time.
+
+It is the oracle every other variant is checked against, so it favours being obviously right
+over being fast: each sequence is handled on its own, in fp32 (fp64 for fp64 inputs), and state
+tensors are written only after every output is computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernel_variants.registry import Capabilities, Variant, hookimpl
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _conv(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    """h: [W-1+L, D] history then tokens; weight: [D, W]; returns [L, D] in h's dtype."""
+    width = weight.shape[1]
+    length = h.shape[0] - (width - 1)
+    w = weight.to(h.dtype)
+    y = torch.zeros(length, h.shape[1], dtype=h.dtype, device=h.device)
+    for k in range(width):
+        y += w[:, k] * h[k : k + length]
+    if bias is not None:
+        y += bias.to(h.dtype)
+    return F.silu(y) if silu else y
+
+
+def causal_conv1d_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    conv_states: torch.Tensor | None = None,
+    cache_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    activation: str | None = None,
+    pad_slot_id: int = -1,
+) -> torch.Tensor:
+    """Prefill. x: [B, L, D], or [T, D] with query_start_loc [B+1]; weight: [D, W]; bias: [D];
+    conv_states: [N, S, D] (updated in place); cache_indices, has_initial_state: [B].
+    Returns [B, L, D] or [T, D] in x's dtype."""
+    width = weight.shape[1]
+    keep = width - 1
+    acc = _acc_dtype(x.dtype)
+    silu = activation in ("silu", "swish")
+    if query_start_loc is None:
+        bounds = [(b, None, None) for b in range(x.shape[0])]
+    else:
+        starts = query_start_loc.tolist()
+        bounds = [(b, starts[b], starts[b + 1]) for b in range(len(starts) - 1)]
+    slots = cache_indices.tolist() if cache_indices is not None else list(range(len(bounds)))
+    init = has_initial_state.tolist() if has_initial_state is not None else [False] * len(bounds)
+    out = torch.zeros_like(x)
+    writes: list[tuple[int, torch.Tensor]] = []
+    for b, start, end in bounds:
+        slot = slots[b]
+        if cache_indices is not None and slot == pad_slot_id:
+            continue
+        xb = x[b] if start is None else x[start:end]
+        if conv_states is not None and init[b]:
+            hist = conv_states[slot, conv_states.shape[1] - keep :].to(acc)
+        else:
+            hist = torch.zeros(keep, x.shape[-1], dtype=acc, device=x.device)
+        h = torch.cat([hist, xb.to(acc)])
+        y = _conv(h, weight, bias, silu)
+        if start is None:
+            out[b] = y.to(x.dtype)
+        else:
+            out[start:end] = y.to(x.dtype)
+        if conv_states is not None and keep > 0:
+            writes.append((slot, h[h.shape[0] - keep :]))
+    for slot, rows in writes:
+        conv_states[slot, conv_states.shape[1] - keep :] = rows.to(conv_states.dtype)
+    return out
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    conv_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    pad_slot_id: int = -1,
+) -> torch.Tensor:
+    """Decode / speculative verify. x: [B, D] or [B, L, D]; conv_state: [N, S, D] (updated in
+    place); weight: [D, W]; bias: [D]; conv_state_indices, num_accepted_tokens: [B].
+    Returns x's shape and dtype."""
+    width = weight.shape[1]
+    keep = width - 1
+    acc = _acc_dtype(x.dtype)
+    silu = activation in ("silu", "swish")
+    x3 = x.unsqueeze(1) if x.ndim == 2 else x
+    batch, length, _ = x3.shape
+    rows = conv_state.shape[1]
+    slots = conv_state_indices.tolist() if conv_state_indices is not None else list(range(batch))
+    accepted = num_accepted_tokens.tolist() if num_accepted_tokens is not None else None
+    out = torch.zeros_like(x3)
+    writes: list[tuple[int, torch.Tensor]] = []
+    for b in range(batch):
+        slot = slots[b]
+        if conv_state_indices is not None and slot == pad_slot_id:
+            continue
+        state = conv_state[slot].to(acc)
+        xb = x3[b].to(acc)
+        if accepted is None:
+            hist = state[rows - keep :]
+            stream = torch.cat([state, xb])
+        else:
+            n = accepted[b]
+            hist = state[n - 1 : n - 1 + keep]
+            stream = torch.cat([state[n : n + max(rows - length, 0)], xb])
+        new_state = stream[stream.shape[0] - rows :]
+        out[b] = _conv(torch.cat([hist, xb]), weight, bias, silu).to(x.dtype)
+        writes.append((slot, new_state))
+    for slot, new_state in writes:
+        conv_state[slot] = new_state.to(conv_state.dtype)
+    return out.squeeze(1) if x.ndim == 2 else out
+
+
+_CAPS = dict(
+    devices={"cpu", "cuda", "npu"},
+    dtypes={"float32", "bfloat16", "float16", "float64"},
+    width=(1, None),
+    bias=True,
+)
+
+
+@hookimpl
+def kv_register_variants(register) -> None:
+    register(Variant(
+        id="reference", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=-100,
+        capabilities=Capabilities(varlen=True, **_CAPS),
+        description="the contract in plain torch, per sequence; the oracle for every other variant",
+    ))
+    register(Variant(
+        id="reference", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=-100,
+        capabilities=Capabilities(num_accepted_tokens=True, **_CAPS),
+        description="the contract in plain torch, per sequence; the oracle for every other variant",
+    ))

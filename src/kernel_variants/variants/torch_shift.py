@@ -1,0 +1,143 @@
+"""Shift-and-multiply-add in plain torch, batched over all sequences at once.
+
+A different profile from the reference: no Python loop over sequences, but each of the W taps
+is a full pass over an fp32 copy of the input, so it is bound by memory traffic of about
+(W + 3) times the input. Works on any device torch runs on. Dense input only (no varlen).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernel_variants.registry import Capabilities, Variant, hookimpl
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _taps(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    """h: [B, W-1+L, D] in the accumulation dtype; weight: [D, W]; returns [B, L, D]."""
+    width = weight.shape[1]
+    length = h.shape[1] - (width - 1)
+    w = weight.to(h.dtype)
+    y = h[:, width - 1 :] * w[:, width - 1]
+    for k in range(width - 1):
+        y.addcmul_(h[:, k : k + length], w[:, k])
+    if bias is not None:
+        y += bias.to(h.dtype)
+    return F.silu(y, inplace=True) if silu else y
+
+
+def causal_conv1d_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    conv_states: torch.Tensor | None = None,
+    cache_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    activation: str | None = None,
+    pad_slot_id: int = -1,
+) -> torch.Tensor:
+    """x: [B, L, D]; weight: [D, W]; bias: [D]; conv_states: [N, S, D] updated in place;
+    cache_indices, has_initial_state: [B]. Returns [B, L, D]."""
+    if query_start_loc is not None:
+        raise ValueError("query_start_loc: torch_shift supports dense [B, L, D] input only")
+    batch, _, dim = x.shape
+    keep = weight.shape[1] - 1
+    acc = _acc(x.dtype)
+    hist = x.new_zeros(batch, keep, dim, dtype=acc)
+    live = None
+    if conv_states is not None:
+        slots = cache_indices.long() if cache_indices is not None else torch.arange(batch, device=x.device)
+        live = slots != pad_slot_id if cache_indices is not None else None
+        safe = slots.clamp(min=0) if live is not None else slots
+        init = has_initial_state if has_initial_state is not None else torch.zeros(batch, dtype=torch.bool, device=x.device)
+        if live is not None:
+            init = init & live
+        rows = conv_states.shape[1]
+        hist = torch.where(init[:, None, None], conv_states[safe, rows - keep :].to(acc), hist)
+    h = torch.cat([hist, x.to(acc)], dim=1)
+    out = _taps(h, weight, bias, activation in ("silu", "swish")).to(x.dtype)
+    if conv_states is not None:
+        tail = h[:, h.shape[1] - keep :].to(conv_states.dtype)
+        if live is not None:
+            out[~live] = 0
+            slots, tail = slots[live], tail[live]
+        if keep > 0:
+            # index_put_ on the caller's view writes through to its storage, also when the
+            # pool is a non-contiguous slice.
+            conv_states[slots, rows - keep :] = tail
+    return out
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    conv_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    pad_slot_id: int = -1,
+) -> torch.Tensor:
+    """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place; weight: [D, W];
+    conv_state_indices, num_accepted_tokens: [B]. Returns x's shape."""
+    x3 = x.unsqueeze(1) if x.ndim == 2 else x
+    batch, length, dim = x3.shape
+    keep = weight.shape[1] - 1
+    rows = conv_state.shape[1]
+    acc = _acc(x.dtype)
+    if conv_state_indices is not None:
+        slots = conv_state_indices.long()
+        live = slots != pad_slot_id
+        safe = slots.clamp(min=0)
+    else:
+        slots = safe = torch.arange(batch, device=x.device)
+        live = None
+    state = conv_state[safe].to(acc)  # [B, S, D]
+    xa = x3.to(acc)
+    if num_accepted_tokens is None:
+        hist = state[:, rows - keep :]
+        stream = torch.cat([state, xa], dim=1)
+        new_state = stream[:, stream.shape[1] - rows :]
+    else:
+        shift = num_accepted_tokens.long()[:, None]  # [B, 1]
+        pick = (shift - 1 + torch.arange(keep, device=x.device)).clamp(max=rows - 1)
+        hist = state.gather(1, pick[:, :, None].expand(batch, keep, dim))
+        kept = max(rows - length, 0)
+        pick = (shift + torch.arange(kept, device=x.device)).clamp(max=rows - 1)
+        stream = torch.cat([state.gather(1, pick[:, :, None].expand(batch, kept, dim)), xa], dim=1)
+        new_state = stream[:, stream.shape[1] - rows :]
+    out = _taps(torch.cat([hist, xa], dim=1), weight, bias, activation in ("silu", "swish")).to(x.dtype)
+    new_state = new_state.to(conv_state.dtype)
+    if live is not None:
+        out[~live] = 0
+        slots, new_state = slots[live], new_state[live]
+    conv_state[slots] = new_state
+    return out.squeeze(1) if x.ndim == 2 else out
+
+
+_CAPS = dict(
+    devices={"cpu", "cuda", "npu"},
+    dtypes={"float32", "bfloat16", "float16", "float64"},
+    width=(1, None),
+)
+
+
+@hookimpl
+def kv_register_variants(register) -> None:
+    register(Variant(
+        id="torch_shift", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=0,
+        capabilities=Capabilities(varlen=False, **_CAPS),
+        description="batched shift-and-multiply-add in plain torch (dense input only)",
+    ))
+    register(Variant(
+        id="torch_shift", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=0,
+        capabilities=Capabilities(num_accepted_tokens=True, **_CAPS),
+        description="batched shift-and-multiply-add in plain torch",
+    ))
