@@ -1,0 +1,124 @@
+"""Build / load the fused CPU causal-conv1d C++ extension.
+
+Only the standard library is imported at module level so that importing this
+file never fails; torch and the compiler are touched in `load_extension()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Iterator
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+
+# The first source must stay first: its copies of shared inline functions
+# are the baseline-ISA ones the linker keeps (see causal_conv1d_cpu.cpp).
+_SOURCES = ("causal_conv1d_cpu.cpp", "causal_conv1d_avx2.cpp", "causal_conv1d_avx512.cpp")
+_HEADERS = ("causal_conv1d_kernel.h", "causal_conv1d_params.h")
+
+# No -march=native: the cached .so must run on any x86-64 sharing the cache
+# dir, and AVX2 / AVX-512 code is compiled per file and chosen at runtime.
+# -fopenmp: at::parallel_for is an inline OpenMP region in ATen's headers and
+# silently runs serially without it; the runtime comes from libtorch's libgomp.
+_CFLAGS: tuple[str, ...] = ("-O3",) + (("-fopenmp",) if sys.platform.startswith("linux") else ())
+
+_LOG_TAIL_LINES = 20
+
+
+def source_files() -> list[Path]:
+    """Files whose content defines the kernel version."""
+    return [_CSRC / name for name in _SOURCES + _HEADERS]
+
+
+def _build_tag(torch_version: str) -> str:
+    h = hashlib.sha256()
+    for path in source_files():
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    h.update("\0".join(_CFLAGS).encode())
+    h.update(os.environ.get("CXX", "").encode())
+    return f"{torch_version}-{h.hexdigest()[:16]}"
+
+
+def _build_dir(tag: str) -> Path:
+    base = os.environ.get("KV_BUILD_DIR")
+    if base:
+        root = Path(base)
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = Path(cache) / "kernel_variants" / "build"
+    return root / tag
+
+
+@contextlib.contextmanager
+def _compiler_env() -> Iterator[None]:
+    """cpp_extension invokes $CXX or plain `c++`; fall back to g++ if needed."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        if shutil.which(cxx.split()[0]) is None:
+            raise RuntimeError(f"no C++ compiler found ($CXX={cxx!r} is not on PATH)")
+        yield
+        return
+    if shutil.which("c++"):
+        yield
+        return
+    gxx = shutil.which("g++")
+    if gxx is None:
+        raise RuntimeError("no C++ compiler found (tried $CXX, c++, g++)")
+    os.environ["CXX"] = gxx
+    try:
+        yield
+    finally:
+        os.environ.pop("CXX", None)
+
+
+def _tail(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return "\n".join(lines[-_LOG_TAIL_LINES:])
+
+
+@functools.cache
+def load_extension() -> ModuleType:
+    """Compile (once per source/flags/torch version) and import the extension.
+
+    Raises RuntimeError with a one-line reason (plus the build log tail) if
+    the toolchain is missing or the build fails.
+    """
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as exc:  # pragma: no cover - torch is a hard dependency
+        raise RuntimeError(f"cannot build cpu_native kernel: torch unavailable ({exc})") from exc
+
+    tag = _build_tag(torch.__version__.split("+")[0])
+    build_dir = _build_dir(tag)
+    name = "kv_causal_conv1d_cpu_" + tag.rsplit("-", 1)[1][:12]
+    with _compiler_env():
+        try:
+            cpp_extension.verify_ninja_availability()
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot build cpu_native kernel: ninja not available ({exc})") from exc
+        # cpp_extension serialises concurrent builds of one build_directory
+        # with a lock-file baton; other processes wait and then just load.
+        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            return cpp_extension.load(
+                name=name,
+                sources=[str(_CSRC / s) for s in _SOURCES],
+                extra_cflags=list(_CFLAGS),
+                extra_include_paths=[str(_CSRC)],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except (RuntimeError, OSError, ImportError) as exc:
+            raise RuntimeError(
+                f"building the cpu_native causal_conv1d extension failed in {build_dir}:"
+                f" {type(exc).__name__}\n{_tail(str(exc))}"
+            ) from exc

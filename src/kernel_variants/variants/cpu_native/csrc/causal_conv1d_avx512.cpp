@@ -1,0 +1,11 @@
+// AVX-512 (F/BW/VL/DQ, the set ATen's AVX512 kernels use) build of the
+// kernel in causal_conv1d_kernel.h. See causal_conv1d_avx2.cpp for why this
+// is a separate TU with a target pragma. Twice the lanes of AVX2 matter
+// here: with SiLU and bf16 conversion the kernel is compute-bound per core.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#pragma GCC target("avx,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt,avx512f,avx512bw,avx512vl,avx512dq")
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#define KV_ISA_NS avx512
+#include "causal_conv1d_kernel.h"
+#endif

@@ -1,0 +1,412 @@
+// Fused CPU causal depthwise conv1d (+SiLU) with in-place conv-state update.
+//
+// This TU holds the torch bindings, argument checks, work decomposition and
+// the portable (baseline-ISA) kernel build; the AVX2 / AVX-512 builds of the
+// same kernel live in causal_conv1d_avx2.cpp / causal_conv1d_avx512.cpp and
+// are chosen once at runtime. It must stay first in the source list: for
+// inline functions emitted by several TUs the linker keeps the first copy,
+// and that copy has to be the baseline-ISA one.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "causal_conv1d_params.h"
+
+#define KV_ISA_NS generic
+#include "causal_conv1d_kernel.h"
+#undef KV_ISA_NS
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define KV_X86_BUILDS 1
+namespace kv_cconv {
+namespace avx2 {
+void fwd_range(const Params& p, int64_t begin, int64_t end);
+void update_range(const Params& p, int64_t begin, int64_t end);
+}  // namespace avx2
+namespace avx512 {
+void fwd_range(const Params& p, int64_t begin, int64_t end);
+void update_range(const Params& p, int64_t begin, int64_t end);
+}  // namespace avx512
+}  // namespace kv_cconv
+#else
+#define KV_X86_BUILDS 0
+#endif
+
+namespace kv_cconv {
+namespace {
+
+// Below this many output elements a parallel region costs more than it
+// saves (decode with small B).
+constexpr int64_t kSerialWork = int64_t{1} << 16;
+constexpr int64_t kChunkT = 256;
+constexpr int64_t kMinChunkT = 32;
+
+struct Impl {
+  RangeFn fwd;
+  RangeFn upd;
+  const char* name;
+};
+
+// Honors ATEN_CPU_CAPABILITY (default / avx2 / avx512) as an upper bound,
+// like ATen's own kernels, so every build can be exercised on one machine.
+Impl select_impl() {
+  std::string want;
+  if (const char* e = std::getenv("ATEN_CPU_CAPABILITY")) want = e;
+  std::transform(want.begin(), want.end(), want.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
+  int cap = 2;
+  if (want == "default") cap = 0;
+  if (want == "avx2") cap = 1;
+#if KV_X86_BUILDS
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") &&
+                    __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512dq");
+  if (cap >= 2 && avx512)
+    return {avx512::fwd_range, avx512::update_range, "avx512"};
+  if (cap >= 1 && avx2) return {avx2::fwd_range, avx2::update_range, "avx2"};
+#else
+  (void)cap;
+#endif
+  return {generic::fwd_range, generic::update_range, "default"};
+}
+
+const Impl& impl() {
+  static const Impl k = select_impl();
+  return k;
+}
+
+DType to_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::F32;
+    case at::kBFloat16:
+      return DType::BF16;
+    case at::kHalf:
+      return DType::F16;
+    default:
+      TORCH_CHECK(false, name, ": unsupported dtype ", t.scalar_type(),
+                  " (expected float32, bfloat16 or float16)");
+  }
+}
+
+// Read-only view of a small 1-D index / flag tensor of any integer or bool
+// dtype and any stride.
+struct IndexView {
+  const void* data = nullptr;
+  int64_t stride = 0;
+  at::ScalarType type = at::kLong;
+
+  bool present() const { return data != nullptr; }
+  int64_t operator[](int64_t i) const {
+    const int64_t o = i * stride;
+    switch (type) {
+      case at::kInt:
+        return static_cast<const int32_t*>(data)[o];
+      case at::kLong:
+        return static_cast<const int64_t*>(data)[o];
+      case at::kBool:
+        return static_cast<const bool*>(data)[o] ? 1 : 0;
+      case at::kByte:
+        return static_cast<const uint8_t*>(data)[o];
+      case at::kChar:
+        return static_cast<const int8_t*>(data)[o];
+      case at::kShort:
+        return static_cast<const int16_t*>(data)[o];
+      default:
+        return 0;  // rejected in index_view
+    }
+  }
+};
+
+IndexView index_view(const c10::optional<at::Tensor>& t, const char* name,
+                     int64_t min_len) {
+  IndexView v;
+  if (!t.has_value() || !t->defined()) return v;
+  const at::Tensor& a = *t;
+  TORCH_CHECK(a.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(a.dim() == 1, name, " must be 1-D, got ", a.dim(), "-D");
+  TORCH_CHECK(a.size(0) >= min_len, name, " has ", a.size(0),
+              " entries, need ", min_len);
+  switch (a.scalar_type()) {
+    case at::kInt:
+    case at::kLong:
+    case at::kBool:
+    case at::kByte:
+    case at::kChar:
+    case at::kShort:
+      break;
+    default:
+      TORCH_CHECK(false, name, ": expected an integer or bool tensor, got ",
+                  a.scalar_type());
+  }
+  v.data = a.data_ptr();
+  v.stride = a.stride(0);
+  v.type = a.scalar_type();
+  return v;
+}
+
+// Fills the weight / bias fields of p; returns the filter width.
+int fill_filter(Params& p, const at::Tensor& weight,
+                const c10::optional<at::Tensor>& bias, int64_t D) {
+  TORCH_CHECK(weight.device().is_cpu(), "weight must be a CPU tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == D, "weight must be [D=",
+              D, ", W], got ", weight.sizes());
+  const int64_t W = weight.size(1);
+  TORCH_CHECK(W >= 2 && W <= 4, "filter width W must be 2, 3 or 4, got ", W);
+  p.wdtype = to_dtype(weight, "weight");
+  p.weight = weight.data_ptr();
+  p.w_sd = weight.stride(0);
+  p.w_sk = weight.stride(1);
+  p.bias = nullptr;
+  p.bdtype = p.wdtype;
+  p.b_sd = 0;
+  if (bias.has_value() && bias->defined()) {
+    const at::Tensor& b = *bias;
+    TORCH_CHECK(b.device().is_cpu(), "bias must be a CPU tensor");
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == D, "bias must be [D=", D,
+                "], got ", b.sizes());
+    p.bdtype = to_dtype(b, "bias");
+    p.bias = b.data_ptr();
+    p.b_sd = b.stride(0);
+  }
+  p.width = static_cast<int32_t>(W);
+  return static_cast<int>(W);
+}
+
+void fill_state(Params& p, const at::Tensor& st, const at::Tensor& x,
+                int64_t D, int W, const char* name) {
+  TORCH_CHECK(st.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(st.scalar_type() == x.scalar_type(), name, " dtype ",
+              st.scalar_type(), " must match x dtype ", x.scalar_type());
+  TORCH_CHECK(st.dim() == 3 && st.size(2) == D, name, " must be [N, S, D=", D,
+              "], got ", st.sizes());
+  TORCH_CHECK(st.size(1) >= W - 1, name, " has S=", st.size(1),
+              " rows, need at least W-1=", W - 1);
+  p.state = st.data_ptr();
+  p.st_sn = st.stride(0);
+  p.st_ss = st.stride(1);
+  p.st_sd = st.stride(2);
+  p.st_rows = st.size(1);
+}
+
+void run(const Params& p, int64_t n_items, int64_t work, bool upd) {
+  const RangeFn fn = upd ? impl().upd : impl().fwd;
+  if (n_items <= 0) return;
+  if (work < kSerialWork || n_items == 1 || at::get_num_threads() == 1) {
+    fn(p, 0, n_items);
+    return;
+  }
+  at::parallel_for(0, n_items, 1,
+                   [&](int64_t b, int64_t e) { fn(p, b, e); });
+}
+
+}  // namespace
+
+at::Tensor fwd(const at::Tensor& x, const at::Tensor& weight,
+               const c10::optional<at::Tensor>& bias,
+               const c10::optional<at::Tensor>& conv_states,
+               const c10::optional<at::Tensor>& cache_indices,
+               const c10::optional<at::Tensor>& has_initial_state,
+               const c10::optional<at::Tensor>& query_start_loc, bool silu,
+               int64_t pad_slot_id) {
+  const bool varlen = query_start_loc.has_value() && query_start_loc->defined();
+  TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor");
+  TORCH_CHECK(x.dim() == (varlen ? 2 : 3), "x must be ",
+              varlen ? "[T, D] with query_start_loc" : "[B, L, D]", ", got ",
+              x.sizes());
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(x.stride(-1) == 1 || D <= 1, "x must have stride(-1) == 1");
+
+  Params p{};
+  p.dtype = to_dtype(x, "x");
+  const int W = fill_filter(p, weight, bias, D);
+  p.silu = silu;
+  p.dim = D;
+
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  p.x = x.data_ptr();
+  p.out = out.data_ptr();
+  p.x_rs = x.stride(-2);
+  p.out_rs = D;
+
+  int64_t B = 0;
+  IndexView qsl;
+  if (varlen) {
+    qsl = index_view(query_start_loc, "query_start_loc", 1);
+    B = query_start_loc->size(0) - 1;
+  } else {
+    B = x.size(0);
+  }
+  const IndexView ci = index_view(cache_indices, "cache_indices", B);
+  const IndexView his = index_view(has_initial_state, "has_initial_state", B);
+
+  const bool has_state = conv_states.has_value() && conv_states->defined();
+  int64_t n_slots = 0;
+  if (has_state) {
+    fill_state(p, *conv_states, x, D, W, "conv_states");
+    n_slots = conv_states->size(0);
+  }
+
+  std::vector<Seq> seqs(static_cast<size_t>(B));
+  const int64_t T = varlen ? x.size(0) : 0;
+  int64_t covered_lo = 0, covered_hi = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    Seq& s = seqs[b];
+    if (varlen) {
+      const int64_t lo = qsl[b], hi = qsl[b + 1];
+      TORCH_CHECK(lo >= 0 && lo <= hi && hi <= T,
+                  "query_start_loc must be non-decreasing within [0, ", T,
+                  "], got [", lo, ", ", hi, "] for sequence ", b);
+      if (b == 0) covered_lo = lo;
+      covered_hi = hi;
+      s.x_off = lo * x.stride(0);
+      s.out_off = lo * D;
+      s.len = hi - lo;
+    } else {
+      s.x_off = b * x.stride(0);
+      s.out_off = b * x.size(1) * D;
+      s.len = x.size(1);
+    }
+    s.slot = ci.present() ? ci[b] : b;
+    s.pad = ci.present() && s.slot == pad_slot_id;
+    s.init = his.present() && his[b] != 0;
+    s.hist_row = 0;
+    s.shift = 0;
+    if (!has_state || s.pad) {
+      if (!has_state) s.slot = -1;
+    } else {
+      TORCH_CHECK(s.slot >= 0 && s.slot < n_slots, "cache index ", s.slot,
+                  " of sequence ", b, " is outside conv_states[0:", n_slots,
+                  "]");
+    }
+  }
+  // Rows of a varlen x outside every sequence get zeros, not garbage.
+  if (varlen && D > 0 && (covered_lo > 0 || covered_hi < T)) {
+    if (covered_lo > 0) out.narrow(0, 0, covered_lo).zero_();
+    if (covered_hi < T) out.narrow(0, covered_hi, T - covered_hi).zero_();
+  }
+  if (B == 0 || D == 0) return out;
+
+  p.n_tiles = (D + kTileC - 1) / kTileC;
+  p.seqs = seqs.data();
+  p.nseq = B;
+
+  // Time chunks split long sequences across threads when B is small; each
+  // chunk re-reads only W-1 halo rows.
+  int64_t rows = 0;
+  for (const Seq& s : seqs) rows += s.len;
+  auto count_items = [&](int64_t ct) {
+    int64_t n = 0;
+    for (const Seq& s : seqs) n += std::max<int64_t>(1, (s.len + ct - 1) / ct);
+    return n * p.n_tiles;
+  };
+  const int64_t nthr = at::get_num_threads();
+  int64_t chunk_t = kChunkT;
+  while (chunk_t > kMinChunkT && count_items(chunk_t) < 4 * nthr) chunk_t /= 2;
+  p.chunk_t = std::max<int64_t>(chunk_t, W - 1);
+
+  int64_t n_items = 0;
+  for (Seq& s : seqs) {
+    s.item0 = n_items;
+    n_items +=
+        std::max<int64_t>(1, (s.len + p.chunk_t - 1) / p.chunk_t) * p.n_tiles;
+  }
+  run(p, n_items, std::max<int64_t>(rows, B) * D, /*upd=*/false);
+  return out;
+}
+
+at::Tensor update(const at::Tensor& x, const at::Tensor& conv_state,
+                  const at::Tensor& weight,
+                  const c10::optional<at::Tensor>& bias, bool silu,
+                  const c10::optional<at::Tensor>& conv_state_indices,
+                  const c10::optional<at::Tensor>& num_accepted_tokens,
+                  int64_t pad_slot_id) {
+  TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor");
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "x must be [B, L, D] or [B, D], got ",
+              x.sizes());
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(x.stride(-1) == 1 || D <= 1, "x must have stride(-1) == 1");
+  const int64_t B = x.size(0);
+  const int64_t L = x.dim() == 3 ? x.size(1) : 1;
+
+  Params p{};
+  p.dtype = to_dtype(x, "x");
+  const int W = fill_filter(p, weight, bias, D);
+  p.silu = silu;
+  p.dim = D;
+  fill_state(p, conv_state, x, D, W, "conv_state");
+  const int64_t S = p.st_rows;
+  const int64_t n_slots = conv_state.size(0);
+
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  p.x = x.data_ptr();
+  p.out = out.data_ptr();
+  p.x_rs = x.dim() == 3 ? x.stride(1) : 0;
+  p.out_rs = D;
+
+  const IndexView ci = index_view(conv_state_indices, "conv_state_indices", B);
+  const IndexView nat = index_view(num_accepted_tokens, "num_accepted_tokens", B);
+  if (nat.present())
+    TORCH_CHECK(S >= (W - 1) + (L - 1), "num_accepted_tokens needs S >= W-1+L-1 = ",
+                (W - 1) + (L - 1), ", conv_state has S=", S);
+
+  std::vector<Seq> seqs(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    Seq& s = seqs[b];
+    s.x_off = b * x.stride(0);
+    s.out_off = b * L * D;
+    s.len = L;
+    s.slot = ci.present() ? ci[b] : b;
+    s.pad = ci.present() && s.slot == pad_slot_id;
+    s.init = true;
+    s.item0 = 0;
+    if (s.pad) continue;
+    TORCH_CHECK(s.slot >= 0 && s.slot < n_slots, "conv_state index ", s.slot,
+                " of row ", b, " is outside conv_state[0:", n_slots, "]");
+    if (nat.present()) {
+      const int64_t n = nat[b];
+      TORCH_CHECK(n >= 1 && n <= L, "num_accepted_tokens[", b, "]=", n,
+                  " must be in [1, L=", L, "]");
+      s.hist_row = n - 1;
+      s.shift = n;
+    } else {
+      s.hist_row = S - (W - 1);
+      s.shift = L;
+    }
+  }
+  if (B == 0 || D == 0) return out;
+
+  p.n_tiles = (D + kTileC - 1) / kTileC;
+  p.seqs = seqs.data();
+  p.nseq = B;
+  p.chunk_t = std::max<int64_t>(L, 1);
+  run(p, B * p.n_tiles, B * std::max<int64_t>(L, 1) * D, /*upd=*/true);
+  return out;
+}
+
+}  // namespace kv_cconv
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("fwd", &kv_cconv::fwd, py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("conv_states"), py::arg("cache_indices"),
+        py::arg("has_initial_state"), py::arg("query_start_loc"),
+        py::arg("silu"), py::arg("pad_slot_id"),
+        "Causal depthwise conv1d prefill (batched [B,L,D] or varlen [T,D]); "
+        "updates conv_states in place.");
+  m.def("update", &kv_cconv::update, py::arg("x"), py::arg("conv_state"),
+        py::arg("weight"), py::arg("bias"), py::arg("silu"),
+        py::arg("conv_state_indices"), py::arg("num_accepted_tokens"),
+        py::arg("pad_slot_id"),
+        "Causal depthwise conv1d decode step; shifts conv_state in place.");
+}

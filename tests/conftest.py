@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernel_variants
+
+_DEVICES = ["cpu"]
+if torch.cuda.is_available():
+    _DEVICES.append(pytest.param("cuda", marks=pytest.mark.cuda))
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return torch.npu.is_available()
+
+
+if _npu_available():
+    _DEVICES.append(pytest.param("npu", marks=pytest.mark.npu))
+
+
+def pytest_collection_modifyitems(config, items):
+    # Device tests are skipped centrally, so no test hard-codes a device check.
+    skips = {
+        "cuda": (torch.cuda.is_available(), "needs an NVIDIA GPU"),
+        "npu": (_npu_available(), "needs an Ascend NPU with torch_npu"),
+    }
+    for item in items:
+        for mark, (have, why) in skips.items():
+            if mark in item.keywords and not have:
+                item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture(params=_DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch(monkeypatch, tmp_path):
+    """Each test gets its own environment, plugins and table, never the user's."""
+    for var in ("KV_FORCE", "KV_DISABLE_PLUGINS", "KV_TUNE", "KV_CHECK_VALUES"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KV_CACHE_DIR", str(tmp_path / "kv-cache"))
+    kernel_variants.reload()
+    yield
+    kernel_variants.reload()

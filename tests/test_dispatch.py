@@ -1,0 +1,164 @@
+"""Selection, pinning (KV_FORCE and force()), explain(), and failures during real calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernel_variants
+from kernel_variants import NoVariantError, VariantFailed
+from kernel_variants.dispatch import dispatcher, parse_force, reset, select
+from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants.registry._registry import Registry, make_plugin_manager
+from kernel_variants.variants import reference
+
+
+def _args():
+    return (torch.randn(2, 5, 8), torch.randn(8, 4)), {"conv_states": torch.zeros(2, 3, 8)}
+
+
+def _with_plugin(*variants: Variant) -> None:
+    class P:
+        @hookimpl
+        def kv_register_variants(self, register):
+            for v in variants:
+                register(v)
+
+    reset(Registry(make_plugin_manager(extra_plugins=[("test", P())], entry_points=False)))
+
+
+def _v(vid, fn=reference.causal_conv1d_fn, priority=10, probe=None) -> Variant:
+    return Variant(id=vid, op="causal_conv1d_fn", version="1", priority=priority, probe=probe,
+                   capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"}), fn=fn)
+
+
+def test_priority_decides_without_measurements():
+    args, kw = _args()
+    decision = kernel_variants.explain("causal_conv1d_fn", *args, **kw)
+    assert decision.source == "priority"
+    assert decision.chosen.id == "torch_shift"
+    assert {r.variant for r in decision.trace} >= {"reference", "torch_shift"}
+
+
+def test_capabilities_route_calls_a_variant_cannot_run():
+    """torch_shift declares no varlen, so varlen calls go to the reference, with that reason."""
+    x, w = torch.randn(7, 8), torch.randn(8, 4)
+    qsl = torch.tensor([0, 3, 7], dtype=torch.int32)
+    decision = kernel_variants.explain("causal_conv1d_fn", x, w, query_start_loc=qsl)
+    assert decision.chosen.id == "reference"
+    rejected = {r.variant: r.reason for r in decision.trace if not r.accepted}
+    assert "varlen" in rejected["torch_shift"]
+
+
+def test_select_is_pure_and_reports_every_reason():
+    """No registry, no device: candidates, a call key and timings in, a decision out."""
+    from kernel_variants.ops import call_key
+    from kernel_variants.registry._registry import RegisteredVariant
+
+    def entry(vid, **caps):
+        v = Variant(id=vid, op="causal_conv1d_fn", version="1", fn=reference.causal_conv1d_fn,
+                    capabilities=Capabilities(devices={"cpu"}, **caps))
+        return RegisteredVariant(v, "test", "1+0")
+
+    entries = [
+        entry("fp32_only", dtypes={"float32"}),
+        entry("narrow", dtypes={"float16"}, width=(2, 3)),
+        entry("wide", dtypes={"float16"}, width=(2, 8)),
+        entry("other", dtypes={"float16"}, width=(2, 8)),
+    ]
+    args, kw = _args()
+    key = call_key("causal_conv1d_fn", *args, **kw)._replace(dtype="float16")
+    d = select(entries, key, timings={"wide": 10.0, "other": 8.0})
+    why = {r.variant: r.reason for r in d.trace}
+    assert d.chosen.id == "other" and d.source == "table"
+    assert why["fp32_only"] == "dtype float16 not in ['float32']"
+    assert why["narrow"] == "width W=4 outside 2..3"
+    assert why["wide"] == "1.25x the winner"
+    kept = select(entries, key, timings={"wide": 10.0, "other": 8.0}, winner="wide")
+    assert kept.chosen.id == "wide", "the recorded winner keeps its place"
+    assert "other" in str(kept)
+
+
+def test_kv_force_env_pins_the_variant(monkeypatch):
+    monkeypatch.setenv("KV_FORCE", "causal_conv1d_fn=reference,causal_conv1d_update=reference")
+    kernel_variants.reload()
+    args, kw = _args()
+    assert kernel_variants.explain("causal_conv1d_fn", *args, **kw).chosen.id == "reference"
+
+
+def test_parse_force_rejects_unknown_ops_and_accepts_a_bare_id():
+    assert parse_force("reference") == {"causal_conv1d_fn": "reference", "causal_conv1d_update": "reference"}
+    with pytest.raises(ValueError, match="conv2d"):
+        parse_force("conv2d=reference")
+
+
+def test_force_context_pins_and_unpins():
+    args, kw = _args()
+    with kernel_variants.force(causal_conv1d_fn="reference"):
+        assert kernel_variants.explain("causal_conv1d_fn", *args, **kw).chosen.id == "reference"
+        out = kernel_variants.causal_conv1d_fn(*args, **kw)
+    assert kernel_variants.explain("causal_conv1d_fn", *args, **kw).chosen.id == "torch_shift"
+    assert out.shape == args[0].shape
+
+
+def test_force_of_an_unknown_variant_or_op_fails_at_once():
+    with pytest.raises(KeyError, match="nope.*registered: reference, torch_shift"), kernel_variants.force(causal_conv1d_fn="nope"):
+        pass
+    with pytest.raises(TypeError, match="conv2d"), kernel_variants.force(conv2d="reference"):
+        pass
+
+
+def test_forced_variant_that_cannot_run_raises_with_reasons_instead_of_falling_back():
+    x, w = torch.randn(7, 8), torch.randn(8, 4)
+    qsl = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with kernel_variants.force(causal_conv1d_fn="torch_shift"), pytest.raises(NoVariantError, match="varlen"):
+        kernel_variants.causal_conv1d_fn(x, w, query_start_loc=qsl)
+
+
+def test_unavailable_variant_is_never_chosen():
+    _with_plugin(_v("fast_but_absent", priority=99, probe=lambda: "needs a device this machine lacks"))
+    args, kw = _args()
+    decision = kernel_variants.explain("causal_conv1d_fn", *args, **kw)
+    assert decision.chosen.id != "fast_but_absent"
+    assert any(r.reason == "needs a device this machine lacks" for r in decision.trace)
+
+
+def test_a_variant_raising_in_a_real_call_is_named_and_writes_nothing():
+    def broken(*a, **k):
+        raise RuntimeError("kernel fault")
+
+    _with_plugin(_v("broken", fn=broken, priority=99))
+    args, kw = _args()
+    before = kw["conv_states"].clone()
+    with pytest.raises(VariantFailed, match="variant 'broken' of causal_conv1d_fn failed: RuntimeError: kernel fault"):
+        kernel_variants.causal_conv1d_fn(*args, **kw)
+    assert torch.equal(before, kw["conv_states"])
+
+
+def test_decisions_are_memoised_per_signature():
+    args, kw = _args()
+    kernel_variants.causal_conv1d_fn(*args, **kw)
+    n = len(dispatcher().memo)
+    kernel_variants.causal_conv1d_fn(torch.randn(2, 5, 8), args[1], **kw)
+    assert len(dispatcher().memo) == n
+    kernel_variants.causal_conv1d_fn(torch.randn(3, 5, 8), args[1], conv_states=torch.zeros(3, 3, 8))
+    assert len(dispatcher().memo) == n + 1
+
+
+def test_a_memoised_signature_still_checks_index_values():
+    args, kw = _args()
+    kw["cache_indices"] = torch.tensor([0, 1], dtype=torch.int32)
+    kernel_variants.causal_conv1d_fn(*args, **kw)
+    kw["cache_indices"] = torch.tensor([1, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_indices: expected distinct slots"):
+        kernel_variants.causal_conv1d_fn(*args, **kw)
+
+
+def test_update_op_dispatches_and_matches_reference():
+    x, w = torch.randn(3, 16), torch.randn(16, 4)
+    state = torch.randn(3, 3, 16)
+    ref_state = state.clone()
+    out = kernel_variants.causal_conv1d_update(x, state, w, activation="silu")
+    ref = reference.causal_conv1d_update(x, ref_state, w, activation="silu")
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(state, ref_state)

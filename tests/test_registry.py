@@ -1,0 +1,163 @@
+"""Plugins: entry points, duplicates, blocking, misspelled hooks, bad registrations."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import textwrap
+
+import pluggy
+import pytest
+
+import kernel_variants
+from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants.registry._registry import DuplicateVariantError, Registry, make_plugin_manager
+from kernel_variants.variants import reference
+
+CAPS = Capabilities(devices={"cpu"}, dtypes={"float32"})
+
+
+def _variant(vid: str, op: str = "causal_conv1d_fn", **kw) -> Variant:
+    fn = reference.causal_conv1d_fn if op == "causal_conv1d_fn" else reference.causal_conv1d_update
+    return Variant(id=vid, op=op, version="1", capabilities=CAPS, fn=fn, **kw)
+
+
+class _Plugin:
+    def __init__(self, *variants: Variant) -> None:
+        self._variants = variants
+
+    @hookimpl
+    def kv_register_variants(self, register):
+        for v in self._variants:
+            register(v)
+
+
+def _registry(*plugins: tuple[str, object], **kw) -> Registry:
+    return Registry(make_plugin_manager(extra_plugins=plugins, entry_points=False, **kw))
+
+
+def test_builtins_register_through_the_hook():
+    reg = _registry()
+    assert {(rv.op, rv.id) for rv in reg.variants()} >= {
+        ("causal_conv1d_fn", "reference"), ("causal_conv1d_update", "reference"),
+    }
+    assert reg.get("causal_conv1d_fn", "reference").plugin == "reference"
+
+
+class _FakeDist:
+    """What pluggy reads from an installed distribution, without installing anything."""
+
+    def __init__(self, name: str, eps: list[importlib.metadata.EntryPoint]) -> None:
+        self.entry_points = eps
+        self.metadata = {"name": name}
+        self.version = "0.0.1"
+
+    @property
+    def name(self) -> str:
+        return self.metadata["name"]
+
+
+def test_entry_point_plugin_is_loaded_and_its_variant_dispatched(tmp_path, monkeypatch):
+    (tmp_path / "kv_demo_plugin.py").write_text(textwrap.dedent("""
+        from kernel_variants.registry import Capabilities, Variant, hookimpl
+        from kernel_variants.variants import reference
+
+        def doubled(x, weight, bias=None, **kw):
+            return reference.causal_conv1d_fn(x, weight * 2, bias, **kw)
+
+        @hookimpl
+        def kv_register_variants(register):
+            register(Variant(id="doubled", op="causal_conv1d_fn", version="1", priority=50,
+                             capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"}),
+                             fn=doubled))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = importlib.metadata.EntryPoint("demo", "kv_demo_plugin", "kernel_variants")
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [_FakeDist("kv-demo", [ep])])
+    kernel_variants.reload()
+    rv = next(rv for rv in kernel_variants.variants("causal_conv1d_fn") if rv.id == "doubled")
+    assert rv.plugin == "demo"
+    import torch
+
+    x, w = torch.ones(1, 2, 1), torch.ones(1, 2)
+    assert kernel_variants.causal_conv1d_fn(x, w).flatten().tolist() == [2.0, 4.0]
+    assert kernel_variants.explain("causal_conv1d_fn", x, w).chosen.id == "doubled"
+
+
+def test_duplicate_id_names_both_plugins():
+    with pytest.raises(DuplicateVariantError, match="'first'.*'second'"):
+        _registry(("first", _Plugin(_variant("mine"))), ("second", _Plugin(_variant("mine"))))
+
+
+def test_same_id_for_two_ops_is_fine():
+    reg = _registry(("p", _Plugin(_variant("mine"), _variant("mine", op="causal_conv1d_update"))))
+    assert reg.get("causal_conv1d_update", "mine").id == "mine"
+
+
+def test_duplicate_of_a_builtin_names_the_builtin():
+    with pytest.raises(DuplicateVariantError, match="'reference'.*'intruder'"):
+        _registry(("intruder", _Plugin(_variant("reference"))))
+
+
+def test_blocked_plugins_are_not_loaded(monkeypatch):
+    monkeypatch.setenv("KV_DISABLE_PLUGINS", "torch_shift, other")
+    kernel_variants.reload()
+    ids = {rv.id for rv in kernel_variants.variants()}
+    assert "torch_shift" not in ids and "reference" in ids
+
+
+def test_misspelled_hook_is_an_error():
+    class Typo:
+        @hookimpl
+        def kv_register_variant(self, register):  # missing the final "s"
+            pass
+
+    with pytest.raises(pluggy.PluginValidationError, match="kv_register_variant"):
+        _registry(("typo", Typo()))
+
+
+def test_register_refuses_anything_but_a_variant():
+    class Bad:
+        @hookimpl
+        def kv_register_variants(self, register):
+            register({"id": "x"})
+
+    with pytest.raises(TypeError, match="plugin 'bad'.*expects a kernel_variants.Variant, got dict"):
+        _registry(("bad", Bad()))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("id", "Not Stable", "variant id must be"),
+        ("op", "conv2d", "op"),
+        ("bogus", 1, "Extra inputs are not permitted"),
+    ],
+)
+def test_variant_model_is_strict(field, value, match):
+    kw = dict(id="ok", op="causal_conv1d_fn", version="1", capabilities=CAPS, fn=reference.causal_conv1d_fn)
+    kw[field] = value
+    with pytest.raises(ValueError, match=match):
+        Variant(**kw)
+
+
+def test_capabilities_are_frozen_and_checked():
+    with pytest.raises(ValueError, match="range"):
+        Capabilities(devices={"cpu"}, dtypes={"float32"}, width=(4, 2))
+    with pytest.raises(ValueError):
+        Capabilities(devices={"tpu"}, dtypes={"float32"})
+    with pytest.raises(ValueError, match="frozen"):
+        CAPS.varlen = True
+
+
+def test_version_carries_a_source_hash():
+    reg = _registry()
+    version = reg.get("causal_conv1d_fn", "reference").version
+    assert version.startswith("1+") and len(version) == len("1+") + 10
+
+
+def test_a_crashing_probe_makes_the_variant_unavailable_with_the_reason():
+    def probe():
+        raise OSError("driver missing")
+
+    reg = _registry(("p", _Plugin(_variant("flaky", probe=probe))))
+    assert reg.get("causal_conv1d_fn", "flaky").unavailable_reason() == "availability probe raised OSError: driver missing"
