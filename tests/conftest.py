@@ -48,3 +48,23 @@ def _fresh_dispatch(monkeypatch, tmp_path):
     kernel_variants.reload()
     yield
     kernel_variants.reload()
+
+
+@pytest.fixture
+def with_variants():
+    """Reset the dispatcher with the built-ins plus the given variants, as one test plugin."""
+    from kernel_variants.dispatch import reset
+    from kernel_variants.registry import hookimpl
+    from kernel_variants.registry._registry import Registry, make_plugin_manager
+
+    def install(*variants, builtins: bool = True):
+        class TestPlugin:
+            @hookimpl
+            def kv_register_variants(self, register):
+                for v in variants:
+                    register(v)
+
+        return reset(Registry(make_plugin_manager(builtins=builtins, entry_points=False,
+                                                  extra_plugins=[("test", TestPlugin())])))
+
+    return install

@@ -7,24 +7,14 @@ import torch
 
 import kernel_variants
 from kernel_variants import NoVariantError, VariantFailed
-from kernel_variants.dispatch import dispatcher, parse_force, reset, select
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants.dispatch import dispatcher, parse_force, select
+from kernel_variants.registry import Capabilities, Variant
 from kernel_variants.registry._registry import Registry, make_plugin_manager
 from kernel_variants.variants import reference
 
 
 def _args():
     return (torch.randn(2, 5, 8), torch.randn(8, 4)), {"conv_states": torch.zeros(2, 3, 8)}
-
-
-def _with_plugin(*variants: Variant) -> None:
-    class P:
-        @hookimpl
-        def kv_register_variants(self, register):
-            for v in variants:
-                register(v)
-
-    reset(Registry(make_plugin_manager(extra_plugins=[("test", P())], entry_points=False)))
 
 
 def _v(vid, fn=reference.causal_conv1d_fn, priority=10, probe=None) -> Variant:
@@ -115,19 +105,19 @@ def test_forced_variant_that_cannot_run_raises_with_reasons_instead_of_falling_b
         kernel_variants.causal_conv1d_fn(x, w, query_start_loc=qsl)
 
 
-def test_unavailable_variant_is_never_chosen():
-    _with_plugin(_v("fast_but_absent", priority=99, probe=lambda: "needs a device this machine lacks"))
+def test_unavailable_variant_is_never_chosen(with_variants):
+    with_variants(_v("fast_but_absent", priority=99, probe=lambda: "needs a device this machine lacks"))
     args, kw = _args()
     decision = kernel_variants.explain("causal_conv1d_fn", *args, **kw)
     assert decision.chosen.id != "fast_but_absent"
     assert any(r.reason == "needs a device this machine lacks" for r in decision.trace)
 
 
-def test_a_variant_raising_in_a_real_call_is_named_and_writes_nothing():
+def test_a_variant_raising_in_a_real_call_is_named_and_writes_nothing(with_variants):
     def broken(*a, **k):
         raise RuntimeError("kernel fault")
 
-    _with_plugin(_v("broken", fn=broken, priority=99))
+    with_variants(_v("broken", fn=broken, priority=99))
     args, kw = _args()
     before = kw["conv_states"].clone()
     with pytest.raises(VariantFailed, match="variant 'broken' of causal_conv1d_fn failed: RuntimeError: kernel fault"):

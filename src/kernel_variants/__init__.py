@@ -15,6 +15,9 @@ import kernel_variants.variants as _variants_pkg  # noqa: F401
 from kernel_variants._version import __version__
 from kernel_variants.dispatch import Decision, NoVariantError, VariantFailed, force
 from kernel_variants.dispatch import reset as _reset
+from kernel_variants.dispatch._api import TableRow, calibrate, clear_table, table
+from kernel_variants.dispatch._calibrate import CalibrationResult, Progress
+from kernel_variants.dispatch._table import CalibrationWarning, Measurement
 from kernel_variants.dispatch._dispatcher import dispatcher as _dispatcher
 from kernel_variants.ops import causal_conv1d_fn, causal_conv1d_update, explain
 from kernel_variants.registry import Capabilities, Variant, hookimpl
@@ -33,7 +36,15 @@ def reload() -> None:
 
 
 __all__ = [
+    "CalibrationResult",
+    "CalibrationWarning",
     "Capabilities",
+    "Measurement",
+    "Progress",
+    "TableRow",
+    "calibrate",
+    "clear_table",
+    "table",
     "Decision",
     "DuplicateVariantError",
     "NoVariantError",

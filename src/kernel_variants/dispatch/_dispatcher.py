@@ -17,7 +17,9 @@ from kernel_variants._checks import CallKey
 from kernel_variants.registry._models import OPS
 from kernel_variants.registry._registry import Registry, make_plugin_manager
 
-from ._select import Decision, NoVariantError, select
+from ._fingerprint import fingerprint, fingerprint_id
+from ._select import Decision, NoVariantError, select, uncovered
+from ._table import CalibrationTable
 
 _MEMO_LIMIT = 65536  # varlen batches make many distinct keys; a bound keeps serving memory flat
 
@@ -52,7 +54,9 @@ class Dispatcher:
         env = os.environ if env is None else env
         self._registry = registry
         self._env_pins = parse_force(env.get("KV_FORCE", ""))
-        self.check_values = env.get("KV_CHECK_VALUES", "1").strip().lower() not in ("0", "false", "no", "off")
+        self.check_values = _flag(env.get("KV_CHECK_VALUES", "1"))
+        self.tune = _flag(env.get("KV_TUNE", "0"))
+        self._table: CalibrationTable | None = None
         # call signature (shapes, dtypes, devices, strides, flags, pin) -> (id, fn, activation)
         self.memo: dict[tuple[Any, ...], tuple[str, Callable[..., Any], str | None]] = {}
 
@@ -62,11 +66,46 @@ class Dispatcher:
             self._registry = Registry(make_plugin_manager())
         return self._registry
 
+    @property
+    def table(self) -> CalibrationTable:
+        if self._table is None:
+            self._table = CalibrationTable()
+        return self._table
+
+    def versions(self) -> dict[tuple[str, str], str]:
+        return {(rv.op, rv.id): rv.version for rv in self.registry.variants()}
+
     def pinned(self, op: str) -> str | None:
         return dict(_pins.get()).get(op) or self._env_pins.get(op)
 
     def decide(self, key: CallKey, forced: str | None = None) -> Decision:
-        return select(self.registry.variants(key.op), key, forced=forced)
+        entries = self.registry.variants(key.op)
+        if forced is not None:
+            return select(entries, key, forced=forced)
+        runnable = [rv.id for rv in entries
+                    if uncovered(rv.variant.capabilities, key) is None and rv.unavailable_reason() is None]
+        if not runnable:
+            return select(entries, key)
+        fpid = fingerprint_id(fingerprint(key.device))
+        found = self.table.lookup(key, fpid, runnable, self.versions())
+        if self.tune and (found is None or found[2] != "table") and not _capturing(key.device):
+            self._tune(key)
+            found = self.table.lookup(key, fpid, runnable, self.versions())
+        if found is None:
+            return select(entries, key)
+        timings, winner, source, at = found
+        return select(entries, key, timings=timings, winner=winner, timings_source=source, measured_key=at)
+
+    def _tune(self, key: CallKey) -> None:
+        """KV_TUNE=1: measure an unseen key on first sight, as PyTorch TunableOp's online tuning."""
+        from ._calibrate import Features, run_calibration
+        from ._timing import TimingConfig
+
+        features = Features(width=key.width, bias=key.bias, activation=None if key.activation == "none" else "silu",
+                            states=key.states, varlen=key.varlen, spec=key.spec)
+        run_calibration(self.registry.variants(key.op), self.table, key.op, [(key.batch, key.dim, key.seqlen)],
+                        dtype=key.dtype, device=key.device, features=features, timing=TimingConfig(),
+                        variants=None, rotate=0, margin=0.02, progress=None)
 
     def resolve(self, sig: tuple[Any, ...] | None, key: CallKey) -> tuple[str, Callable[..., Any], str | None]:
         """Decide for a validated call and remember the decision under its signature ``sig``."""
@@ -82,6 +121,25 @@ class Dispatcher:
 
     def invalidate(self) -> None:
         self.memo.clear()
+
+
+def _flag(raw: str) -> bool:
+    return raw.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _capturing(device: str) -> bool:
+    """Inside torch.compile tracing or a CUDA/NPU graph capture, nothing may be measured."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return True
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.is_current_stream_capturing()
+    if device == "npu":
+        npu = getattr(torch, "npu", None)
+        check = getattr(npu, "is_current_stream_capturing", None)
+        return bool(check()) if check is not None else False
+    return False
 
 
 _current: Dispatcher | None = None

@@ -12,6 +12,12 @@
 // run, with AVX2 code, at import time on CPUs that lack it.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #pragma GCC target("avx,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt")
+// GCC's target pragma does not define the ISA macros; sleef.h (pulled in by
+// ATen's vec headers) needs them to declare its AVX2 entry points.
+#define __AVX__ 1
+#define __AVX2__ 1
+#define __FMA__ 1
+#define __F16C__ 1
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #define KV_ISA_NS avx2

@@ -1,0 +1,111 @@
+"""The calibration API: measure, read and clear the table of the process-wide dispatcher."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernel_variants.registry._models import OpName
+
+from ._calibrate import CalibrationResult, Features, Progress, run_calibration
+from ._dispatcher import dispatcher
+from ._fingerprint import fingerprint, fingerprint_id
+from ._table import Group, Shape
+from ._timing import TimingConfig
+
+
+def _shapes(shapes: Sequence[Sequence[int]]) -> list[Shape]:
+    out = []
+    for s in shapes:
+        if len(s) != 3 or not all(isinstance(v, int) and v >= 1 for v in s):
+            raise ValueError(f"shapes: expected (B, D, L) triples of positive ints, got {tuple(s)!r}")
+        out.append((s[0], s[1], s[2]))
+    if not out:
+        raise ValueError("shapes: expected at least one (B, D, L), got none")
+    return out
+
+
+def calibrate(
+    op: OpName,
+    shapes: Sequence[Sequence[int]],
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str = "cpu",
+    variants: Sequence[str] | None = None,
+    width: int = 4,
+    bias: bool = True,
+    activation: str | None = "silu",
+    states: bool = True,
+    varlen: bool = False,
+    spec: bool = False,
+    warmup: int = 5,
+    windows: int = 5,
+    iters: int = 100,
+    window_budget_s: float | None = 0.25,
+    rotate: int = 0,
+    margin: float = 0.02,
+    progress: Callable[[Progress], None] | None = None,
+) -> CalibrationResult:
+    """Measure ``variants`` (default: every available one) of ``op`` on each ``(B, D, L)``.
+
+    Each variant is first checked against the reference on the shape's inputs; one that differs,
+    raises or gives NaN/Inf is recorded as rejected with the reason and never chosen there. The
+    others are timed (min over ``windows`` of the mean of ``iters`` calls, fewer calls when a
+    window would exceed ``window_budget_s``; ``rotate`` adds cold-cache input copies) and stored.
+    A shape's winner changes only when a challenger is faster by more than ``margin``.
+    """
+    d = dispatcher()
+    timing = TimingConfig(warmup=warmup, windows=windows, iters=iters, window_budget_s=window_budget_s)
+    features = Features(width=width, bias=bias, activation=activation, states=states, varlen=varlen, spec=spec)
+    try:
+        return run_calibration(d.registry.variants(op), d.table, op, _shapes(shapes), dtype=dtype,
+                               device=str(torch.device(device)), features=features, timing=timing,
+                               variants=variants, rotate=rotate, margin=margin, progress=progress)
+    finally:
+        d.invalidate()
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """One calibrated shape: every variant's microseconds, the winner and its lead."""
+
+    group: Group
+    shape: Shape
+    times_us: dict[str, float]
+    rejected: dict[str, str]
+    winner: str | None
+
+    @property
+    def margin(self) -> float | None:
+        """Runner-up time over winner time, minus one (how far ahead the winner is)."""
+        if self.winner is None or self.winner not in self.times_us or len(self.times_us) < 2:
+            return None
+        others = [t for v, t in self.times_us.items() if v != self.winner]
+        return min(others) / self.times_us[self.winner] - 1
+
+
+def table(op: OpName | None = None, *, device: str = "cpu") -> list[TableRow]:
+    """The calibrated shapes of this device (of ``op``, if given), grouped and sorted."""
+    d = dispatcher()
+    fpid = fingerprint_id(fingerprint(str(torch.device(device))))
+    rows, winners = d.table.measurements(d.versions(), fpid)
+    out = []
+    for (group, shape), by_v in rows.items():
+        if op is not None and group.op != op:
+            continue
+        w = winners.get((group, shape))
+        times = {v: m.best_us for v, m in by_v.items() if m.status == "ok" and m.best_us is not None}
+        out.append(TableRow(group, shape, times, {v: m.reason for v, m in by_v.items() if m.status == "rejected"},
+                            w.variant if w is not None and w.variant in times else None))
+    return sorted(out, key=lambda r: (r.group.slug(), r.shape))
+
+
+def clear_table(op: OpName | None = None, variant: str | None = None) -> int:
+    """Forget measurements of ``op`` (and of ``variant`` only, if given); returns entries removed."""
+    d = dispatcher()
+    try:
+        return d.table.clear(op, variant)
+    finally:
+        d.invalidate()

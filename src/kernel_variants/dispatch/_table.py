@@ -1,0 +1,444 @@
+"""The calibration table: per-variant timings per call key, on disk with diskcache, as JSON.
+
+Storage keys hold the device fingerprint, op, feature group, shape and variant id; values are
+JSON documents validated on read. Nothing is ever unpickled: a cache directory may be shared,
+and unpickling is code execution, so the disk class below refuses every non-raw row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import sqlite3
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Literal
+
+import diskcache
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kernel_variants._checks import CallKey
+from kernel_variants.registry._models import DTypeName, OpName
+
+SCHEMA = 1
+Shape = tuple[int, int, int]
+
+
+class CalibrationWarning(UserWarning):
+    """The table could not be used as it was (corrupt, unwritable, or entries out of date)."""
+
+
+class Group(BaseModel):
+    """The part of a call key other than the shape: timings are compared only within a group."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    op: OpName
+    dtype: DTypeName
+    width: int
+    bias: bool
+    activation: Literal["none", "silu"]
+    states: bool
+    varlen: bool
+    spec: bool
+
+    @classmethod
+    def of(cls, key: CallKey) -> Group:
+        return cls(op=key.op, dtype=key.dtype, width=key.width, bias=key.bias, activation=key.activation,
+                   states=key.states, varlen=key.varlen, spec=key.spec)
+
+    def slug(self) -> str:
+        flags = "".join(c for c, on in (("b", self.bias), ("s", self.states), ("v", self.varlen), ("p", self.spec)) if on)
+        return f"{self.op}|{self.dtype}|W{self.width}|{self.activation}|{flags or '-'}"
+
+
+class Measurement(BaseModel):
+    """One variant timed (or rejected) on one shape of one group on one device."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA
+    fingerprint: dict[str, str]
+    fingerprint_id: str
+    group: Group
+    shape: Shape
+    variant: str
+    version: str
+    status: Literal["ok", "rejected"]
+    reason: str = ""
+    best_us: float | None = None
+    median_us: float | None = None
+    spread: float | None = None
+    windows: int = 0
+    iters: int = 0
+    method: str = ""
+    measured_at: float
+
+    def storage_key(self) -> str:
+        return _mkey(self.fingerprint_id, self.group, self.shape, self.variant)
+
+
+class Winner(BaseModel):
+    """The variant a shape goes to; it keeps the shape until a challenger beats it by the margin."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA
+    fingerprint_id: str
+    group: Group
+    shape: Shape
+    variant: str
+    best_us: float
+    decided_at: float
+
+    def storage_key(self) -> str:
+        return _wkey(self.fingerprint_id, self.group, self.shape)
+
+
+def _mkey(fp: str, group: Group, shape: Shape, variant: str) -> str:
+    return f"m|{fp}|{group.slug()}|{shape[0]},{shape[1]},{shape[2]}|{variant}"
+
+
+def _wkey(fp: str, group: Group, shape: Shape) -> str:
+    return f"w|{fp}|{group.slug()}|{shape[0]},{shape[1]},{shape[2]}"
+
+
+class _HostileRow(ValueError):
+    pass
+
+
+class _JSONOnlyDisk(diskcache.Disk):
+    """Keys are text and values JSON text stored inline; any other row is refused, not read."""
+
+    def get(self, key, raw):
+        if not raw or not isinstance(key, str):
+            raise _HostileRow("a non-text key")
+        return key
+
+    def store(self, value, read, key=diskcache.core.UNKNOWN):
+        if not isinstance(value, str):
+            raise TypeError(f"calibration table values are JSON text, got {type(value).__name__}")
+        return super().store(value, read, key=key)
+
+    def fetch(self, mode, filename, value, read):
+        if mode != diskcache.core.MODE_RAW or not isinstance(value, str):
+            raise _HostileRow("a value that is not inline text")
+        return value
+
+
+def default_directory() -> Path:
+    env = os.environ.get("KV_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kernel_variants"
+
+
+class _Store:
+    """diskcache when the directory works, a dict when it does not; the same few methods."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.cache: diskcache.Cache | None = None
+        self.memory: dict[str, str] | None = None
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            self.cache = self._connect()
+        except (sqlite3.DatabaseError, _HostileRow) as exc:
+            if isinstance(exc, sqlite3.OperationalError) and not (self.directory / "cache.db").exists():
+                self._to_memory(exc)
+                return
+            self.move_aside(exc)
+        except OSError as exc:
+            self._to_memory(exc)
+
+    def _connect(self) -> diskcache.Cache:
+        cache = diskcache.Cache(str(self.directory), disk=_JSONOnlyDisk, disk_min_file_size=1 << 24,
+                                timeout=60, eviction_policy="none", size_limit=1 << 40)
+        len(cache)  # touches the database, so a corrupt file fails here rather than mid-call
+        return cache
+
+    def _to_memory(self, exc: BaseException) -> None:
+        warnings.warn(
+            f"calibration table directory {self.directory} is not usable ({type(exc).__name__}: {exc}); "
+            "keeping the table in memory for this process (set KV_CACHE_DIR to a writable directory)",
+            CalibrationWarning, stacklevel=4,
+        )
+        self.cache, self.memory = None, {}
+
+    def move_aside(self, exc: BaseException) -> None:
+        """A corrupt table is kept for inspection under another name; a fresh one replaces it."""
+        if self.cache is not None:
+            with contextlib.suppress(Exception):
+                self.cache.close()
+        aside = self.directory.with_name(f"{self.directory.name}.corrupt-{int(time.time())}-{os.getpid()}")
+        try:
+            shutil.move(str(self.directory), str(aside))
+            where = f"moved to {aside}"
+        except OSError as move_exc:
+            where = f"could not be moved aside ({move_exc})"
+        warnings.warn(
+            f"calibration table in {self.directory} is corrupt ({type(exc).__name__}: {exc}); it was "
+            f"{where} and a fresh table started",
+            CalibrationWarning, stacklevel=4,
+        )
+        try:
+            self.cache = self._connect()
+        except (OSError, sqlite3.DatabaseError) as again:
+            self._to_memory(again)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        if self.cache is None:
+            yield
+            return
+        with self.cache.transact():
+            yield
+
+    def items(self) -> Iterator[tuple[str, str | None]]:
+        """Every (key, JSON) pair; a row that is not text gives (its key, None)."""
+        if self.cache is None:
+            yield from list(self.memory.items())
+            return
+        # Keys are listed straight from SQLite: diskcache's own key iterator would unpickle a
+        # non-raw key (and stop at the first one our disk refuses).
+        con = sqlite3.connect(f"file:{self.directory / 'cache.db'}?mode=ro", uri=True, timeout=60)
+        try:
+            rows = con.execute("SELECT key, raw = 1 AND typeof(key) = 'text' FROM Cache").fetchall()
+        finally:
+            con.close()
+        for key, text in rows:
+            if not text:
+                yield repr(key)[:40], None
+                continue
+            try:
+                yield key, self.cache.get(key)
+            except _HostileRow:
+                yield key, None
+
+    def set(self, key: str, value: str) -> None:
+        if self.cache is None:
+            self.memory[key] = value
+        else:
+            self.cache.set(key, value)
+
+    def get(self, key: str) -> str | None:
+        if self.cache is None:
+            return self.memory.get(key)
+        try:
+            return self.cache.get(key)
+        except _HostileRow:
+            return None
+
+    def delete(self, key: str) -> None:
+        if self.cache is None:
+            self.memory.pop(key, None)
+        else:
+            self.cache.delete(key)
+
+    def __len__(self) -> int:
+        return len(self.memory) if self.cache is None else len(self.cache)
+
+
+class _Index:
+    """The usable part of the table, in memory: current measurements and winners by group."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[tuple[str, Group], dict[Shape, dict[str, Measurement]]] = {}
+        self.winners: dict[tuple[str, Group, Shape], Winner] = {}
+
+
+class CalibrationTable:
+    """Per-variant timings per (device, op, group, shape), kept on disk.
+
+    ``versions`` maps (op, variant id) to the registered variant's full version; measurements of
+    another version are stale and ignored (with one warning per load naming them).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else default_directory()
+        self._lock = threading.RLock()
+        self._store: _Store | None = None
+        self._index: _Index | None = None
+        self._versions: dict[tuple[str, str], str] = {}
+
+    @property
+    def store(self) -> _Store:
+        with self._lock:
+            if self._store is None:
+                self._store = _Store(self.directory)
+            return self._store
+
+    @property
+    def in_memory(self) -> bool:
+        return self.store.cache is None
+
+    def _guard(self, fn, *args):
+        """Run a store operation; a table that turns out corrupt is moved aside and retried once."""
+        try:
+            return fn(*args)
+        except sqlite3.DatabaseError as exc:
+            self.store.move_aside(exc)
+            self._index = None
+            return fn(*args)
+
+    # reading
+
+    def load(self, versions: dict[tuple[str, str], str], fingerprint_id: str) -> _Index:
+        with self._lock:
+            if self._index is not None and versions == self._versions:
+                return self._index
+            self._versions = dict(versions)
+            self._index = self._guard(self._build_index, fingerprint_id)
+            return self._index
+
+    def _build_index(self, fingerprint_id: str) -> _Index:
+        index = _Index()
+        bad, other_fp, stale = 0, 0, {}
+        for key, raw in self.store.items():
+            if raw is None:
+                bad += 1
+                continue
+            try:
+                if key.startswith("m|"):
+                    m = Measurement.model_validate_json(raw)
+                    if m.fingerprint_id != fingerprint_id:
+                        other_fp += 1
+                        continue
+                    current = self._versions.get((m.group.op, m.variant))
+                    if current is None:
+                        continue  # a plugin not loaded now: its timings stay for when it is
+                    if current != m.version:
+                        stale[m.variant] = (m.version, current)
+                        continue
+                    index.shapes.setdefault((fingerprint_id, m.group), {}).setdefault(m.shape, {})[m.variant] = m
+                elif key.startswith("w|"):
+                    w = Winner.model_validate_json(raw)
+                    if w.fingerprint_id == fingerprint_id:
+                        index.winners[(w.fingerprint_id, w.group, w.shape)] = w
+                else:
+                    bad += 1
+            except (ValidationError, ValueError):
+                bad += 1
+        reasons = []
+        if other_fp:
+            reasons.append(f"{other_fp} measured on another device or software stack (fingerprint differs)")
+        for vid, (old, new) in sorted(stale.items()):
+            reasons.append(f"variant {vid!r} changed since it was measured (version {old} -> {new}); recalibrate it")
+        if bad:
+            reasons.append(f"{bad} entries unreadable or malformed")
+        if reasons:
+            warnings.warn("calibration table: ignoring entries: " + "; ".join(reasons), CalibrationWarning, stacklevel=3)
+        return index
+
+    def lookup(self, key: CallKey, fingerprint_id: str, candidates: Iterable[str], versions: dict[tuple[str, str], str]):
+        """Timings for ``key`` among ``candidates``: at its own shape, else the nearest calibrated
+        shape (log space) of the same group where a candidate was measured. None when none."""
+        index = self.load(versions, fingerprint_id)
+        group = Group.of(key)
+        shapes = index.shapes.get((fingerprint_id, group))
+        if not shapes:
+            return None
+        allowed = set(candidates)
+        want: Shape = (key.batch, key.dim, key.seqlen)
+
+        def usable(at: Shape) -> dict[str, float]:
+            return {v: m.best_us for v, m in shapes[at].items()
+                    if v in allowed and m.status == "ok" and m.best_us is not None}
+
+        found = usable(want) if want in shapes else {}
+        source, at = "table", want
+        if not found:
+            logs = [math.log(max(s, 1)) for s in want]
+            best_d = math.inf
+            for shape in shapes:
+                timings = usable(shape)
+                if not timings:
+                    continue
+                d = sum((math.log(max(s, 1)) - w) ** 2 for s, w in zip(shape, logs, strict=True))
+                if d < best_d:
+                    best_d, found, at = d, timings, shape
+            source = "nearest"
+            if not found:
+                return None
+        winner = index.winners.get((fingerprint_id, group, at))
+        return found, (winner.variant if winner else None), source, at
+
+    def measurements(self, versions: dict[tuple[str, str], str], fingerprint_id: str):
+        """Every current measurement and winner of this device: ((group, shape) -> {id: m}, winners)."""
+        index = self.load(versions, fingerprint_id)
+        rows = {(g, s): dict(by_v) for (fp, g), shapes in index.shapes.items() for s, by_v in shapes.items()}
+        winners = {(g, s): w for (fp, g, s), w in index.winners.items()}
+        return rows, winners
+
+    # writing
+
+    def record(self, m: Measurement) -> None:
+        self._guard(self.store.set, m.storage_key(), m.model_dump_json())
+        self._forget()
+
+    def decide_winner(self, fingerprint_id: str, group: Group, shape: Shape, versions: dict[tuple[str, str], str],
+                      margin: float) -> Winner | None:
+        """Re-decide one shape's winner from its current measurements, atomically across processes."""
+        with self._lock, self.store.transaction():
+            timings: dict[str, float] = {}
+            for (op, vid), version in versions.items():
+                if op != group.op:
+                    continue
+                raw = self.store.get(_mkey(fingerprint_id, group, shape, vid))
+                if raw is None:
+                    continue
+                try:
+                    m = Measurement.model_validate_json(raw)
+                except ValidationError:
+                    continue
+                if m.version == version and m.status == "ok" and m.best_us is not None:
+                    timings[vid] = m.best_us
+            wkey = _wkey(fingerprint_id, group, shape)
+            if not timings:
+                self.store.delete(wkey)
+                self._forget()
+                return None
+            best = min(timings, key=timings.__getitem__)
+            raw = self.store.get(wkey)
+            current = None
+            if raw is not None:
+                with contextlib.suppress(ValidationError):
+                    current = Winner.model_validate_json(raw).variant
+            if current in timings and timings[best] >= timings[current] * (1 - margin):
+                best = current  # not beaten by more than the margin: the incumbent stays
+            w = Winner(fingerprint_id=fingerprint_id, group=group, shape=shape, variant=best,
+                       best_us=timings[best], decided_at=time.time())
+            self.store.set(wkey, w.model_dump_json())
+        self._forget()
+        return w
+
+    def clear(self, op: str | None = None, variant: str | None = None) -> int:
+        """Delete measurements (and winners, unless ``variant`` is given) of ``op``; returns count."""
+        n = 0
+        with self._lock:
+            for key, _ in list(self.store.items()):
+                parts = key.split("|")
+                if len(parts) < 3:
+                    continue
+                if op is not None and parts[2] != op:
+                    continue
+                if variant is not None and not (parts[0] == "m" and parts[-1] == variant):
+                    continue
+                self.store.delete(key)
+                n += 1
+        self._forget()
+        return n
+
+    def _forget(self) -> None:
+        self._index = None
+
+    def __len__(self) -> int:
+        return len(self.store)

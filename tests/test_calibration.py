@@ -1,0 +1,317 @@
+"""Calibration: correctness before speed, per-variant storage, stable winners, table lookup, and
+the faults a shared on-disk table meets (corruption, no write access, concurrency, kills)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+
+import kernel_variants as kv
+from kernel_variants import CalibrationWarning
+from kernel_variants.dispatch import dispatcher
+from kernel_variants.dispatch._table import CalibrationTable, Group, Measurement
+from kernel_variants.registry import Capabilities, Variant
+from kernel_variants.variants import reference
+
+FN = "causal_conv1d_fn"
+QUICK = dict(dtype="float32", warmup=1, windows=2, iters=3)
+SHAPES = [(1, 16, 8), (2, 32, 16)]
+
+
+def _slow(seconds):
+    def fn(*args, **kwargs):
+        time.sleep(seconds)
+        return reference.causal_conv1d_fn(*args, **kwargs)
+    return fn
+
+
+def _variant(vid, fn, version="1", priority=0):
+    return Variant(id=vid, op=FN, version=version, priority=priority, fn=fn,
+                   capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"}, varlen=True))
+
+
+def _call(b=2, d=32, seq=16):
+    return (torch.randn(b, seq, d), torch.randn(d, 4), torch.randn(d)), dict(
+        conv_states=torch.randn(b, 3, d), activation="silu")
+
+
+def test_calibration_records_figures_and_dispatch_follows_the_table(with_variants):
+    with_variants(_variant("sleepy", _slow(0.002), priority=100))
+    result = kv.calibrate(FN, SHAPES, variants=["reference", "sleepy"], **QUICK)
+    by = {(m.shape, m.variant): m for m in result.measurements}
+    m = by[((2, 32, 16), "reference")]
+    assert m.status == "ok" and m.best_us > 0 and m.median_us >= m.best_us
+    assert m.windows == 2 and m.iters == 3 and m.measured_at <= time.time()
+    assert by[((2, 32, 16), "sleepy")].best_us > 2000
+    assert all(w.variant == "reference" for w in result.winners.values())
+    args, kw = _call()
+    decision = kv.explain(FN, *args, **kw)
+    assert (decision.chosen.id, decision.source) == ("reference", "table"), str(decision)
+    assert "sleepy" in str(decision) and "x the winner" in str(decision)
+    rows = kv.table(FN)
+    assert [r.shape for r in rows] == SHAPES and rows[0].winner == "reference" and rows[0].margin > 1
+
+
+def test_unseen_shape_uses_the_nearest_calibrated_shape_in_log_space(with_variants):
+    with_variants(_variant("sleepy", _slow(0.002), priority=100))
+    kv.calibrate(FN, [(1, 16, 8), (8, 128, 64)], variants=["reference", "sleepy"], **QUICK | {"iters": 1})
+    args, kw = _call(b=2, d=32, seq=16)
+    decision = kv.explain(FN, *args, **kw)
+    assert decision.source == "nearest" and decision.measured_key == (1, 16, 8)
+
+
+def test_without_any_measurement_priority_decides():
+    args, kw = _call()
+    assert kv.explain(FN, *args, **kw).source == "priority"
+
+
+@pytest.mark.parametrize(
+    ("name", "fn", "reason"),
+    [
+        ("off_by_one", lambda *a, **k: reference.causal_conv1d_fn(*a, **k) + 1, "output:"),
+        ("nan", lambda *a, **k: reference.causal_conv1d_fn(*a, **k) * float("nan"), "NaN or Inf"),
+        ("raises", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bad kernel")), "raised RuntimeError: bad kernel"),
+        ("into_copy", lambda x, w, b=None, *, conv_states=None, **k: reference.causal_conv1d_fn(
+            x, w, b, conv_states=None if conv_states is None else conv_states.clone(), **k), "state pool"),
+    ],
+)
+def test_a_wrong_variant_is_rejected_with_its_reason_and_never_chosen(with_variants, name, fn, reason):
+    with_variants(_variant(name, fn, priority=100))
+    result = kv.calibrate(FN, SHAPES[:1], **QUICK)
+    rejected = {m.variant: m.reason for m in result.rejected()}
+    assert reason in rejected[name]
+    assert result.winners[SHAPES[0]].variant != name
+    args, kw = _call(*SHAPES[0])
+    assert kv.explain(FN, *args, **kw).chosen.id != name
+    assert name in kv.table(FN)[0].rejected
+
+
+def test_a_new_variant_needs_only_itself_measured(with_variants):
+    kv.calibrate(FN, SHAPES, variants=["reference"], **QUICK)
+    first = {m.variant: m.measured_at for m in dispatcher().table.measurements(dispatcher().versions(), _fpid())[0][(_group(), SHAPES[0])].values()}
+    with_variants(_variant("newcomer", reference.causal_conv1d_fn))
+    kv.calibrate(FN, SHAPES, variants=["newcomer"], **QUICK)
+    row = kv.table(FN)[0]
+    assert set(row.times_us) == {"reference", "newcomer"}
+    after = dispatcher().table.measurements(dispatcher().versions(), _fpid())[0][(_group(), SHAPES[0])]
+    assert after["reference"].measured_at == first["reference"], "the reference was not re-measured"
+
+
+def _fpid():
+    from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
+    return fingerprint_id(fingerprint("cpu"))
+
+
+def _group(**kw):
+    base = dict(op=FN, dtype="float32", width=4, bias=True, activation="silu", states=True, varlen=False, spec=False)
+    return Group(**(base | kw))
+
+
+def _m(variant, us, version, shape=(1, 16, 8), fp=None):
+    from kernel_variants.dispatch._fingerprint import fingerprint
+    return Measurement(fingerprint=fingerprint("cpu"), fingerprint_id=fp or _fpid(), group=_group(), shape=shape,
+                       variant=variant, version=version, status="ok", best_us=us, median_us=us, spread=0.0,
+                       windows=5, iters=100, method="test", measured_at=time.time())
+
+
+def test_a_challenger_must_beat_the_winner_by_the_margin(tmp_path):
+    t = CalibrationTable(tmp_path / "t")
+    versions = {(FN, "a"): "1", (FN, "b"): "1"}
+    t.record(_m("a", 100.0, "1"))
+    assert t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02).variant == "a"
+    t.record(_m("b", 99.0, "1"))  # 1% faster: noise on a shared machine
+    assert t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02).variant == "a"
+    t.record(_m("b", 90.0, "1"))  # 10% faster: a real win
+    assert t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02).variant == "b"
+    t.record(_m("a", 89.0, "1"))  # and back only by more than the margin
+    assert t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02).variant == "b"
+
+
+def test_stale_versions_and_other_devices_are_ignored_with_one_warning(tmp_path):
+    t = CalibrationTable(tmp_path / "t")
+    t.record(_m("a", 100.0, "1+old"))
+    t.record(_m("b", 50.0, "1", fp="another-device"))
+    t.record(_m("c", 70.0, "1"))
+    versions = {(FN, "a"): "1+new", (FN, "b"): "1", (FN, "c"): "1"}
+    with pytest.warns(CalibrationWarning) as caught:
+        rows, _ = t.measurements(versions, _fpid())
+    assert len(caught) == 1
+    msg = str(caught[0].message)
+    assert "variant 'a' changed since it was measured (version 1+old -> 1+new)" in msg
+    assert "1 measured on another device or software stack" in msg
+    assert set(rows[(_group(), (1, 16, 8))]) == {"c"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t.measurements(versions, _fpid())  # the same load again: no second warning
+
+
+def test_editing_a_kernel_makes_its_timings_stale(with_variants):
+    with_variants(_variant("mine", reference.causal_conv1d_fn, version="1"))
+    kv.calibrate(FN, SHAPES[:1], variants=["mine"], **QUICK)
+    with_variants(_variant("mine", reference.causal_conv1d_fn, version="2"))
+    with pytest.warns(CalibrationWarning, match="variant 'mine' changed"):
+        assert kv.table(FN) == []
+
+
+def test_a_corrupt_table_is_moved_aside_and_the_op_keeps_working(tmp_path, monkeypatch):
+    cache = tmp_path / "corrupt"
+    cache.mkdir()
+    (cache / "cache.db").write_bytes(b"this is not a database" * 100)
+    monkeypatch.setenv("KV_CACHE_DIR", str(cache))
+    kv.reload()
+    args, kw = _call()
+    with pytest.warns(CalibrationWarning, match="corrupt.*moved to"):
+        out = kv.causal_conv1d_fn(*args, **kw)
+    assert out.shape == args[0].shape
+    assert any(p.name.startswith("corrupt.corrupt-") for p in tmp_path.iterdir())
+    kv.calibrate(FN, SHAPES[:1], variants=["reference"], **QUICK)
+    assert len(kv.table(FN)) == 1
+
+
+def test_a_truncated_table_is_moved_aside(tmp_path, monkeypatch):
+    monkeypatch.setenv("KV_CACHE_DIR", str(tmp_path / "t"))
+    kv.reload()
+    kv.calibrate(FN, SHAPES, variants=["reference"], **QUICK)
+    db = tmp_path / "t" / "cache.db"
+    db.write_bytes(db.read_bytes()[:1000])
+    kv.reload()
+    with pytest.warns(CalibrationWarning, match="corrupt"):
+        rows = kv.table(FN)
+    assert rows == []
+
+
+def test_an_unusable_directory_keeps_the_table_in_memory(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KV_CACHE_DIR", str(blocker / "cache"))
+    kv.reload()
+    with pytest.warns(CalibrationWarning, match="not usable.*in memory"):
+        kv.calibrate(FN, SHAPES[:1], variants=["reference"], **QUICK)
+    assert dispatcher().table.in_memory
+    assert kv.table(FN)[0].winner == "reference"
+
+
+def test_a_pickled_row_is_never_unpickled(tmp_path):
+    t = CalibrationTable(tmp_path / "t")
+    t.record(_m("a", 100.0, "1"))
+    marker = tmp_path / "pwned"
+    payload = b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."
+    con = sqlite3.connect(tmp_path / "t" / "cache.db")
+    con.execute(
+        "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, filename, value)"
+        " VALUES (?, 0, 0, NULL, 0, 0, NULL, 0, 4, NULL, ?)", (sqlite3.Binary(payload), sqlite3.Binary(payload)))
+    con.execute(
+        "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, filename, value)"
+        " VALUES ('m|x', 1, 0, NULL, 0, 0, NULL, 0, 4, NULL, ?)", (sqlite3.Binary(payload),))
+    con.commit()
+    con.close()
+    t = CalibrationTable(tmp_path / "t")
+    with pytest.warns(CalibrationWarning, match="2 entries unreadable or malformed"):
+        rows, _ = t.measurements({(FN, "a"): "1"}, _fpid())
+    assert not marker.exists()
+    assert set(rows[(_group(), (1, 16, 8))]) == {"a"}
+
+
+_WORKER = textwrap.dedent("""
+    import sys, kernel_variants as kv
+    seed = int(sys.argv[1])
+    shapes = [(1 + (seed + i) % 3, 16, 4 + i) for i in range(6)]
+    kv.calibrate("causal_conv1d_fn", shapes, dtype="float32", warmup=1, windows=1, iters=2,
+                 progress=lambda p: print(p.done, flush=True))
+""")
+
+
+def _worker_env(cache):
+    return {**os.environ, "KV_CACHE_DIR": str(cache), "PYTHONWARNINGS": "error::UserWarning"}
+
+
+def test_four_processes_calibrating_into_one_table(tmp_path):
+    cache = tmp_path / "shared"
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(i)], env=_worker_env(cache),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    t = CalibrationTable(cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows, winners = t.measurements(dispatcher().versions(), _fpid())
+    expected = {(1 + (s + i) % 3, 16, 4 + i) for s in range(4) for i in range(6)}
+    assert {shape for (_, shape) in rows} == expected
+    assert all(set(by_v) == {"reference", "torch_shift"} for by_v in rows.values())
+    assert {shape for (_, shape) in winners} == expected
+
+
+def test_a_process_killed_mid_calibration_leaves_a_readable_table(tmp_path):
+    cache = tmp_path / "killed"
+    with subprocess.Popen([sys.executable, "-c", _WORKER, "0"], env=_worker_env(cache),
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as p:
+        for line in p.stdout:
+            if int(line) >= 5:
+                p.send_signal(signal.SIGKILL)
+                break
+        p.wait(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    t = CalibrationTable(cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows, _ = t.measurements(dispatcher().versions(), _fpid())
+    measured = sum(len(v) for v in rows.values())
+    assert 4 <= measured < 12
+
+
+def test_kv_tune_calibrates_an_unseen_shape_on_first_sight(monkeypatch):
+    monkeypatch.setenv("KV_TUNE", "1")
+    kv.reload()
+    args, kw = _call(b=1, d=16, seq=4)
+    kv.causal_conv1d_fn(*args, **kw)
+    assert [r.shape for r in kv.table(FN)] == [(1, 16, 4)]
+    assert kv.explain(FN, *args, **kw).source == "table"
+
+
+def test_kv_tune_never_measures_while_compiling(monkeypatch):
+    monkeypatch.setenv("KV_TUNE", "1")
+    kv.reload()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    args, kw = _call(b=1, d=16, seq=4)
+    assert kv.explain(FN, *args, **kw).source == "priority"
+    assert kv.table(FN) == []
+
+
+def test_clear_table_per_variant_and_op():
+    kv.calibrate(FN, SHAPES, **QUICK)
+    assert kv.clear_table(FN, "torch_shift") == 2
+    assert all(set(r.times_us) == {"reference"} for r in kv.table(FN))
+    kv.clear_table(FN)
+    assert kv.table(FN) == []
+
+
+def test_calibrate_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="shapes: expected"):
+        kv.calibrate(FN, [(1, 2)], **QUICK)
+    with pytest.raises(ValueError, match="variants: nope not registered"):
+        kv.calibrate(FN, SHAPES, variants=["nope"], **QUICK)
+    with pytest.raises(ValueError, match="dtype: expected"):
+        kv.calibrate(FN, SHAPES, **(QUICK | {"dtype": "int8"}))
+    with pytest.raises(ValueError, match="op must be one of"):
+        kv.calibrate("conv2d", SHAPES, **QUICK)
+
+
+def test_values_on_disk_are_json(tmp_path, monkeypatch):
+    kv.calibrate(FN, SHAPES[:1], variants=["reference"], **QUICK)
+    con = sqlite3.connect(os.path.join(os.environ["KV_CACHE_DIR"], "cache.db"))
+    modes = {row[0] for row in con.execute("SELECT mode FROM Cache")}
+    values = [row[0] for row in con.execute("SELECT value FROM Cache")]
+    con.close()
+    assert modes == {1}  # diskcache's raw mode: inline text, no pickle
+    assert all(isinstance(json.loads(v), dict) for v in values)
