@@ -21,6 +21,7 @@ from ._models import OPS, OpName, Variant
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("reference", "kernel_variants.variants.reference"),
     ("torch_shift", "kernel_variants.variants.torch_shift"),
+    ("aten", "kernel_variants.variants.aten"),
 )
 
 

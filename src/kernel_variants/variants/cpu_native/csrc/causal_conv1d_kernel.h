@@ -31,6 +31,16 @@
 #error "define KV_ISA_NS before including causal_conv1d_kernel.h"
 #endif
 
+// The hot helpers must inline: an out-of-line call forces the register
+// window and taps through the stack (all vector registers are caller-saved).
+#ifndef KV_INLINE
+#if defined(__GNUC__)
+#define KV_INLINE inline __attribute__((always_inline))
+#else
+#define KV_INLINE inline
+#endif
+#endif
+
 namespace kv_cconv {
 namespace KV_ISA_NS {
 
@@ -57,7 +67,7 @@ constexpr float kP6 = 1.f / 720, kP5 = 1.f / 120, kP4 = 1.f / 24,
                 kP3 = 1.f / 6, kP2 = 0.5f;
 
 #if defined(CPU_CAPABILITY_AVX512)
-inline fVec silu(const fVec& xv) {
+KV_INLINE fVec silu(const fVec& xv) {
   const __m512 x = xv;
   const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-kClamp)),
                                   _mm512_set1_ps(kClamp));
@@ -79,7 +89,7 @@ inline fVec silu(const fVec& xv) {
   return fVec(_mm512_mul_ps(_mm512_mul_ps(x, rc), nr));
 }
 #elif defined(CPU_CAPABILITY_AVX2)
-inline fVec silu(const fVec& xv) {
+KV_INLINE fVec silu(const fVec& xv) {
   const __m256 x = xv;
   const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-kClamp)),
                                   _mm256_set1_ps(kClamp));
@@ -106,7 +116,7 @@ inline fVec silu(const fVec& xv) {
 #else
 // Portable build: same algorithm on plain floats so the compiler can
 // auto-vectorise it for whatever baseline ISA it targets.
-inline float silu_scalar(float x) {
+KV_INLINE float silu_scalar(float x) {
   const float xc = std::min(std::max(x, -kClamp), kClamp);
   const float magic = 12582912.f + 127.f;
   const float f = xc * -kLog2e + magic;
@@ -125,7 +135,7 @@ inline float silu_scalar(float x) {
   std::memcpy(&p2, &bits, sizeof(p2));
   return x / (q * p2 + 1.f);
 }
-inline fVec silu(const fVec& xv) {
+KV_INLINE fVec silu(const fVec& xv) {
   alignas(64) float buf[VF];
   xv.store(buf);
   for (int i = 0; i < VF; ++i) buf[i] = silu_scalar(buf[i]);
@@ -140,35 +150,35 @@ template <typename T>
 struct IO {  // bf16 / fp16
   using V = at::vec::Vectorized<T>;
   static_assert(V::size() == VW, "16-bit vector must hold 2*VF lanes");
-  static inline void load(const T* p, fVec& a, fVec& b) {
+  static KV_INLINE void load(const T* p, fVec& a, fVec& b) {
     std::tie(a, b) = at::vec::convert_to_float<T>(V::loadu(p));
   }
-  static inline void load(const T* p, fVec& a, fVec& b, int n) {
+  static KV_INLINE void load(const T* p, fVec& a, fVec& b, int n) {
     std::tie(a, b) = at::vec::convert_to_float<T>(V::loadu(p, n));
   }
-  static inline void store(T* p, const fVec& a, const fVec& b) {
+  static KV_INLINE void store(T* p, const fVec& a, const fVec& b) {
     at::vec::convert_from_float<T>(a, b).store(p);
   }
-  static inline void store(T* p, const fVec& a, const fVec& b, int n) {
+  static KV_INLINE void store(T* p, const fVec& a, const fVec& b, int n) {
     at::vec::convert_from_float<T>(a, b).store(p, n);
   }
 };
 
 template <>
 struct IO<float> {
-  static inline void load(const float* p, fVec& a, fVec& b) {
+  static KV_INLINE void load(const float* p, fVec& a, fVec& b) {
     a = fVec::loadu(p);
     b = fVec::loadu(p + VF);
   }
-  static inline void load(const float* p, fVec& a, fVec& b, int n) {
+  static KV_INLINE void load(const float* p, fVec& a, fVec& b, int n) {
     a = fVec::loadu(p, std::min(n, VF));
     b = n > VF ? fVec::loadu(p + VF, n - VF) : fVec(0.f);
   }
-  static inline void store(float* p, const fVec& a, const fVec& b) {
+  static KV_INLINE void store(float* p, const fVec& a, const fVec& b) {
     a.store(p);
     b.store(p + VF);
   }
-  static inline void store(float* p, const fVec& a, const fVec& b, int n) {
+  static KV_INLINE void store(float* p, const fVec& a, const fVec& b, int n) {
     a.store(p, std::min(n, VF));
     if (n > VF) b.store(p + VF, n - VF);
   }
@@ -278,7 +288,7 @@ inline void load_taps(const Params& p, int64_t c0, int64_t n, float* wt,
 // Runs rows [0, nrows) of one channel group. `win` holds the W-1 previous
 // input rows (fp32, stride kTileC) and is updated to the last W-1 rows.
 template <typename T, int W, bool SILU, bool FULL>
-inline void run_group(const T* xp, int64_t x_rs, T* op, int64_t o_rs,
+KV_INLINE void run_group(const T* xp, int64_t x_rs, T* op, int64_t o_rs,
                       int64_t nrows, const float* wt, const float* bt,
                       float* win, int n) {
   constexpr int H = W - 1;

@@ -1,0 +1,116 @@
+"""Output shared by every command: aligned tables (text, Markdown, CSV), JSON, a progress bar."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any, Literal, TextIO
+
+from kernel_variants.dispatch._calibrate import Progress
+
+Format = Literal["text", "md", "csv"]
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, fmt: Format = "text",
+                 right: Sequence[bool] | None = None) -> str:
+    """``rows`` (each as long as ``headers``) as one string without a trailing newline.
+
+    ``right[i]`` right-aligns column i (numbers); by default a column is right-aligned when every
+    cell in it is a number or a number-like string. ``None`` cells print as ``-``.
+    """
+    cells = [["-" if c is None else str(c) for c in row] for row in rows]
+    if fmt == "csv":
+        out = io.StringIO()
+        w = csv.writer(out, lineterminator="\n")
+        w.writerow(headers)
+        w.writerows(cells)
+        return out.getvalue().rstrip("\n")
+    if right is None:
+        right = [bool(cells) and all(_numeric(r[i]) for r in cells) for i in range(len(headers))]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> list[str]:
+        return [v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right, strict=True)]
+
+    if fmt == "md":
+        rule = [("-" * (w - 1) + ":") if r else "-" * w for w, r in zip(widths, right, strict=True)]
+        lines = [line(headers), rule, *(line(r) for r in cells)]
+        return "\n".join("| " + " | ".join(v) + " |" for v in lines)
+    lines = [line(headers), ["-" * w for w in widths], *(line(r) for r in cells)]
+    return "\n".join("  ".join(v).rstrip() for v in lines)
+
+
+def _numeric(s: str) -> bool:
+    t = s.rstrip("x%").lstrip("+")
+    if t == "-":
+        return True
+    try:
+        float(t)
+    except ValueError:
+        return False
+    return True
+
+
+def us(value: float | None) -> str | None:
+    """Microseconds with the precision a reader compares at (four significant digits)."""
+    if value is None:
+        return None
+    return f"{value:.1f}" if value >= 100 else f"{value:.2f}" if value >= 1 else f"{value:.3f}"
+
+
+def ratio(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}x"
+
+
+def percent(value: float | None) -> str | None:
+    return None if value is None else f"{value * 100:+.1f}%"
+
+
+def print_json(obj: Any, stream: TextIO | None = None) -> None:
+    json.dump(obj, stream or sys.stdout, indent=2, allow_nan=False, default=str)
+    (stream or sys.stdout).write("\n")
+
+
+def _clock(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "--:--"
+    s = int(seconds + 0.5)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class ProgressBar:
+    """A ``progress`` callback for calibration that draws on ``stream`` (stderr).
+
+    On a terminal the bar redraws in place; elsewhere (CI logs, pipes) it prints one line per
+    step so that a log shows how far a killed run got.
+    """
+
+    def __init__(self, label: str = "", stream: TextIO | None = None, width: int = 24) -> None:
+        self.stream = stream or sys.stderr
+        self.label = label
+        self.width = width
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._drawn = False
+
+    def __call__(self, p: Progress) -> None:
+        filled = int(self.width * p.done / p.total) if p.total else self.width
+        bar = "#" * filled + "." * (self.width - filled)
+        b, d, seq = p.shape
+        text = (f"{self.label}[{bar}] {p.done}/{p.total}  B={b} D={d} L={seq}  {p.variant}  "
+                f"{_clock(p.elapsed_s)} elapsed, ~{_clock(p.eta_s)} left")
+        if self.tty:
+            self.stream.write("\r\x1b[K" + text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self.tty and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+        self._drawn = False

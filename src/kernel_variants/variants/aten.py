@@ -1,0 +1,125 @@
+"""``aten``: what a user writes without this project, a depthwise ``F.conv1d``.
+
+The channel-last input is viewed as ``[B, D, L]``, the W-1 history rows are concatenated in
+front, and ATen's depthwise convolution (oneDNN on CPU, cuDNN on CUDA) does the taps and bias
+in x's dtype; the result is made contiguous channel-last again. State handling is gathered and
+scattered with index ops that write through the caller's view.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernel_variants.registry import Capabilities, Variant, hookimpl
+
+
+def _depthwise(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    """h: [B, D, W-1+L]; weight: [D, W]; returns [B, L, D] contiguous."""
+    y = F.conv1d(h, weight.unsqueeze(1), bias, groups=weight.shape[0])
+    if silu:
+        y = F.silu(y)
+    return y.transpose(1, 2).contiguous()
+
+
+def causal_conv1d_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    conv_states: torch.Tensor | None = None,
+    cache_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    activation: str | None = None,
+    pad_slot_id: int = -1,
+) -> torch.Tensor:
+    """x: [B, L, D]; weight: [D, W]; bias: [D]; conv_states: [N, S, D] updated in place;
+    cache_indices, has_initial_state: [B]. Returns [B, L, D]."""
+    if query_start_loc is not None:
+        raise ValueError("query_start_loc: aten supports dense [B, L, D] input only")
+    batch, _, dim = x.shape
+    keep = weight.shape[1] - 1
+    xt = x.transpose(1, 2)  # [B, D, L] view
+    if conv_states is None:
+        out = _depthwise(F.pad(xt, (keep, 0)), weight, bias, activation is not None)
+        return out
+    rows = conv_states.shape[1]
+    if cache_indices is not None:
+        slots = cache_indices.long()
+        live = slots != pad_slot_id
+        safe = torch.where(live, slots, 0)
+    else:
+        slots = safe = torch.arange(batch, device=x.device)
+        live = None
+    init = has_initial_state if has_initial_state is not None else torch.zeros(batch, dtype=torch.bool, device=x.device)
+    if live is not None:
+        init = init & live
+    hist = conv_states[safe, rows - keep :].transpose(1, 2)  # [B, D, W-1] (a gathered copy)
+    hist = torch.where(init[:, None, None], hist, torch.zeros((), dtype=x.dtype, device=x.device))
+    h = torch.cat([hist, xt], dim=2)
+    out = _depthwise(h, weight, bias, activation is not None)
+    if keep > 0:
+        tail = h[:, :, h.shape[2] - keep :].transpose(1, 2)
+        if live is not None:
+            slots, tail = slots[live], tail[live]
+        conv_states[slots, rows - keep :] = tail
+    if live is not None:
+        out[~live] = 0
+    return out
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    conv_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    pad_slot_id: int = -1,
+) -> torch.Tensor:
+    """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place; weight: [D, W].
+    Returns x's shape. (No num_accepted_tokens: declared in the capabilities.)"""
+    x3 = x.unsqueeze(1) if x.ndim == 2 else x
+    batch, length, _ = x3.shape
+    keep = weight.shape[1] - 1
+    rows = conv_state.shape[1]
+    if conv_state_indices is not None:
+        slots = conv_state_indices.long()
+        live = slots != pad_slot_id
+        safe = torch.where(live, slots, 0)
+    else:
+        slots = safe = torch.arange(batch, device=x.device)
+        live = None
+    stream = torch.cat([conv_state[safe], x3], dim=1)  # [B, S+L, D]
+    h = stream[:, rows - keep :].transpose(1, 2)
+    out = _depthwise(h, weight, bias, activation is not None)
+    new_state = stream[:, stream.shape[1] - rows :]
+    if live is not None:
+        out[~live] = 0
+        slots, new_state = slots[live], new_state[live]
+    conv_state[slots] = new_state
+    return out.squeeze(1) if x.ndim == 2 else out
+
+
+_CAPS = dict(
+    devices={"cpu", "cuda"},
+    dtypes={"float32", "bfloat16", "float16", "float64"},
+    width=(1, None),
+)
+
+
+@hookimpl
+def kv_register_variants(register) -> None:
+    register(Variant(
+        id="aten", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=10,
+        capabilities=Capabilities(varlen=False, **_CAPS),
+        description="depthwise F.conv1d (oneDNN / cuDNN) with layout changes around it",
+    ))
+    register(Variant(
+        id="aten", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=10,
+        capabilities=Capabilities(num_accepted_tokens=False, **_CAPS),
+        description="depthwise F.conv1d over the state window",
+    ))
