@@ -1,0 +1,109 @@
+"""The ``kv`` command line: one argparse subcommand per module, each with ``add_arguments`` and
+``run(args) -> int``.
+
+``main(argv)`` is what tests call; ``entry()`` is the console script. A mistake in the user's
+input (a bad option, a missing or malformed file, an unknown variant) prints one line,
+``kv <command>: error: ...``, on stderr and returns 2; a command that ran but whose verdict is
+negative (a failing ``kv gate``) returns 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
+from typing import NoReturn
+
+from pydantic import ValidationError
+
+from kernel_variants._version import __version__
+
+from . import calibrate, compare, export, gate, import_, info, table
+from . import list as list_
+
+COMMANDS: tuple[ModuleType, ...] = (list_, calibrate, table, compare, gate, export, import_, info)
+
+
+class UsageError(Exception):
+    """An argparse complaint, raised instead of argparse's print-usage-and-exit."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kv", description="Inspect, calibrate and compare kernel variants.")
+    parser.add_argument("--version", action="version", version=f"kernel-variants {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for mod in COMMANDS:
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.__doc__, parents=[common],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(run=mod.run)
+    return parser
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a user error, whatever shape its message has."""
+    if isinstance(exc, ValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": str(exc)}
+        where = ".".join(str(p) for p in first["loc"])
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        return f"{exc.title}: {where + ': ' if where else ''}{first['msg']}{more}"
+    if isinstance(exc, KeyError) and exc.args:
+        text = str(exc.args[0])
+    elif isinstance(exc, OSError) and exc.strerror:
+        text = f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    elif isinstance(exc, json.JSONDecodeError):
+        text = f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+    else:
+        text = str(exc) or type(exc).__name__
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _warning_line(command: str):
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"kv {command}: warning: {message}", file=file or sys.stderr)
+
+    return show
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``kv`` command; returns its exit status (0 ok, 1 negative verdict, 2 user error)."""
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help and --version print, then exit 0
+        return int(exc.code or 0)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if extra:
+        print(f"kv {args.command}: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
+        return 2
+    with warnings.catch_warnings():
+        # Filters stay as the caller set them; only the display becomes one line per warning.
+        warnings.showwarning = _warning_line(args.command)
+        try:
+            return args.run(args)
+        except (ValueError, TypeError, KeyError, OSError, UsageError) as exc:
+            print(f"kv {args.command}: error: {describe(exc)}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"\nkv {args.command}: interrupted", file=sys.stderr)
+            return 130
+
+
+def entry() -> None:
+    sys.exit(main())
