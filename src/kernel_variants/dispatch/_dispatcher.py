@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from kernel_variants._capture import capturing
 from kernel_variants._checks import CallKey
 from kernel_variants.registry._models import OPS
 from kernel_variants.registry._registry import Registry, make_plugin_manager
@@ -88,7 +89,7 @@ class Dispatcher:
             return select(entries, key)
         fpid = fingerprint_id(fingerprint(key.device))
         found = self.table.lookup(key, fpid, runnable, self.versions())
-        if self.tune and (found is None or found[2] != "table") and not _capturing(key.device):
+        if self.tune and (found is None or found[2] != "table") and not capturing(key.device):
             self._tune(key)
             found = self.table.lookup(key, fpid, runnable, self.versions())
         if found is None:
@@ -125,21 +126,6 @@ class Dispatcher:
 
 def _flag(raw: str) -> bool:
     return raw.strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def _capturing(device: str) -> bool:
-    """Inside torch.compile tracing or a CUDA/NPU graph capture, nothing may be measured."""
-    import torch
-
-    if torch.compiler.is_compiling():
-        return True
-    if device == "cuda" and torch.cuda.is_available():
-        return torch.cuda.is_current_stream_capturing()
-    if device == "npu":
-        npu = getattr(torch, "npu", None)
-        check = getattr(npu, "is_current_stream_capturing", None)
-        return bool(check()) if check is not None else False
-    return False
 
 
 _current: Dispatcher | None = None
