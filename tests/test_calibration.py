@@ -248,7 +248,8 @@ def test_four_processes_calibrating_into_one_table(tmp_path):
         rows, winners = t.measurements(dispatcher().versions(), _fpid())
     expected = {(1 + (s + i) % 3, 16, 4 + i) for s in range(4) for i in range(6)}
     assert {shape for (_, shape) in rows} == expected
-    assert all(set(by_v) == {"reference", "torch_shift"} for by_v in rows.values())
+    runnable = {rv.id for rv in kv.variants(FN) if rv.unavailable_reason() is None}
+    assert all(set(by_v) == runnable for by_v in rows.values())
     assert {shape for (_, shape) in winners} == expected
 
 
@@ -267,7 +268,8 @@ def test_a_process_killed_mid_calibration_leaves_a_readable_table(tmp_path):
         warnings.simplefilter("error")
         rows, _ = t.measurements(dispatcher().versions(), _fpid())
     measured = sum(len(v) for v in rows.values())
-    assert 4 <= measured < 12
+    runnable = sum(1 for rv in kv.variants(FN) if rv.unavailable_reason() is None)
+    assert 4 <= measured < 6 * runnable
 
 
 def test_kv_tune_calibrates_an_unseen_shape_on_first_sight(monkeypatch):
@@ -291,7 +293,7 @@ def test_kv_tune_never_measures_while_compiling(monkeypatch):
 def test_clear_table_per_variant_and_op():
     kv.calibrate(FN, SHAPES, **QUICK)
     assert kv.clear_table(FN, "torch_shift") == 2
-    assert all(set(r.times_us) == {"reference"} for r in kv.table(FN))
+    assert all("torch_shift" not in r.times_us and "reference" in r.times_us for r in kv.table(FN))
     kv.clear_table(FN)
     assert kv.table(FN) == []
 

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from kernel_variants.registry import Capabilities, Variant, hookimpl
 
+from ._slots import initial, resolve
+
 
 def _depthwise(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     """h: [B, D, W-1+L]; weight: [D, W]; returns [B, L, D] contiguous."""
@@ -45,16 +47,8 @@ def causal_conv1d_fn(
         out = _depthwise(F.pad(xt, (keep, 0)), weight, bias, activation is not None)
         return out
     rows = conv_states.shape[1]
-    if cache_indices is not None:
-        slots = cache_indices.long()
-        live = slots != pad_slot_id
-        safe = torch.where(live, slots, 0)
-    else:
-        slots = safe = torch.arange(batch, device=x.device)
-        live = None
-    init = has_initial_state if has_initial_state is not None else torch.zeros(batch, dtype=torch.bool, device=x.device)
-    if live is not None:
-        init = init & live
+    slots, safe, live = s = resolve(cache_indices, batch, pad_slot_id, x.device)
+    init = initial(has_initial_state, s, batch, x.device)
     hist = conv_states[safe, rows - keep :].transpose(1, 2)  # [B, D, W-1] (a gathered copy)
     hist = torch.where(init[:, None, None], hist, torch.zeros((), dtype=x.dtype, device=x.device))
     h = torch.cat([hist, xt], dim=2)
@@ -86,13 +80,7 @@ def causal_conv1d_update(
     batch, length, _ = x3.shape
     keep = weight.shape[1] - 1
     rows = conv_state.shape[1]
-    if conv_state_indices is not None:
-        slots = conv_state_indices.long()
-        live = slots != pad_slot_id
-        safe = torch.where(live, slots, 0)
-    else:
-        slots = safe = torch.arange(batch, device=x.device)
-        live = None
+    slots, safe, live = resolve(conv_state_indices, batch, pad_slot_id, x.device)
     stream = torch.cat([conv_state[safe], x3], dim=1)  # [B, S+L, D]
     h = stream[:, rows - keep :].transpose(1, 2)
     out = _depthwise(h, weight, bias, activation is not None)

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from kernel_variants.registry import Capabilities, Variant, hookimpl
 
+from ._slots import initial, resolve
+
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -52,12 +54,8 @@ def causal_conv1d_fn(
     hist = x.new_zeros(batch, keep, dim, dtype=acc)
     live = None
     if conv_states is not None:
-        slots = cache_indices.long() if cache_indices is not None else torch.arange(batch, device=x.device)
-        live = slots != pad_slot_id if cache_indices is not None else None
-        safe = slots.clamp(min=0) if live is not None else slots
-        init = has_initial_state if has_initial_state is not None else torch.zeros(batch, dtype=torch.bool, device=x.device)
-        if live is not None:
-            init = init & live
+        slots, safe, live = s = resolve(cache_indices, batch, pad_slot_id, x.device)
+        init = initial(has_initial_state, s, batch, x.device)
         rows = conv_states.shape[1]
         hist = torch.where(init[:, None, None], conv_states[safe, rows - keep :].to(acc), hist)
     h = torch.cat([hist, x.to(acc)], dim=1)
@@ -92,13 +90,7 @@ def causal_conv1d_update(
     keep = weight.shape[1] - 1
     rows = conv_state.shape[1]
     acc = _acc(x.dtype)
-    if conv_state_indices is not None:
-        slots = conv_state_indices.long()
-        live = slots != pad_slot_id
-        safe = slots.clamp(min=0)
-    else:
-        slots = safe = torch.arange(batch, device=x.device)
-        live = None
+    slots, safe, live = resolve(conv_state_indices, batch, pad_slot_id, x.device)
     state = conv_state[safe].to(acc)  # [B, S, D]
     xa = x3.to(acc)
     if num_accepted_tokens is None:
