@@ -101,9 +101,10 @@ def measure_shape(
     timing: TimingConfig,
     rotate: int = 0,
     only: Sequence[str] | None = None,
-    on_variant: Callable[[str], None] | None = None,
+    on_result: Callable[[Measurement], None] | None = None,
 ) -> list[Measurement]:
-    """Verify, then time, each of ``entries`` that can run ``shape``; rejected ones say why."""
+    """Verify, then time, each of ``entries`` that can run ``shape``; rejected ones say why.
+    ``on_result`` sees each measurement as soon as it is taken."""
     case = _case(op, shape, dtype, device, features, seed=_seed(shape))
     key = call_key(op, *case.args, **case.kwargs)
     fp = fingerprint(device)
@@ -134,8 +135,8 @@ def measure_shape(
                     out.append(Measurement(status="ok", **t.as_dict(), **base))
         if bad is not None:
             out.append(Measurement(status="rejected", reason=bad, **base))
-        if on_variant is not None:
-            on_variant(rv.id)
+        if on_result is not None:
+            on_result(out[-1])
     return out
 
 
@@ -177,20 +178,19 @@ def run_calibration(
     wanted = [rv for rv in entries if variants is None or rv.id in variants]
     total, done = len(shapes) * len(wanted), 0
     for shape in shapes:
-        def tick(vid: str, shape=shape) -> None:
+        def taken(m: Measurement) -> None:
             nonlocal done
+            if table is not None:
+                table.record(m)  # at once: a run killed later keeps what it completed
             done += 1
             if progress is not None:
-                progress(Progress(done, total, shape, vid, time.perf_counter() - start))
+                progress(Progress(done, total, m.shape, m.variant, time.perf_counter() - start))
 
         ms = measure_shape(entries, op, tuple(shape), dtype=dt, device=device, features=features,
-                           timing=timing, rotate=rotate, only=variants, on_variant=tick)
-        skipped = len(wanted) - sum(1 for _ in {m.variant for m in ms})
-        done += skipped
+                           timing=timing, rotate=rotate, only=variants, on_result=taken)
+        done += len(wanted) - len(ms)  # variants that cannot run this shape
         result.measurements += ms
         if table is not None and ms:
-            for m in ms:
-                table.record(m)
             result.winners[tuple(shape)] = table.decide_winner(ms[0].fingerprint_id, ms[0].group, tuple(shape),
                                                                versions, margin)
     return result
