@@ -86,7 +86,11 @@ class Decision:
             f"bias={k.bias} act={k.activation} states={k.states} varlen={k.varlen} spec={k.spec}"
         )
         pick = self.chosen.id if self.chosen is not None else "nothing"
-        lines = [head, f"-> {pick} (by {self.source}{'; ' + self.note if self.note else ''})"]
+        notes = [self.note] if self.note else []
+        if self.measured_key is not None:
+            b, d, seq = self.measured_key
+            notes.append(f"timings measured at B={b}, D={d}, L={seq}")
+        lines = [head, f"-> {pick} (by {self.source}{'; ' + '; '.join(notes) if notes else ''})"]
         lines += [str(r) for r in self.trace]
         return "\n".join(lines)
 
