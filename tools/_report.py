@@ -7,13 +7,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kernel_variants._cli._output import render_table
+
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    """The CLI's own table renderer, with floats shortened to what a noisy timing supports."""
+    return render_table(headers, [[_fmt(c) for c in r] for r in rows], fmt="md")
 
 
 def _fmt(v: Any) -> str:

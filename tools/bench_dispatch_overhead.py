@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import timeit
 
 import torch
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--number", type=int, default=20000)
     p.add_argument("--repeat", type=int, default=15)
     args = p.parse_args(argv)
+    os.environ["KV_CACHE_DIR"] = tempfile.mkdtemp(prefix="kv-overhead-")  # never the user's table
     torch.set_num_threads(1)
 
     B, L, D, W = 1, 1, 64, 4

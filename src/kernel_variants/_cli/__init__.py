@@ -3,7 +3,8 @@
 
 ``main(argv)`` is what tests call; ``entry()`` is the console script. A mistake in the user's
 input (a bad option, a missing or malformed file, an unknown variant) prints one line,
-``kv <command>: error: ...``, on stderr and returns 2; a command that ran but whose verdict is
+``kv <command>: error: ...``, on stderr and returns 2 (``KV_DEBUG=1`` shows the traceback
+instead); a command that ran but whose verdict is
 negative (a failing ``kv gate``) returns 1.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -21,8 +23,7 @@ from pydantic import ValidationError
 
 from kernel_variants._version import __version__
 
-from . import calibrate, compare, export, gate, import_, info, table
-from . import list as list_
+from . import calibrate, compare, export, gate, import_, info, list_, table
 
 COMMANDS: tuple[ModuleType, ...] = (list_, calibrate, table, compare, gate, export, import_, info)
 
@@ -43,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for mod in COMMANDS:
-        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.__doc__, parents=[common],
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=(mod.__doc__ or "").replace("``", ""),
+                           parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(run=mod.run)
     return parser
@@ -97,12 +98,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = _warning_line(args.command)
         try:
             return args.run(args)
+        except BrokenPipeError:
+            # The reader (head, less) went away: not an error worth a line. Later writes at exit
+            # would raise again, so stdout is pointed at /dev/null.
+            _silence_stdout()
+            return 0
         except (ValueError, TypeError, KeyError, OSError, UsageError) as exc:
+            if os.environ.get("KV_DEBUG"):  # a bug can raise these too: show where
+                raise
             print(f"kv {args.command}: error: {describe(exc)}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print(f"\nkv {args.command}: interrupted", file=sys.stderr)
             return 130
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (tests)
+        pass
 
 
 def entry() -> None:

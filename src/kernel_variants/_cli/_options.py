@@ -83,9 +83,10 @@ def add_features(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec", action="store_true", help="num_accepted_tokens (update, L > 1)")
 
 
-def add_sweep(p: argparse.ArgumentParser, *, default: str = "smoke") -> None:
+def add_sweep(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("shapes")
-    g.add_argument("--sweep", help=f"{', '.join(NAMES)} or a CSV file with B,dim,seq columns (default {default})")
+    g.add_argument("--sweep", help=f"{', '.join(NAMES)} or a CSV file with B,dim,seq columns "
+                                   "(default smoke; decode with --op update)")
     g.add_argument("--shapes", nargs="+", metavar="B,D,L", help="explicit shapes instead of a sweep")
 
 
@@ -135,14 +136,16 @@ class Work:
     source: str  # the sweep name, file, or "--shapes"
 
 
-def work(args: argparse.Namespace, *, default_sweep: str = "smoke") -> Work:
-    """The op and shapes from ``--op``, ``--sweep`` and ``--shapes``."""
+def work(args: argparse.Namespace) -> Work:
+    """The op and shapes from ``--op``, ``--sweep`` and ``--shapes``; without either, the smoke
+    sweep (prefill) or the decode sweep (``--op update``)."""
     op = op_name(args.op) if args.op else None
     if args.shapes and args.sweep:
         raise ValueError("give --sweep or --shapes, not both")
     if args.shapes:
         return Work(op or "causal_conv1d_fn", tuple(shape(s) for s in args.shapes), False, "--shapes")
-    sweep: Sweep = get_sweep(args.sweep or default_sweep, op)
+    default = "decode" if op == "causal_conv1d_update" else "smoke"
+    sweep: Sweep = get_sweep(args.sweep or default, op)
     if op is not None and sweep.op != op:
         raise ValueError(f"--sweep {sweep.name} is a sweep of {sweep.op}, but --op is {op}")
     return Work(sweep.op, sweep.shapes, sweep.spec, sweep.name)

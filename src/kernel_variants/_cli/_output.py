@@ -16,13 +16,17 @@ Format = Literal["text", "md", "csv"]
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, fmt: Format = "text",
-                 right: Sequence[bool] | None = None) -> str:
+                 right: Sequence[bool] | None = None, header: bool = True) -> str:
     """``rows`` (each as long as ``headers``) as one string without a trailing newline.
 
     ``right[i]`` right-aligns column i (numbers); by default a column is right-aligned when every
-    cell in it is a number or a number-like string. ``None`` cells print as ``-``.
+    cell in it is a number or a number-like string. ``None`` cells print as ``-``. Without
+    ``header`` (text only) the rows are aligned as a list of facts.
     """
     cells = [["-" if c is None else str(c) for c in row] for row in rows]
+    if fmt == "md":  # a pipe inside a cell would end the cell
+        headers = [h.replace("|", "\\|") for h in headers]
+        cells = [[c.replace("|", "\\|") for c in row] for row in cells]
     if fmt == "csv":
         out = io.StringIO()
         w = csv.writer(out, lineterminator="\n")
@@ -31,7 +35,8 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, fm
         return out.getvalue().rstrip("\n")
     if right is None:
         right = [bool(cells) and all(_numeric(r[i]) for r in cells) for i in range(len(headers))]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    least = 3 if fmt == "md" else 1  # a Markdown rule cell needs three characters
+    widths = [max([least, len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def line(values: Sequence[str]) -> list[str]:
         return [v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right, strict=True)]
@@ -40,7 +45,8 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, fm
         rule = [("-" * (w - 1) + ":") if r else "-" * w for w, r in zip(widths, right, strict=True)]
         lines = [line(headers), rule, *(line(r) for r in cells)]
         return "\n".join("| " + " | ".join(v) + " |" for v in lines)
-    lines = [line(headers), ["-" * w for w in widths], *(line(r) for r in cells)]
+    lines = [line(headers), ["-" * w for w in widths]] if header else []
+    lines += [line(r) for r in cells]
     return "\n".join("  ".join(v).rstrip() for v in lines)
 
 

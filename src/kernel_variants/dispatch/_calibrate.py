@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernel_variants._cases import Case, make_case
-from kernel_variants._checks import dtype_name
+from kernel_variants._checks import CallKey, dtype_name
 from kernel_variants.ops import call_key
 from kernel_variants.registry._models import OpName
 from kernel_variants.registry._registry import RegisteredVariant
@@ -176,7 +176,14 @@ def run_calibration(
     versions = {(rv.op, rv.id): rv.version for rv in entries}
     start = time.perf_counter()
     wanted = [rv for rv in entries if variants is None or rv.id in variants]
-    total, done = len(shapes) * len(wanted), 0
+    runnable = {}
+    for shape in shapes:  # for the progress total: which variants will run each shape
+        key = CallKey(op, torch.device(device).type, dtype_name(dt), features.width, *shape, features.bias,
+                      "none" if features.activation is None else "silu", features.states or op == "causal_conv1d_update",
+                      features.varlen, features.spec, False)
+        runnable[tuple(shape)] = sum(1 for rv in wanted if uncovered(rv.variant.capabilities, key) is None
+                                     and rv.unavailable_reason() is None)
+    total, done = sum(runnable.values()), 0
     for shape in shapes:
         def taken(m: Measurement) -> None:
             nonlocal done
@@ -188,7 +195,7 @@ def run_calibration(
 
         ms = measure_shape(entries, op, tuple(shape), dtype=dt, device=device, features=features,
                            timing=timing, rotate=rotate, only=variants, on_result=taken)
-        done += len(wanted) - len(ms)  # variants that cannot run this shape
+        done += runnable[tuple(shape)] - len(ms)  # keeps the count right if a case's key differs
         result.measurements += ms
         if table is not None and ms:
             result.winners[tuple(shape)] = table.decide_winner(ms[0].fingerprint_id, ms[0].group, tuple(shape),

@@ -382,7 +382,7 @@ class CalibrationTable:
 
     def record(self, m: Measurement) -> None:
         self._guard(self.store.set, m.storage_key(), m.model_dump_json())
-        self._forget()
+        self.forget()
 
     def decide_winner(self, fingerprint_id: str, group: Group, shape: Shape, versions: dict[tuple[str, str], str],
                       margin: float) -> Winner | None:
@@ -404,7 +404,7 @@ class CalibrationTable:
             wkey = _wkey(fingerprint_id, group, shape)
             if not timings:
                 self.store.delete(wkey)
-                self._forget()
+                self.forget()
                 return None
             best = min(timings, key=timings.__getitem__)
             raw = self.store.get(wkey)
@@ -417,7 +417,7 @@ class CalibrationTable:
             w = Winner(fingerprint_id=fingerprint_id, group=group, shape=shape, variant=best,
                        best_us=timings[best], decided_at=time.time())
             self.store.set(wkey, w.model_dump_json())
-        self._forget()
+        self.forget()
         return w
 
     def clear(self, op: str | None = None, variant: str | None = None) -> int:
@@ -434,10 +434,11 @@ class CalibrationTable:
                     continue
                 self.store.delete(key)
                 n += 1
-        self._forget()
+        self.forget()
         return n
 
-    def _forget(self) -> None:
+    def forget(self) -> None:
+        """Drop the in-memory index: the next read sees what other processes or imports wrote."""
         self._index = None
 
     def __len__(self) -> int:

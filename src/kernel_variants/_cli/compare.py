@@ -1,0 +1,87 @@
+"""Head-to-head of two variants on a sweep, or of two columns of a CSV measured elsewhere.
+
+Both variants are checked against the reference on every shape before they are timed; a wrong
+one is reported, not timed. Nothing is written to the table. The last line reads
+``A faster on X of N shapes, median B/A r (range lo-hi)`` (with an en dash), over the shapes
+where both ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from . import _headtohead as h2h
+from ._output import print_json, ratio, render_table, us
+
+NAME = "compare"
+HELP = "head-to-head of two variants (or two CSV columns), per shape"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", nargs="?", metavar="A", help="variant id (with --from-csv: column of A)")
+    p.add_argument("b", nargs="?", metavar="B", help="variant id (with --from-csv: column of B)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw B/A per shape (needs matplotlib)")
+    h2h.add_arguments(p)
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'kernel-variants[plot]'") from None
+
+
+def plot(result: h2h.HeadToHead, path: str | Path) -> None:
+    """B/A per shape as bars (above 1: A faster), with the summary line as the title."""
+    # The object API with an Agg canvas leaves pyplot's global state (and backend) alone.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    timed = result.timed()
+    ratios = [p.ratio for p in timed]
+    fig = Figure(figsize=(max(6.0, 0.16 * len(timed) + 2), 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.bar(range(len(timed)), ratios, color=["tab:green" if r > 1 else "tab:red" for r in ratios])
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(timed)), [f"{b}x{d}x{s}" for b, d, s in (p.shape for p in timed)],
+                  rotation=90, fontsize=6)
+    ax.set_xlim(-0.6, len(timed) - 0.4)
+    ax.set_ylabel(f"{result.b} / {result.a} time")
+    ax.set_xlabel("shape (BxDxL)")
+    ax.set_title(result.summary(), fontsize=9)
+    fig.savefig(path, dpi=120)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.plot:
+        require_matplotlib()
+    result = h2h.collect(args, args.a, args.b)
+    if args.plot:
+        plot(result, args.plot)
+    if args.json:
+        print_json({"a": result.a, "b": result.b, "source": result.source, **result.stats(),
+                    "summary": result.summary(), "plot": args.plot,
+                    "pairs": [{"shape": list(p.shape), "elements": p.elements, "a_us": p.a_us, "b_us": p.b_us,
+                               "ratio": p.ratio, "a_note": p.a_note, "b_note": p.b_note} for p in result.pairs]})
+        return 0
+    a, b = result.a, result.b
+    rows = [[*p.shape, p.elements, us(p.a_us) or _short(p.a_note), us(p.b_us) or _short(p.b_note), ratio(p.ratio)]
+            for p in result.pairs]
+    print(f"{b} vs {a}, {result.source}")
+    print(render_table(["B", "dim", "seq", "elements", f"{a} µs", f"{b} µs", f"{b}/{a}"], rows,
+                       right=[True] * 7))
+    notes = [(p, v, n) for p in result.pairs for v, n in ((a, p.a_note), (b, p.b_note)) if n]
+    if notes:
+        print()
+        print(render_table(["B", "dim", "seq", "variant", "not timed because"], [[*p.shape, v, n] for p, v, n in notes]))
+    print()
+    print(result.summary())
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _short(note: str) -> str:
+    return note.split(":", 1)[0] if note else "-"

@@ -1,0 +1,43 @@
+"""Merge a table document from ``kv export`` into this machine's table.
+
+The whole document is validated before anything is written; a document measured on another
+fingerprint is refused unless ``--force`` (which files its entries under this machine's
+fingerprint). Per entry, the newer of the local and the imported one is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kernel_variants.dispatch._exchange import import_table
+
+from . import _options as opt
+from ._output import print_json
+
+NAME = "import"
+HELP = "merge a table document into this machine's table"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE", help="a document written by kv export")
+    p.add_argument("--force", action="store_true", help="import a document from another fingerprint")
+    opt.add_device(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    rep = import_table(args.file, force=args.force, device=opt.device(args.device))
+    if args.json:
+        print_json({"file": args.file, "fingerprint_id": rep.fingerprint_id, "forced": rep.forced,
+                    "added": rep.added, "updated": rep.updated, "kept": rep.kept,
+                    "stale": {v: list(vs) for v, vs in rep.stale.items()}, "unknown": rep.unknown})
+        return 0
+    forced = " (fingerprint differed; imported under this machine's with --force)" if rep.forced else ""
+    print(f"imported {args.file}: {rep.added} added, {rep.updated} updated, {rep.kept} kept as newer here{forced}")
+    for v, (theirs, ours) in sorted(rep.stale.items()):
+        print(f"kv import: warning: {v} was measured at version {theirs}, this machine has {ours}; "
+              "its imported timings are ignored until recalibrated", file=sys.stderr)
+    if rep.unknown:
+        print(f"kv import: warning: not registered here, kept for when they are: {', '.join(rep.unknown)}",
+              file=sys.stderr)
+    return 0

@@ -1,0 +1,47 @@
+"""What this machine's table is keyed by and where it lives: the device fingerprint, the cache
+directory (or that it is in memory), the table size and the plugins loaded."""
+
+from __future__ import annotations
+
+import argparse
+
+from kernel_variants._version import __version__
+from kernel_variants.dispatch import dispatcher
+from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
+
+from . import _options as opt
+from ._output import print_json, render_table
+
+NAME = "info"
+HELP = "device fingerprint, cache location, table size, plugins"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    opt.add_device(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    d = dispatcher()
+    fp = fingerprint(opt.device(args.device))
+    table = d.table
+    facts = {
+        "kernel_variants": __version__,
+        "fingerprint_id": fingerprint_id(fp),
+        "fingerprint": fp,
+        "cache_dir": str(table.directory),
+        "in_memory": table.in_memory,
+        "table_entries": len(table),
+        "plugins": d.registry.plugins(),
+        "variants": {op: [rv.id for rv in d.registry.variants(op)]
+                     for op in sorted({rv.op for rv in d.registry.variants()})},
+    }
+    if args.json:
+        print_json(facts)
+        return 0
+    rows = [["kernel_variants", __version__], ["fingerprint id", facts["fingerprint_id"]]]
+    rows += [[f"  {k}", v] for k, v in fp.items()]
+    where = facts["cache_dir"] + (" (unusable: in memory for this process)" if table.in_memory else "")
+    rows += [["cache", where], ["table entries", len(table)], ["plugins", ", ".join(facts["plugins"])]]
+    rows += [[op, ", ".join(ids)] for op, ids in facts["variants"].items()]
+    print(render_table(["", ""], rows, right=[False, False], header=False))
+    return 0

@@ -1,0 +1,290 @@
+"""Moving a calibration table between machines as one versioned JSON document.
+
+A table measured on one machine serves every machine with the same fingerprint (device, driver
+or runtime, torch and kernel_variants versions): ``export_table`` writes this device's part of
+the table, ``import_table`` merges a document into the local table. An import validates the
+whole document first and then writes it in one transaction, so a malformed or hostile file
+changes nothing; a document from another fingerprint is refused unless forced.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ._dispatcher import dispatcher
+from ._fingerprint import fingerprint, fingerprint_id
+from ._table import Measurement, Winner
+
+DOCUMENT_SCHEMA = 1
+DOCUMENT_FORMAT = "kernel_variants.table"
+# A 69-shape sweep of three variants is about 150 kB; anything near this cap is not a table.
+MAX_DOCUMENT_BYTES = 64 << 20
+_MAX_US = 1e9  # a thousand seconds per call: beyond that a figure is corrupt, not slow
+_MAX_COUNT = 1 << 31
+_FUTURE_S = 86400.0  # clocks of a fleet disagree a little; a timestamp a day ahead is forged
+_ID = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
+
+
+class ExchangeError(ValueError):
+    """A document that cannot be imported here; the message is one line and says why."""
+
+
+class TableDocument(BaseModel):
+    """Every measurement and winner of one device fingerprint, as exported."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Literal["kernel_variants.table"] = DOCUMENT_FORMAT
+    schema_version: Literal[1] = DOCUMENT_SCHEMA
+    fingerprint: dict[str, str] = Field(max_length=64)
+    fingerprint_id: str = Field(pattern=r"^[0-9a-f]{16}$")
+    created_at: float
+    measurements: list[Measurement]
+    winners: list[Winner]
+
+    @model_validator(mode="after")
+    def _sound(self) -> TableDocument:
+        now = time.time()
+        if fingerprint_id(self.fingerprint) != self.fingerprint_id:
+            raise ValueError("fingerprint_id does not match the fingerprint it claims to identify")
+        if any(len(k) > 200 or len(v) > 1000 for k, v in self.fingerprint.items()):
+            raise ValueError("fingerprint: keys or values too long")
+        _check_time("created_at", self.created_at, now)
+        seen: set[str] = set()
+        for i, m in enumerate(self.measurements):
+            problem = measurement_problem(m, now)
+            if problem is None and (m.fingerprint_id != self.fingerprint_id or m.fingerprint != self.fingerprint):
+                problem = "measured on another fingerprint than the document's"
+            if problem is None and m.storage_key() in seen:
+                problem = "a second entry for the same variant and shape"
+            if problem is not None:
+                raise ValueError(f"measurements[{i}] ({m.variant} at {_shape(m.shape)}): {problem}")
+            seen.add(m.storage_key())
+        for i, w in enumerate(self.winners):
+            problem = winner_problem(w, now)
+            if problem is None and w.fingerprint_id != self.fingerprint_id:
+                problem = "decided on another fingerprint than the document's"
+            if problem is None and w.storage_key() in seen:
+                problem = "a second winner for the same shape"
+            if problem is not None:
+                raise ValueError(f"winners[{i}] ({w.variant} at {_shape(w.shape)}): {problem}")
+            seen.add(w.storage_key())
+        return self
+
+
+def _shape(s: tuple[int, int, int]) -> str:
+    return ",".join(map(str, s))
+
+
+def _check_time(name: str, t: float, now: float) -> None:
+    if not (math.isfinite(t) and 0 <= t <= now + _FUTURE_S):
+        raise ValueError(f"{name}: expected a Unix time no later than now, got {t}")
+
+
+def _common_problem(shape: tuple[int, int, int], variant: str, best_us: float | None, t: float, now: float,
+                    t_name: str) -> str | None:
+    if not all(1 <= s < _MAX_COUNT for s in shape):
+        return f"shape sizes must be between 1 and {_MAX_COUNT - 1}"
+    if not _ID.match(variant):
+        return f"variant id {variant[:80]!r} is not a valid id"
+    if best_us is not None and not (math.isfinite(best_us) and 0 < best_us <= _MAX_US):
+        return f"best_us must be a positive number of microseconds up to {_MAX_US:g}, got {best_us}"
+    if not (math.isfinite(t) and 0 <= t <= now + _FUTURE_S):
+        return f"{t_name} must be a Unix time no later than now, got {t}"
+    return None
+
+
+def measurement_problem(m: Measurement, now: float | None = None) -> str | None:
+    """Why ``m`` is not a believable measurement (None when it is)."""
+    now = time.time() if now is None else now
+    problem = _common_problem(m.shape, m.variant, m.best_us, m.measured_at, now, "measured_at")
+    if problem is not None:
+        return problem
+    if m.status == "ok" and (m.best_us is None or m.median_us is None):
+        return "an ok measurement needs best_us and median_us"
+    if m.median_us is not None and not (math.isfinite(m.median_us) and 0 < m.median_us <= _MAX_US):
+        return f"median_us must be a positive number of microseconds up to {_MAX_US:g}, got {m.median_us}"
+    if m.spread is not None and not (math.isfinite(m.spread) and 0 <= m.spread <= _MAX_US):
+        return f"spread must be a non-negative number, got {m.spread}"
+    if not (0 <= m.windows < _MAX_COUNT and 0 <= m.iters < _MAX_COUNT):
+        return f"windows and iters must be counts below {_MAX_COUNT}, got {m.windows} and {m.iters}"
+    if len(m.version) > 200 or len(m.reason) > 10_000 or len(m.method) > 200:
+        return "version, reason or method text too long"
+    return None
+
+
+def winner_problem(w: Winner, now: float | None = None) -> str | None:
+    """Why ``w`` is not a believable winner (None when it is)."""
+    now = time.time() if now is None else now
+    return _common_problem(w.shape, w.variant, w.best_us, w.decided_at, now, "decided_at")
+
+
+def build_document(device: str = "cpu") -> TableDocument:
+    """This device's measurements and winners from the process-wide table, as a document.
+
+    Entries the table itself could not read (malformed rows) are left out, as load() ignores them.
+    """
+    fp = fingerprint(str(torch.device(device)))
+    fpid = fingerprint_id(fp)
+    now = time.time()
+    ms: list[Measurement] = []
+    ws: list[Winner] = []
+    for key, raw in dispatcher().table.store.items():
+        if raw is None:
+            continue
+        try:
+            if key.startswith(f"m|{fpid}|"):
+                m = Measurement.model_validate_json(raw)
+                if m.fingerprint == fp and measurement_problem(m, now) is None:
+                    ms.append(m)
+            elif key.startswith(f"w|{fpid}|"):
+                w = Winner.model_validate_json(raw)
+                if winner_problem(w, now) is None:
+                    ws.append(w)
+        except ValidationError:
+            continue
+    return TableDocument(fingerprint=fp, fingerprint_id=fpid, created_at=now,
+                         measurements=sorted(ms, key=Measurement.storage_key),
+                         winners=sorted(ws, key=Winner.storage_key))
+
+
+def export_table(path_or_file: str | os.PathLike[str] | IO[str], device: str = "cpu") -> TableDocument:
+    """Write this device's table to ``path_or_file`` (a path, replaced atomically, or a text file)."""
+    doc = build_document(device)
+    text = doc.model_dump_json(indent=1) + "\n"
+    if hasattr(path_or_file, "write"):
+        path_or_file.write(text)
+        return doc
+    path = Path(path_or_file)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory, expected a file name", str(path))
+    if not path.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "no such directory", str(path.parent))
+    # Written beside the target and renamed, so a reader never sees half a document.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return doc
+
+
+def parse_document(text: str | bytes, source: str = "document") -> TableDocument:
+    """Validate a whole document; any problem is one ``ExchangeError`` line naming where."""
+    if len(text) > MAX_DOCUMENT_BYTES:
+        raise ExchangeError(f"{source}: larger than {MAX_DOCUMENT_BYTES >> 20} MiB, not a table document")
+    try:
+        return TableDocument.model_validate_json(text)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        where = ".".join(str(p) for p in first["loc"])
+        msg = first["msg"].removeprefix("Value error, ")
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        raise ExchangeError(f"{source}: not a valid table document: {where + ': ' if where else ''}{msg}{more}") from None
+
+
+def read_document(path: str | os.PathLike[str]) -> TableDocument:
+    """Read and validate the document at ``path`` (reading at most the size cap)."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_DOCUMENT_BYTES + 1)
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise ExchangeError(f"{path}: larger than {MAX_DOCUMENT_BYTES >> 20} MiB, not a table document")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ExchangeError(f"{path}: not a table document (not UTF-8 JSON text)") from None
+    return parse_document(text, source=str(path))
+
+
+@dataclass
+class ImportReport:
+    """What an import changed: entries added, newer ones that replaced older, older ones skipped."""
+
+    source: str
+    fingerprint_id: str
+    forced: bool = False  # the document's fingerprint differed and was replaced by this machine's
+    added: int = 0
+    updated: int = 0
+    kept: int = 0  # the local entry was as new or newer
+    stale: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (document, local) version
+    unknown: list[str] = field(default_factory=list)  # variants not registered here
+
+
+def _differences(theirs: dict[str, str], ours: dict[str, str]) -> str:
+    keys = sorted(set(theirs) | set(ours))
+    return ", ".join(f"{k} {theirs.get(k, '(none)')!r} in the document, {ours.get(k, '(none)')!r} here"
+                     for k in keys if theirs.get(k) != ours.get(k))
+
+
+def import_document(doc: TableDocument, *, force: bool = False, device: str = "cpu",
+                    source: str = "document") -> ImportReport:
+    """Merge ``doc`` into the process-wide table, keeping the newer entry per key."""
+    dev = torch.device(device)
+    if doc.fingerprint.get("device") != dev.type:
+        raise ExchangeError(f"{source}: measured on a {doc.fingerprint.get('device', 'unknown')} device, "
+                            f"not {dev.type} (pass the matching --device)")
+    ours = fingerprint(str(dev))
+    ours_id = fingerprint_id(ours)
+    report = ImportReport(source, ours_id)
+    ms, ws = list(doc.measurements), list(doc.winners)
+    if doc.fingerprint_id != ours_id:
+        if not force:
+            raise ExchangeError(f"{source}: measured on another device or software stack "
+                                f"({_differences(doc.fingerprint, ours)}); pass --force to import it anyway")
+        report.forced = True
+        ms = [m.model_copy(update={"fingerprint": ours, "fingerprint_id": ours_id}) for m in ms]
+        ws = [w.model_copy(update={"fingerprint_id": ours_id}) for w in ws]
+    d = dispatcher()
+    versions = d.versions()
+    for m in ms:
+        local = versions.get((m.group.op, m.variant))
+        if local is None:
+            if m.variant not in report.unknown:
+                report.unknown.append(m.variant)
+        elif local != m.version:
+            report.stale[m.variant] = (m.version, local)
+    incoming = [(m.storage_key(), m.measured_at, m.model_dump_json(), Measurement) for m in ms]
+    incoming += [(w.storage_key(), w.decided_at, w.model_dump_json(), Winner) for w in ws]
+    table = d.table
+    store = table.store
+    with store.transaction():
+        for key, at, text, model in incoming:
+            raw = store.get(key)
+            current = None
+            if raw is not None:
+                try:
+                    current = model.model_validate_json(raw)
+                except ValidationError:
+                    current = None  # an unreadable local row loses to a valid one
+            if current is not None:
+                mine = current.measured_at if isinstance(current, Measurement) else current.decided_at
+                if mine >= at:
+                    report.kept += 1
+                    continue
+                report.updated += 1
+            else:
+                report.added += 1
+            store.set(key, text)
+    table.forget()
+    d.invalidate()
+    return report
+
+
+def import_table(path: str | os.PathLike[str], force: bool = False, device: str = "cpu") -> ImportReport:
+    """Validate the document at ``path``, then merge it into this machine's table (newer wins)."""
+    return import_document(read_document(path), force=force, device=device, source=str(path))
