@@ -44,6 +44,12 @@ def causal_conv1d_fn(
     Returns:
         A tensor of x's shape and dtype; accumulation is in fp32.
     """
+    if torch.compiler.is_compiling():  # traced: one custom op, which dispatches when the graph runs
+        from kernel_variants import _custom_ops
+
+        return _custom_ops.causal_conv1d_fn(x, weight, bias, conv_states=conv_states, cache_indices=cache_indices,
+                                            has_initial_state=has_initial_state, query_start_loc=query_start_loc,
+                                            activation=activation, pad_slot_id=pad_slot_id)
     d = dispatcher()
     try:
         # Everything the metadata checks and the decision depend on; a hit skips both.
@@ -100,6 +106,12 @@ def causal_conv1d_update(
     Returns:
         A tensor of x's shape and dtype.
     """
+    if torch.compiler.is_compiling():  # traced: one custom op, which dispatches when the graph runs
+        from kernel_variants import _custom_ops
+
+        return _custom_ops.causal_conv1d_update(x, conv_state, weight, bias, activation=activation,
+                                                conv_state_indices=conv_state_indices,
+                                                num_accepted_tokens=num_accepted_tokens, pad_slot_id=pad_slot_id)
     d = dispatcher()
     try:
         sig = (

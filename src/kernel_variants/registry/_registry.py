@@ -22,6 +22,11 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("reference", "kernel_variants.variants.reference"),
     ("torch_shift", "kernel_variants.variants.torch_shift"),
     ("aten", "kernel_variants.variants.aten"),
+    ("asc", "kernel_variants.variants.asc"),
+    ("pto", "kernel_variants.variants.pto"),
+    ("npu_triton", "kernel_variants.variants.npu_triton"),
+    ("triton", "kernel_variants.variants.triton_kernels"),
+    ("dao", "kernel_variants.variants.dao"),
 )
 
 

@@ -1,0 +1,168 @@
+"""``asc``: sgl-kernel-npu's Ascend C causal_conv1d kernel (PR #592), for both ops.
+
+The kernel is the torch op ``npu::causal_conv1d`` that ``import sgl_kernel_npu`` registers, with
+the schema::
+
+    causal_conv1d(Tensor x, Tensor weight, Tensor conv_states, Tensor? bias=None,
+                  Tensor? query_start_loc=None, Tensor? cache_indices=None,
+                  Tensor? has_initial_state=None, Tensor? num_accepted_tokens=None,
+                  int activation_mode=0, int pad_slot_id=-1, int run_mode=0) -> Tensor
+
+``run_mode`` 0 is prefill, 1 is decode. The kernel is recognised by that schema (an op of the
+same name with another schema, such as the PTO kernel's, makes this variant unavailable with the
+schema it found). Where it departs from the contract, and what the adapter does:
+
+- weight is ``[W, D]``, contiguous: the adapter passes ``weight.t().contiguous()``.
+- indices are taken as int32 (the adapter converts int64 ones); ``activation_mode`` is an int.
+- x, weight and conv_states must be contiguous; the history is rows ``0..W-2`` of a slot (the
+  contract: the last W-1 rows), and decode rewrites only the first W-1 (or W-1+L-1) rows. A
+  contiguous pool of exactly that many rows is passed as is; any other pool (a strided view,
+  extra rows) goes through a contiguous buffer of the used slots that is scattered back into
+  the caller's pool in place, with the older rows the contract shifts filled in by the adapter.
+- output rows of padded sequences are left uninitialised: the adapter zeroes them.
+- empty sequences (varlen) are skipped: their state is not written. The buffer path zeroes the
+  history of sequences without initial state first, so the contract's zero history results.
+- ``num_accepted_tokens`` is honoured for W = 4 only (other widths silently ignore it): declared
+  as ``num_accepted_tokens_width=(4, 4)``, so the dispatcher never sends it another width.
+- bf16 and fp16 only; W in 2..4.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernel_variants.registry import Capabilities, Variant, hookimpl
+
+from ._npu_common import (
+    OpRef,
+    Param,
+    Slots,
+    dist_version,
+    gather_rows,
+    int32,
+    prefill_rows0,
+    scatter_rows,
+    schema_mismatch,
+    spec_shift,
+    zero_dead_rows,
+)
+
+SCHEMA = (
+    Param("x", "Tensor"),
+    Param("weight", "Tensor"),
+    Param("conv_states", "Tensor"),
+    Param("bias", "Optional[Tensor]", True),
+    Param("query_start_loc", "Optional[Tensor]", True),
+    Param("cache_indices", "Optional[Tensor]", True),
+    Param("has_initial_state", "Optional[Tensor]", True),
+    Param("num_accepted_tokens", "Optional[Tensor]", True),
+    Param("activation_mode", "int", True),
+    Param("pad_slot_id", "int", True),
+    Param("run_mode", "int", True),
+)
+RUN_PREFILL, RUN_UPDATE = 0, 1
+SPEC_WIDTH = 4
+
+DEFAULT_OP = OpRef("npu::causal_conv1d", modules=("sgl_kernel_npu",), device="npu")
+
+
+class AscAdapter:
+    """Both ops through one Ascend C op, found by ``ref`` (the real one, or a test double)."""
+
+    def __init__(self, ref: OpRef = DEFAULT_OP) -> None:
+        self.ref = ref
+        self._op: Any = None
+        self._lock = threading.Lock()
+
+    def probe(self) -> str | None:
+        op, why = self.ref.load()
+        if why is None:
+            why = schema_mismatch(op._schema, SCHEMA, "the Ascend C kernel's (sgl-kernel-npu PR #592)")
+        if why is None:
+            with self._lock:
+                self._op = op
+        return why
+
+    def op(self) -> Any:
+        if self._op is None:
+            why = self.probe()
+            if why is not None:
+                raise RuntimeError(why)
+        return self._op
+
+    def causal_conv1d_fn(self, x, weight, bias=None, *, conv_states=None, cache_indices=None,
+                         has_initial_state=None, query_start_loc=None, activation=None, pad_slot_id=-1):
+        """x: [B, L, D] or [T, D] with query_start_loc; weight: [D, W]; conv_states: [N, S, D]
+        updated in place; returns x's shape and dtype."""
+        op = self.op()
+
+        def call(x_in, w_in, states, qsl, ci, init, b_in, silu):
+            return op(x_in, w_in, states, b_in, qsl, ci, init, None, int(silu), pad_slot_id, RUN_PREFILL)
+
+        return prefill_rows0(call, x, weight, bias, conv_states, cache_indices, has_initial_state,
+                             query_start_loc, activation is not None, pad_slot_id)
+
+    def causal_conv1d_update(self, x, conv_state, weight, bias=None, *, activation=None,
+                             conv_state_indices=None, num_accepted_tokens=None, pad_slot_id=-1):
+        """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place; weight: [D, W]."""
+        op = self.op()
+        x3 = (x.unsqueeze(1) if x.ndim == 2 else x).contiguous()
+        batch, length, _ = x3.shape
+        width = weight.shape[1]
+        keep = width - 1
+        rows = conv_state.shape[1]
+        spec = num_accepted_tokens is not None
+        if spec and width != SPEC_WIDTH:
+            raise ValueError(f"num_accepted_tokens: the Ascend C kernel honours it for W={SPEC_WIDTH} only, got W={width}")
+        # Rows the kernel reads and rewrites, counted from row 0 of a slot.
+        span = keep + length - 1 if spec else keep
+        slots = Slots(conv_state_indices, batch, pad_slot_id, x.device)
+        nat = int32(num_accepted_tokens) if spec else None
+        w = weight.t().contiguous()
+        bias = bias.contiguous() if bias is not None else None
+        act = int(activation is not None)
+        if rows == span and conv_state.is_contiguous():
+            out = op(x3, w, conv_state, bias, None, slots.kernel, None, nat, act, pad_slot_id, RUN_UPDATE)
+        else:
+            old = gather_rows(conv_state, slots, slice(0, rows))  # [B, S, D], before anything is written
+            buf = (old[:, :span] if spec else old[:, rows - keep:]).contiguous()
+            out = op(x3, w, buf, bias, None, slots.compact, None, nat, act, pad_slot_id, RUN_UPDATE)
+            if not spec:
+                # The kernel wrote the last W-1 rows of the new slot; the rows before them shift by L.
+                older = torch.cat([old, x3.to(old.dtype)], dim=1)[:, length : length + rows - keep]
+                new = torch.cat([older, buf], dim=1)
+            elif rows == span:
+                new = buf
+            else:
+                # With extra rows the kernel's rewrite of rows 0..span-1 is not the contract's slot.
+                new = spec_shift(old, x3, num_accepted_tokens)
+            scatter_rows(conv_state, slots, slice(0, rows), new)
+        zero_dead_rows(out, slots.live, None)
+        return out.squeeze(1) if x.ndim == 2 else out
+
+
+def variants(adapter: AscAdapter, *, vid: str = "asc", devices=frozenset({"npu"}), priority: int = 20) -> list[Variant]:
+    version = f"1+{dist_version('sgl-kernel-npu')}"  # a new kernel package makes old timings stale
+    """The two variants of ``adapter``; tests build them on a CPU double with ``devices={"cpu"}``."""
+    common = dict(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)
+    sources = (str(Path(__file__).with_name("_npu_common.py")),)
+    return [
+        Variant(id=vid, op="causal_conv1d_fn", version=version, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
+                priority=priority, sources=sources, capabilities=Capabilities(varlen=True, **common),
+                description="sgl-kernel-npu Ascend C causal_conv1d (PR #592), run_mode=0"),
+        Variant(id=vid, op="causal_conv1d_update", version=version, fn=adapter.causal_conv1d_update,
+                probe=adapter.probe, priority=priority, sources=sources,
+                capabilities=Capabilities(num_accepted_tokens=True, num_accepted_tokens_width=(SPEC_WIDTH, SPEC_WIDTH),
+                                          **common),
+                description="sgl-kernel-npu Ascend C causal_conv1d (PR #592), run_mode=1"),
+    ]
+
+
+@hookimpl
+def kv_register_variants(register) -> None:
+    for v in variants(AscAdapter()):
+        register(v)

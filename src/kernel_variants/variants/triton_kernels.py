@@ -1,0 +1,370 @@
+"""``triton``: this project's own Triton kernels for both ops, channel-last, for CUDA.
+
+Prefill is two launches. The first is token-major: a program covers ``BLOCK_T`` tokens of the
+packed (or dense) input by ``BLOCK_D`` channels, finds each token's sequence (dense: ``t // L``;
+varlen: a per-token sequence id from ``searchsorted`` on ``query_start_loc``, no host sync),
+and sums the W taps, reading the history rows of the sequence's slot where a tap falls before
+the first token. The second writes the new history (last W-1 rows of history ++ tokens), one
+program per sequence and channel block, after every read of the old history has happened.
+Decode is one launch, one program per sequence and channel block: it reads the history and the
+rows the new slot is built from, then (after a barrier) writes the slot and the output.
+
+Every tensor is addressed through its strides, so the state lands in the caller's pool also when
+it is a non-contiguous view. Arithmetic in fp32, results cast to x's dtype.
+
+Block sizes are chosen per shape by the calibrator: besides ``triton`` (a heuristic choice),
+each configuration in ``FN_CONFIGS`` / ``UPDATE_CONFIGS`` is registered as its own variant id
+(``triton_d64_t32``...). The kernels are built on first use, so ``import kernel_variants``
+works without triton; they run on CUDA, or on the CPU under the Triton interpreter when
+``TRITON_INTERPRET=1`` is set before they are first used (the variants then also declare the
+CPU, at a priority below every native CPU variant, since the interpreter is very slow).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from kernel_variants.registry import Capabilities, Variant, hookimpl
+
+from ._npu_common import dist_version
+
+MAX_WIDTH = 8
+MIN_TRITON = (3, 4)
+
+
+def installed_triton() -> str:
+    """The installed triton, from package metadata (nothing imported): part of each variant's
+    version, since a new triton compiles the kernels differently and makes old timings stale."""
+    return dist_version("triton", "pytorch-triton", "pytorch-triton-rocm")
+
+
+def interpreting() -> bool:
+    """Whether Triton will interpret kernels (``TRITON_INTERPRET``), read as Triton reads it."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def probe() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton not installed (pip install triton)"
+    installed = installed_triton()
+    found = re.match(r"triton-(\d+)\.(\d+)", installed.replace("pytorch-", ""))
+    if found and (int(found[1]), int(found[2])) < MIN_TRITON:
+        return (f"{installed} is older than triton {MIN_TRITON[0]}.{MIN_TRITON[1]} (the kernels take "
+                "triton.language from a closure, which triton.jit resolves since 3.4)")
+    if interpreting():
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA device (set TRITON_INTERPRET=1 to run on CPU under the interpreter)"
+    return None
+
+
+@functools.cache
+def kernels(interpret: bool) -> SimpleNamespace:
+    """The jitted kernels. ``triton.jit`` decides at decoration time whether to interpret, so
+    they are built per mode, on first use. They call only triton.language builtins, never its
+    jitted helpers (``tl.zeros``, ``tl.sigmoid``...): those were decorated when triton was
+    imported, in the mode of that moment, and fail under the interpreter if that was compiled."""
+    del interpret  # only the cache key: triton reads TRITON_INTERPRET itself, now
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fn_conv(x_ptr, w_ptr, b_ptr, st_ptr, ci_ptr, init_ptr, qsl_ptr, seq_ptr, out_ptr,
+                T, D, L, S, pad_slot_id,
+                sx_t, sx_d, sw_d, sw_k, ss_n, ss_s, ss_d, so_t, so_d,
+                W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_HIST: tl.constexpr,
+                HAS_CI: tl.constexpr, VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        t_ok = t < T
+        d_ok = d < D
+        if VARLEN:
+            b = tl.load(seq_ptr + t, mask=t_ok, other=0)
+            start = tl.load(qsl_ptr + b, mask=t_ok, other=0).to(tl.int64)
+        else:
+            b = t // L
+            start = (b * L).to(tl.int64)
+        pos = t - start
+        if HAS_CI:
+            slot = tl.load(ci_ptr + b, mask=t_ok, other=0).to(tl.int64)
+            live = slot != pad_slot_id
+            slot = tl.where(live, slot, 0)
+        else:
+            slot = b.to(tl.int64)
+            live = t_ok
+        if HAS_HIST:
+            init = tl.load(init_ptr + b, mask=t_ok, other=0) != 0
+        acc = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
+        for k in tl.static_range(W):
+            j = pos + k  # position in history ++ tokens
+            in_x = j >= W - 1
+            xrow = tl.where(in_x, t + k - (W - 1), 0).to(tl.int64)
+            m = (t_ok & in_x)[:, None] & d_ok[None, :]
+            v = tl.load(x_ptr + xrow[:, None] * sx_t + d[None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
+            if HAS_HIST:
+                srow = tl.where(in_x, 0, S - (W - 1) + j).to(tl.int64)
+                hm = (t_ok & (j < W - 1) & live & init)[:, None] & d_ok[None, :]
+                v += tl.load(st_ptr + slot[:, None] * ss_n + srow[:, None] * ss_s + d[None, :] * ss_d,
+                             mask=hm, other=0.0).to(tl.float32)
+            wk = tl.load(w_ptr + d * sw_d + k * sw_k, mask=d_ok, other=0.0).to(tl.float32)
+            acc += v * wk[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        acc = tl.where(live[:, None], acc, 0.0)
+        tl.store(out_ptr + t[:, None].to(tl.int64) * so_t + d[None, :] * so_d, acc.to(out_ptr.dtype.element_ty),
+                 mask=t_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def fn_state(x_ptr, st_ptr, ci_ptr, init_ptr, qsl_ptr, D, L, S, pad_slot_id,
+                 sx_t, sx_d, ss_n, ss_s, ss_d,
+                 W: tl.constexpr, HAS_HIST: tl.constexpr, HAS_CI: tl.constexpr, VARLEN: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        b = tl.program_id(0)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        if VARLEN:
+            start = tl.load(qsl_ptr + b).to(tl.int64)
+            length = tl.load(qsl_ptr + b + 1).to(tl.int64) - start
+        else:
+            start = b.to(tl.int64) * L
+            length = L
+        if HAS_CI:
+            slot = tl.load(ci_ptr + b).to(tl.int64)
+            live = slot != pad_slot_id
+        else:
+            slot = b.to(tl.int64)
+            live = True
+        if live:
+            r = tl.arange(0, BLOCK_R)
+            r_ok = r < W - 1
+            j = length + r  # position in history ++ tokens of the row that becomes history row r
+            in_x = j >= W - 1
+            xrow = tl.where(in_x, start + j - (W - 1), 0)
+            new = tl.load(x_ptr + xrow[:, None] * sx_t + d[None, :] * sx_d,
+                          mask=(r_ok & in_x)[:, None] & d_ok[None, :], other=0.0)
+            if HAS_HIST:
+                init = tl.load(init_ptr + b + r * 0) != 0  # a vector: scalar & vector masks trip the interpreter
+                hrow = tl.where(in_x, 0, S - (W - 1) + j)
+                old = tl.load(st_ptr + slot * ss_n + hrow[:, None] * ss_s + d[None, :] * ss_d,
+                              mask=(r_ok & (j < W - 1) & init)[:, None] & d_ok[None, :], other=0.0)
+                new = tl.where(in_x[:, None], new, old)
+            tl.debug_barrier()  # every read of the old history before any write
+            tl.store(st_ptr + slot * ss_n + (S - (W - 1) + r)[:, None] * ss_s + d[None, :] * ss_d,
+                     new.to(st_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def update(x_ptr, w_ptr, b_ptr, st_ptr, ci_ptr, nat_ptr, out_ptr,
+               D, L, S, KEPT, OFFSET, pad_slot_id,
+               sx_b, sx_t, sx_d, sw_d, sw_k, ss_n, ss_s, ss_d, so_b, so_t, so_d,
+               W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_CI: tl.constexpr,
+               SPEC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        b = tl.program_id(0)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        i = tl.arange(0, BLOCK_L)
+        i_ok = i < L
+        x_base = x_ptr + b.to(tl.int64) * sx_b
+        o_ptrs = out_ptr + b.to(tl.int64) * so_b + i[:, None] * so_t + d[None, :] * so_d
+        o_mask = i_ok[:, None] & d_ok[None, :]
+        if HAS_CI:
+            slot = tl.load(ci_ptr + b).to(tl.int64)
+            live = slot != pad_slot_id
+        else:
+            slot = b.to(tl.int64)
+            live = True
+        if live:
+            s_base = st_ptr + slot * ss_n
+            if SPEC:
+                shift = tl.load(nat_ptr + b).to(tl.int64)
+                hist0 = shift - 1
+            else:
+                shift = 0
+                hist0 = S - (W - 1)
+            acc = tl.full((BLOCK_L, BLOCK_D), 0.0, tl.float32)
+            for k in tl.static_range(W):
+                j = i + k
+                in_x = j >= W - 1
+                xv = tl.load(x_base + tl.where(in_x, j - (W - 1), 0)[:, None] * sx_t + d[None, :] * sx_d,
+                             mask=(i_ok & in_x)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                hv = tl.load(s_base + tl.where(in_x, 0, hist0 + j)[:, None] * ss_s + d[None, :] * ss_d,
+                             mask=(i_ok & (j < W - 1))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                wk = tl.load(w_ptr + d * sw_d + k * sw_k, mask=d_ok, other=0.0).to(tl.float32)
+                acc += (xv + hv) * wk[None, :]
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            if SILU:
+                acc = acc / (1.0 + tl.exp(-acc))
+            # New slot row r is row OFFSET + r of (old[shift : shift + KEPT] ++ x).
+            r = tl.arange(0, BLOCK_S)
+            r_ok = r < S
+            u = OFFSET + r
+            from_old = u < KEPT
+            ov = tl.load(s_base + tl.where(from_old, shift + u, 0)[:, None] * ss_s + d[None, :] * ss_d,
+                         mask=(r_ok & from_old)[:, None] & d_ok[None, :], other=0.0)
+            nv = tl.load(x_base + tl.where(from_old, 0, u - KEPT)[:, None] * sx_t + d[None, :] * sx_d,
+                         mask=(r_ok & (u >= KEPT))[:, None] & d_ok[None, :], other=0.0)
+            new = tl.where(from_old[:, None], ov, nv.to(ov.dtype))
+            tl.debug_barrier()  # every read of the old slot before any write
+            tl.store(s_base + r[:, None] * ss_s + d[None, :] * ss_d, new, mask=r_ok[:, None] & d_ok[None, :])
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            tl.store(o_ptrs, tl.full((BLOCK_L, BLOCK_D), 0, out_ptr.dtype.element_ty), mask=o_mask)
+
+    return SimpleNamespace(fn_conv=fn_conv, fn_state=fn_state, update=update, cdiv=triton.cdiv,
+                           next_power_of_2=triton.next_power_of_2)
+
+
+@dataclass(frozen=True)
+class FnBlocks:
+    d: int  # channels per program
+    t: int  # tokens per program
+
+    @property
+    def id(self) -> str:
+        return f"triton_d{self.d}_t{self.t}"
+
+
+@dataclass(frozen=True)
+class UpdateBlocks:
+    d: int
+
+    @property
+    def id(self) -> str:
+        return f"triton_d{self.d}"
+
+
+FN_CONFIGS = (FnBlocks(32, 64), FnBlocks(64, 32), FnBlocks(128, 16), FnBlocks(256, 8))
+UPDATE_CONFIGS = (UpdateBlocks(32), UpdateBlocks(64), UpdateBlocks(128), UpdateBlocks(256))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def fn_heuristic(tokens: int, dim: int) -> FnBlocks:
+    """Fill the GPU with programs first, then widen the channel block."""
+    d = min(128, max(16, _pow2(dim)))
+    t = 32 if tokens >= 4096 else 16
+    return FnBlocks(d, t)
+
+
+def update_heuristic(batch: int, dim: int) -> UpdateBlocks:
+    return UpdateBlocks(min(256 if batch <= 16 else 128, max(16, _pow2(dim))))
+
+
+def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=None, has_initial_state=None,
+                     query_start_loc=None, activation=None, pad_slot_id=-1, blocks: FnBlocks | None = None):
+    """x: [B, L, D], or [T, D] with query_start_loc; weight: [D, W]; conv_states: [N, S, D]
+    updated in place; returns x's shape and dtype (contiguous)."""
+    k = kernels(interpreting())
+    width = weight.shape[1]
+    varlen = query_start_loc is not None
+    x2 = x if varlen else x.reshape(-1, x.shape[-1])  # a view for the usual contiguous x
+    tokens, dim = x2.shape
+    length = 1 if varlen else x.shape[1]
+    batch = query_start_loc.shape[0] - 1 if varlen else x.shape[0]
+    blocks = blocks or fn_heuristic(tokens, dim)
+    out = torch.empty((tokens, dim), dtype=x.dtype, device=x.device)
+    has_states = conv_states is not None
+    has_hist = has_states and has_initial_state is not None
+    dummy = out  # stands in for absent pointers; never dereferenced
+    st = conv_states if has_states else dummy
+    ci = cache_indices.contiguous() if cache_indices is not None else dummy
+    init = has_initial_state.contiguous().view(torch.uint8) if has_hist else dummy
+    qsl = query_start_loc.contiguous() if varlen else dummy
+    seq = dummy
+    if varlen:
+        seq = torch.searchsorted(qsl, torch.arange(tokens, device=x.device, dtype=qsl.dtype), right=True) - 1
+    rows = conv_states.shape[1] if has_states else width - 1
+    ss = conv_states.stride() if has_states else (0, 0, 0)
+    if tokens > 0:
+        grid = (k.cdiv(tokens, blocks.t), k.cdiv(dim, blocks.d))
+        k.fn_conv[grid](
+            x2, weight, bias if bias is not None else dummy, st, ci, init, qsl, seq, out,
+            tokens, dim, length, rows, pad_slot_id,
+            x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), *ss, out.stride(0), out.stride(1),
+            W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_HIST=has_hist,
+            HAS_CI=cache_indices is not None, VARLEN=varlen, BLOCK_T=blocks.t, BLOCK_D=blocks.d)
+    if has_states and width > 1:
+        grid = (batch, k.cdiv(dim, blocks.d))
+        k.fn_state[grid](
+            x2, st, ci, init, qsl, dim, length, rows, pad_slot_id, x2.stride(0), x2.stride(1), *ss,
+            W=width, HAS_HIST=has_hist, HAS_CI=cache_indices is not None, VARLEN=varlen,
+            BLOCK_R=_pow2(width - 1), BLOCK_D=blocks.d)
+    return out if varlen else out.view(x.shape)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, conv_state_indices=None,
+                         num_accepted_tokens=None, pad_slot_id=-1, blocks: UpdateBlocks | None = None):
+    """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place; weight: [D, W]."""
+    k = kernels(interpreting())
+    x3 = x.unsqueeze(1) if x.ndim == 2 else x
+    batch, length, dim = x3.shape
+    width = weight.shape[1]
+    rows = conv_state.shape[1]
+    spec = num_accepted_tokens is not None
+    blocks = blocks or update_heuristic(batch, dim)
+    out = torch.empty((batch, length, dim), dtype=x.dtype, device=x.device)
+    kept = max(rows - length, 0) if spec else rows  # rows of the old slot in the stream old ++ x
+    offset = kept + length - rows  # first stream row of the new slot
+    dummy = out
+    grid = (batch, k.cdiv(dim, blocks.d))
+    k.update[grid](
+        x3, weight, bias if bias is not None else dummy, conv_state,
+        conv_state_indices.contiguous() if conv_state_indices is not None else dummy,
+        num_accepted_tokens.contiguous() if spec else dummy, out,
+        dim, length, rows, kept, offset, pad_slot_id,
+        *x3.stride(), weight.stride(0), weight.stride(1), *conv_state.stride(), *out.stride(),
+        W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_CI=conv_state_indices is not None,
+        SPEC=spec, BLOCK_L=_pow2(length), BLOCK_S=_pow2(rows), BLOCK_D=blocks.d)
+    return out.squeeze(1) if x.ndim == 2 else out
+
+
+def _caps(**extra) -> Capabilities:
+    devices = {"cuda", "cpu"} if interpreting() else {"cuda"}
+    return Capabilities(devices=devices, dtypes={"float32", "bfloat16", "float16"}, width=(1, MAX_WIDTH),
+                        noncontiguous_states=True, **extra)
+
+
+def _bind(fn, blocks):
+    def run(*args, **kwargs):
+        return fn(*args, blocks=blocks, **kwargs)
+
+    run.__qualname__ = f"{fn.__qualname__}[{blocks.id}]"
+    return run
+
+
+def variants() -> list[Variant]:
+    # Under the interpreter the kernels claim the CPU too, where they are far slower than any
+    # native variant: ranked below them, they run there only when forced or measured.
+    base = -50 if interpreting() else 15
+    version = f"1+{installed_triton()}"
+    fn_caps, update_caps = _caps(varlen=True), _caps(num_accepted_tokens=True)
+    out = [
+        Variant(id="triton", op="causal_conv1d_fn", version=version, fn=causal_conv1d_fn, probe=probe, priority=base,
+                capabilities=fn_caps, description="Triton prefill, block sizes by a heuristic"),
+        Variant(id="triton", op="causal_conv1d_update", version=version, fn=causal_conv1d_update, probe=probe,
+                priority=base, capabilities=update_caps, description="Triton decode, block sizes by a heuristic"),
+    ]
+    out += [Variant(id=c.id, op="causal_conv1d_fn", version=version, fn=_bind(causal_conv1d_fn, c), probe=probe,
+                    priority=base - 5, capabilities=fn_caps, description=f"Triton prefill, BLOCK_D={c.d} BLOCK_T={c.t}")
+            for c in FN_CONFIGS]
+    out += [Variant(id=c.id, op="causal_conv1d_update", version=version, fn=_bind(causal_conv1d_update, c), probe=probe,
+                    priority=base - 5, capabilities=update_caps, description=f"Triton decode, BLOCK_D={c.d}")
+            for c in UPDATE_CONFIGS]
+    return out
+
+
+@hookimpl
+def kv_register_variants(register) -> None:
+    for v in variants():
+        register(v)
