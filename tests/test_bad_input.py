@@ -112,3 +112,19 @@ def test_valid_calls_of_the_matrix_run():
     for base, op in ((_fn_call, FN), (_varlen_call, FN), (_update_call, UP)):
         call = base()
         assert getattr(kernel_variants, op)(**call).shape == call["x"].shape
+
+
+def test_slot_count_is_metadata_and_checked_without_value_checks(monkeypatch):
+    monkeypatch.setenv("KV_CHECK_VALUES", "0")
+    kernel_variants.reload()
+    call = {**_fn_call(), "cache_indices": None, "conv_states": torch.randn(2, S, D)}
+    with pytest.raises(ValueError, match="conv_states: expected at least B=3 slots"):
+        kernel_variants.causal_conv1d_fn(**call)
+
+
+@pytest.mark.parametrize("bad", [1.0, True, "1"])
+def test_a_memoised_call_still_refuses_a_pad_slot_id_of_the_wrong_type(bad):
+    call = _fn_call()
+    kernel_variants.causal_conv1d_fn(**call, pad_slot_id=1)  # memoises this signature
+    with pytest.raises(TypeError, match=f"pad_slot_id: expected int, got {type(bad).__name__}"):
+        kernel_variants.causal_conv1d_fn(**call, pad_slot_id=bad)

@@ -99,7 +99,7 @@ def test_list_feature_flags_shape_the_call(capsys):
     assert (key["op"], key["spec"], key["width"], key["bias"], key["activation"]) == (
         "causal_conv1d_update", True, 3, False, "none")
     got = run_json(capsys, "list", "--shape", "3,16,8", "--varlen", "--dtype", "fp32")
-    assert got["key"]["varlen"] and got["chosen"] == "reference"  # torch_shift declares no varlen
+    assert got["key"]["varlen"] and got["chosen"] not in ("torch_shift", "aten")  # they declare no varlen
     varlen_reason = {t["variant"]: t["reason"] for t in got["trace"]}["torch_shift"]
     assert "varlen" in varlen_reason
 
@@ -271,12 +271,13 @@ def test_export_then_import_on_an_identical_machine(capsys, monkeypatch, tmp_pat
     _switch_table(monkeypatch, tmp_path / "other-machine")
     assert _winners() == {}
     got = run_json(capsys, "import", str(doc_path))
-    assert (got["added"], got["updated"], got["kept"], got["forced"]) == (6, 0, 0, False)
+    # measurements are merged; winners are re-decided from them, never copied
+    assert (got["added"], got["updated"], got["kept"], got["forced"]) == (4, 0, 0, False)
     assert _winners() == before
     assert kv.table(FN)[0].times_us == {k: v for k, v in (
         (m["variant"], m["best_us"]) for m in doc["measurements"] if tuple(m["shape"]) == (1, 16, 8))}
     rc, out, _ = run(capsys, "import", str(doc_path))  # again: nothing newer
-    assert rc == 0 and "0 added, 0 updated, 6 kept" in out
+    assert rc == 0 and "0 added, 0 updated, 4 kept" in out
 
 
 def test_export_to_stdout_is_the_document(capsys):
@@ -296,7 +297,7 @@ def test_import_keeps_the_newer_entry_per_key(capsys, monkeypatch, tmp_path):
     older.update(best_us=9999.0, measured_at=older["measured_at"] - 100)
     doc_path.write_text(json.dumps(doc))
     got = run_json(capsys, "import", str(doc_path))
-    assert (got["added"], got["updated"], got["kept"]) == (0, 1, 5)
+    assert (got["added"], got["updated"], got["kept"]) == (0, 1, 3)
     rows = {r.shape: r.times_us for r in kv.table(FN)}
     assert rows[tuple(newer["shape"])][newer["variant"]] == 1234.5
     assert rows[tuple(older["shape"])][older["variant"]] != 9999.0
@@ -325,7 +326,7 @@ def test_a_document_from_another_fingerprint_needs_force(capsys, monkeypatch, tm
     assert "threads '96' in the document" in err and "--force" in err
     assert len(dispatcher().table) == 0
     got = run_json(capsys, "import", str(doc_path), "--force")
-    assert got["forced"] is True and got["added"] == 6
+    assert got["forced"] is True and got["added"] == 4
     assert _winners() == before  # filed under this machine's fingerprint, so dispatch uses it
 
 

@@ -76,6 +76,11 @@ def _index(name: str, t: torch.Tensor | None, length: int, x: torch.Tensor) -> N
         raise ValueError(f"{name}: expected device {x.device} (x's), got {t.device}")
 
 
+def _pad_slot_id(pad_slot_id: object) -> None:
+    if type(pad_slot_id) is not int:  # bool is an int subclass, and 1.0 == 1 would hit the memo
+        raise TypeError(f"pad_slot_id: expected int, got {type(pad_slot_id).__name__}")
+
+
 def _activation(activation: object) -> str:
     if activation is None:
         return "none"
@@ -120,13 +125,15 @@ def _state_pool(name: str, pool: torch.Tensor, x: torch.Tensor, dim: int, min_ro
         raise ValueError(f"{name}: expected S >= {min_rows} rows ({why}), got S={pool.shape[1]}")
 
 
+def _enough_slots(name: str, idx: object, batch: int, pool: torch.Tensor, pool_name: str) -> None:
+    """Without indices sequence b uses slot b: a shape fact, checked with the metadata."""
+    if idx is None and batch > pool.shape[0]:
+        raise ValueError(f"{pool_name}: expected at least B={batch} slots when {name} is None, got N={pool.shape[0]}")
+
+
 def _slots(name: str, idx: torch.Tensor | None, batch: int, n_slots: int, pad_slot_id: int,
            pool_name: str) -> None:
     if idx is None:
-        if batch > n_slots:
-            raise ValueError(
-                f"{pool_name}: expected at least B={batch} slots when {name} is None, got N={n_slots}"
-            )
         return
     slots = idx.tolist()
     if len(slots) == 1 and (slots[0] == pad_slot_id or 0 <= slots[0] < n_slots):
@@ -173,8 +180,7 @@ def check_fn(x, weight, bias, conv_states, cache_indices, has_initial_state, que
             raise ValueError(f"x: expected B >= 1 and L >= 1, got {_shape(x)}")
     width = _weight_bias(x, weight, bias, dim)
     act = _activation(activation)
-    if not isinstance(pad_slot_id, int):
-        raise TypeError(f"pad_slot_id: expected int, got {type(pad_slot_id).__name__}")
+    _pad_slot_id(pad_slot_id)
     _tensor("conv_states", conv_states, optional=True)
     if conv_states is None:
         for name, t in (("cache_indices", cache_indices), ("has_initial_state", has_initial_state)):
@@ -182,6 +188,7 @@ def check_fn(x, weight, bias, conv_states, cache_indices, has_initial_state, que
                 raise ValueError(f"{name}: expected None when conv_states is None, got a tensor")
     else:
         _state_pool("conv_states", conv_states, x, dim, width - 1, f"W-1 history rows for W={width}")
+        _enough_slots("cache_indices", cache_indices, batch, conv_states, "conv_states")
     _index("cache_indices", cache_indices, batch, x)
     if has_initial_state is not None:
         _tensor("has_initial_state", has_initial_state)
@@ -215,8 +222,7 @@ def check_update(x, conv_state, weight, bias, activation, conv_state_indices, nu
         raise ValueError(f"x: expected B >= 1 and L >= 1, got {_shape(x)}")
     width = _weight_bias(x, weight, bias, dim)
     act = _activation(activation)
-    if not isinstance(pad_slot_id, int):
-        raise TypeError(f"pad_slot_id: expected int, got {type(pad_slot_id).__name__}")
+    _pad_slot_id(pad_slot_id)
     _tensor("conv_state", conv_state)
     spec = num_accepted_tokens is not None
     if spec:
@@ -224,6 +230,7 @@ def check_update(x, conv_state, weight, bias, activation, conv_state_indices, nu
                     f"W-1+L-1 rows for speculative decoding with W={width}, L={seqlen}")
     else:
         _state_pool("conv_state", conv_state, x, dim, width - 1, f"W-1 history rows for W={width}")
+    _enough_slots("conv_state_indices", conv_state_indices, batch, conv_state, "conv_state")
     _index("conv_state_indices", conv_state_indices, batch, x)
     _index("num_accepted_tokens", num_accepted_tokens, batch, x)
     if values:

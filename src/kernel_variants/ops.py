@@ -60,7 +60,7 @@ def causal_conv1d_fn(
             None if cache_indices is None else (cache_indices.shape, cache_indices.dtype, cache_indices.device),
             None if has_initial_state is None else (has_initial_state.shape, has_initial_state.dtype, has_initial_state.device),
             None if query_start_loc is None else (query_start_loc.shape, query_start_loc.dtype, query_start_loc.device),
-            activation, pad_slot_id, pins_in_context(),
+            activation, pad_slot_id, type(pad_slot_id), pins_in_context(),
         )
         hit = d.memo.get(sig)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments: checks say which
@@ -120,7 +120,7 @@ def causal_conv1d_update(
             conv_state.shape, conv_state.stride(), conv_state.dtype, conv_state.device,
             None if conv_state_indices is None else (conv_state_indices.shape, conv_state_indices.dtype, conv_state_indices.device),
             None if num_accepted_tokens is None else (num_accepted_tokens.shape, num_accepted_tokens.dtype, num_accepted_tokens.device),
-            activation, pad_slot_id, pins_in_context(),
+            activation, pad_slot_id, type(pad_slot_id), pins_in_context(),
         )
         hit = d.memo.get(sig)
     except (AttributeError, TypeError):
@@ -175,4 +175,4 @@ def explain(op_name: str, *args: object, **kwargs: object) -> Decision:
     """
     key = call_key(op_name, *args, **kwargs)
     d = dispatcher()
-    return d.decide(key, d.pinned(op_name))
+    return d.decide(key, d.pinned(op_name), tune=False)

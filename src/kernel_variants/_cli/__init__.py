@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
@@ -78,7 +79,8 @@ def _warning_line(command: str):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one ``kv`` command; returns its exit status (0 ok, 1 negative verdict, 2 user error)."""
+    """Run one ``kv`` command; returns its exit status (0 ok, 1 negative verdict, 2 user error,
+    3 internal error)."""
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
@@ -111,6 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"\nkv {args.command}: interrupted", file=sys.stderr)
             return 130
+        except Exception:
+            # A bug, not a user mistake: show where, and exit with a status no verdict uses, so
+            # that CI running `kv gate` can tell a crash (3) from a regression (1).
+            traceback.print_exc()
+            print(f"kv {args.command}: internal error (please report it with the traceback above)", file=sys.stderr)
+            return 3
 
 
 def _silence_stdout() -> None:

@@ -49,9 +49,16 @@ def dtype(raw: str) -> str:
 
 def device(raw: str) -> str:
     try:
-        return str(torch.device(raw))
+        dev = torch.device(raw)
     except RuntimeError:
         raise ValueError(f"--device: expected a torch device such as cpu, cuda, cuda:1 or npu, got {raw!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {raw!r} asked for, but this machine has no CUDA device torch can use")
+    if dev.type == "npu" and not hasattr(torch, "npu"):
+        raise ValueError(f"--device: {raw!r} asked for, but torch_npu is not installed (pip install torch_npu)")
+    if dev.type not in ("cpu", "cuda", "npu"):
+        raise ValueError(f"--device: expected cpu, cuda[:N] or npu[:N], got {raw!r}")
+    return str(dev)
 
 
 def variant_list(raw: str) -> list[str]:

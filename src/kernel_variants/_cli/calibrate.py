@@ -15,6 +15,7 @@ import sys
 
 import kernel_variants as kv
 from kernel_variants.dispatch._calibrate import CalibrationResult
+from kernel_variants.dispatch._table import DEFAULT_MARGIN
 
 from . import _options as opt
 from ._output import ProgressBar, percent, print_json, render_table, us
@@ -29,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_dtype(p)
     opt.add_device(p)
     p.add_argument("--variants", help="comma-separated ids to measure (default: every available one)")
-    p.add_argument("--margin", type=float, default=0.02,
-                   help="a challenger must be this much faster to take a shape (default 0.02)")
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                   help=f"a challenger must be this much faster to take a shape (default {DEFAULT_MARGIN})")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.add_argument("--distributed", action="store_true", help="share the work among torchrun ranks")
     opt.add_timing(p)

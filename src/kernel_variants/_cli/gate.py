@@ -25,13 +25,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def failures(result: h2h.HeadToHead, tolerance: float) -> list[dict]:
-    """Each shape where the candidate (B) is not within ``tolerance`` of the incumbent (A)."""
+    """Each shape where the candidate (B) is not shown to be within ``tolerance`` of the incumbent
+    (A): slower, rejected, unable to run it, or with no incumbent time to compare against."""
     out = []
     for p in result.pairs:
         reason = None
         if p.b_us is None:
             reason = p.b_note or "not timed"
-        elif p.a_us is not None and p.b_us > p.a_us * (1 + tolerance):
+        elif p.a_us is None:  # nothing to compare with: the gate cannot vouch for this shape
+            reason = f"not compared: incumbent {p.a_note or 'not timed'}"
+        elif p.b_us > p.a_us * (1 + tolerance):
             reason = f"slower by {percent(p.ratio - 1)}"
         if reason is not None:
             out.append({"shape": list(p.shape), "incumbent_us": p.a_us, "candidate_us": p.b_us,

@@ -12,7 +12,7 @@ from kernel_variants.registry._models import OpName
 from ._calibrate import CalibrationResult, Features, Progress, run_calibration
 from ._dispatcher import dispatcher
 from ._fingerprint import fingerprint, fingerprint_id
-from ._table import Group, Shape
+from ._table import DEFAULT_MARGIN, Group, Shape
 from ._timing import TimingConfig
 
 
@@ -45,7 +45,7 @@ def calibrate(
     iters: int = 100,
     window_budget_s: float | None = 0.25,
     rotate: int = 0,
-    margin: float = 0.02,
+    margin: float = DEFAULT_MARGIN,
     progress: Callable[[Progress], None] | None = None,
 ) -> CalibrationResult:
     """Measure ``variants`` (default: every available one) of ``op`` on each ``(B, D, L)``.
@@ -106,6 +106,6 @@ def clear_table(op: OpName | None = None, variant: str | None = None) -> int:
     """Forget measurements of ``op`` (and of ``variant`` only, if given); returns entries removed."""
     d = dispatcher()
     try:
-        return d.table.clear(op, variant)
+        return d.table.clear(op, variant, versions=d.versions())
     finally:
         d.invalidate()

@@ -20,7 +20,7 @@ from kernel_variants.registry._registry import Registry, make_plugin_manager
 
 from ._fingerprint import fingerprint, fingerprint_id
 from ._select import Decision, NoVariantError, select, uncovered
-from ._table import CalibrationTable
+from ._table import DEFAULT_MARGIN, CalibrationTable
 
 _MEMO_LIMIT = 65536  # varlen batches make many distinct keys; a bound keeps serving memory flat
 
@@ -79,7 +79,8 @@ class Dispatcher:
     def pinned(self, op: str) -> str | None:
         return dict(_pins.get()).get(op) or self._env_pins.get(op)
 
-    def decide(self, key: CallKey, forced: str | None = None) -> Decision:
+    def decide(self, key: CallKey, forced: str | None = None, *, tune: bool | None = None) -> Decision:
+        """The decision for ``key``; ``tune`` (default: KV_TUNE) may measure an unseen key first."""
         entries = self.registry.variants(key.op)
         if forced is not None:
             return select(entries, key, forced=forced)
@@ -89,7 +90,7 @@ class Dispatcher:
             return select(entries, key)
         fpid = fingerprint_id(fingerprint(key.device))
         found = self.table.lookup(key, fpid, runnable, self.versions())
-        if self.tune and (found is None or found[2] != "table") and not capturing(key.device):
+        if (self.tune if tune is None else tune) and (found is None or found[2] != "table") and not capturing(key.device):
             self._tune(key)
             found = self.table.lookup(key, fpid, runnable, self.versions())
         if found is None:
@@ -106,7 +107,8 @@ class Dispatcher:
                             states=key.states, varlen=key.varlen, spec=key.spec)
         run_calibration(self.registry.variants(key.op), self.table, key.op, [(key.batch, key.dim, key.seqlen)],
                         dtype=key.dtype, device=key.device, features=features, timing=TimingConfig(),
-                        variants=None, rotate=0, margin=0.02, progress=None)
+                        variants=None, rotate=0, margin=DEFAULT_MARGIN, progress=None)
+        self.invalidate()  # signatures memoised from nearest or priority decisions may change
 
     def resolve(self, sig: tuple[Any, ...] | None, key: CallKey) -> tuple[str, Callable[..., Any], str | None]:
         """Decide for a validated call and remember the decision under its signature ``sig``."""

@@ -24,7 +24,7 @@ from ._calibrate import CalibrationResult, Features, Progress, as_dtype, measure
 from ._dispatcher import dispatcher
 from ._exchange import ImportReport, build_document, import_document, parse_document
 from ._fingerprint import fingerprint
-from ._table import Measurement, Shape
+from ._table import DEFAULT_MARGIN, Measurement, Shape
 from ._timing import TimingConfig
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -99,7 +99,7 @@ def calibrate_distributed(
     timing: TimingConfig,
     variants: Sequence[str] | None = None,
     rotate: int = 0,
-    margin: float = 0.02,
+    margin: float = DEFAULT_MARGIN,
     progress: Callable[[Progress], None] | None = None,
 ) -> DistributedResult:
     """Calibrate ``shapes`` across the ranks of this torchrun job (see the module docstring).

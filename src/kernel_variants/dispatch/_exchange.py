@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ._dispatcher import dispatcher
 from ._fingerprint import fingerprint, fingerprint_id
-from ._table import Measurement, Winner
+from ._table import DEFAULT_MARGIN, Measurement, Winner
 
 DOCUMENT_SCHEMA = 1
 DOCUMENT_FORMAT = "kernel_variants.table"
@@ -213,7 +213,8 @@ def read_document(path: str | os.PathLike[str]) -> TableDocument:
 
 @dataclass
 class ImportReport:
-    """What an import changed: entries added, newer ones that replaced older, older ones skipped."""
+    """What an import changed, in measurements: added, newer ones that replaced older, older ones
+    skipped. The winners of the shapes it touched are re-decided from the merged measurements."""
 
     source: str
     fingerprint_id: str
@@ -258,8 +259,9 @@ def import_document(doc: TableDocument, *, force: bool = False, device: str = "c
                 report.unknown.append(m.variant)
         elif local != m.version:
             report.stale[m.variant] = (m.version, local)
+    # Winners are not taken from the document: each touched shape is re-decided below from the
+    # merged measurements, so a kept local winner can never contradict newer imported timings.
     incoming = [(m.storage_key(), m.measured_at, m.model_dump_json(), Measurement) for m in ms]
-    incoming += [(w.storage_key(), w.decided_at, w.model_dump_json(), Winner) for w in ws]
     table = d.table
     store = table.store
     with store.transaction():
@@ -281,6 +283,8 @@ def import_document(doc: TableDocument, *, force: bool = False, device: str = "c
                 report.added += 1
             store.set(key, text)
     table.forget()
+    for group, shape in dict.fromkeys((m.group, m.shape) for m in ms):
+        table.decide_winner(ours_id, group, shape, versions, DEFAULT_MARGIN)
     d.invalidate()
     return report
 

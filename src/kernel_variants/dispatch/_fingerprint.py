@@ -57,13 +57,21 @@ def _npu(index: int) -> dict[str, str]:
     return info
 
 
-@functools.cache
 def fingerprint(device: str = "cpu") -> dict[str, str]:
-    """A stable description of ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"npu"``)."""
+    """A stable description of ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"npu"``).
+
+    On the CPU it includes the intra-op thread count, read now: timings taken with 1 thread say
+    nothing about 8, and ``torch.set_num_threads`` can change it at any time."""
+    threads = torch.get_num_threads() if torch.device(device).type == "cpu" else 0
+    return dict(_fingerprint(device, threads))
+
+
+@functools.cache
+def _fingerprint(device: str, threads: int) -> tuple[tuple[str, str], ...]:
     dev = torch.device(device)
     info: dict[str, str] = {"device": dev.type}
     if dev.type == "cpu":
-        info.update(name=_cpu_model(), threads=str(torch.get_num_threads()), machine=platform.machine())
+        info.update(name=_cpu_model(), threads=str(threads), machine=platform.machine())
     elif dev.type == "cuda":
         info.update(_cuda(dev.index or 0))
     elif dev.type == "npu":
@@ -71,7 +79,7 @@ def fingerprint(device: str = "cpu") -> dict[str, str]:
     else:
         info["name"] = dev.type
     info.update(torch=torch.__version__, kernel_variants=__version__)
-    return info
+    return tuple(info.items())
 
 
 def fingerprint_id(fp: dict[str, str]) -> str:

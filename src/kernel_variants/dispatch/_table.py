@@ -26,6 +26,9 @@ from kernel_variants._checks import CallKey
 from kernel_variants.registry._models import DTypeName, OpName
 
 SCHEMA = 1
+# A challenger must be this much faster to take a shape from its winner: noise on a shared
+# machine is a few percent, and choices that flip back and forth help nobody.
+DEFAULT_MARGIN = 0.02
 Shape = tuple[int, int, int]
 
 
@@ -130,6 +133,12 @@ class _JSONOnlyDisk(diskcache.Disk):
             raise _HostileRow("a value that is not inline text")
         return value
 
+    def remove(self, file_path):
+        # Values are always inline, so a row that names a file was planted: deleting what it
+        # names (diskcache joins it onto the directory, and an absolute path wins) would let a
+        # shared cache directory delete any file. Nothing is ever removed from disk.
+        return None
+
 
 def default_directory() -> Path:
     env = os.environ.get("KV_CACHE_DIR")
@@ -137,6 +146,17 @@ def default_directory() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kernel_variants"
+
+
+def is_corrupt(exc: sqlite3.DatabaseError) -> bool:
+    """A damaged file, as opposed to one that is busy, read-only, on a full disk or unreadable.
+
+    Only the first is moved aside; the others keep the table in memory and leave the file be.
+    """
+    if not isinstance(exc, sqlite3.OperationalError):
+        return True  # "file is not a database", "database disk image is malformed"
+    text = str(exc).lower()
+    return "malformed" in text or "not a database" in text or "no such table" in text
 
 
 class _Store:
@@ -151,13 +171,13 @@ class _Store:
     def _open(self) -> None:
         try:
             self.cache = self._connect()
-        except (sqlite3.DatabaseError, _HostileRow) as exc:
-            if isinstance(exc, sqlite3.OperationalError) and not (self.directory / "cache.db").exists():
-                self._to_memory(exc)
-                return
-            self.move_aside(exc)
+        except sqlite3.DatabaseError as exc:
+            if is_corrupt(exc):
+                self.move_aside(exc)
+            else:
+                self.to_memory(exc)
         except OSError as exc:
-            self._to_memory(exc)
+            self.to_memory(exc)
 
     def _connect(self) -> diskcache.Cache:
         cache = diskcache.Cache(str(self.directory), disk=_JSONOnlyDisk, disk_min_file_size=1 << 24,
@@ -165,7 +185,7 @@ class _Store:
         len(cache)  # touches the database, so a corrupt file fails here rather than mid-call
         return cache
 
-    def _to_memory(self, exc: BaseException) -> None:
+    def to_memory(self, exc: BaseException) -> None:
         warnings.warn(
             f"calibration table directory {self.directory} is not usable ({type(exc).__name__}: {exc}); "
             "keeping the table in memory for this process (set KV_CACHE_DIR to a writable directory)",
@@ -192,7 +212,7 @@ class _Store:
         try:
             self.cache = self._connect()
         except (OSError, sqlite3.DatabaseError) as again:
-            self._to_memory(again)
+            self.to_memory(again)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
@@ -209,7 +229,8 @@ class _Store:
             return
         # Keys are listed straight from SQLite: diskcache's own key iterator would unpickle a
         # non-raw key (and stop at the first one our disk refuses).
-        con = sqlite3.connect(f"file:{self.directory / 'cache.db'}?mode=ro", uri=True, timeout=60)
+        uri = (self.directory / "cache.db").resolve().as_uri() + "?mode=ro"  # '#', '?', '%' escaped
+        con = sqlite3.connect(uri, uri=True, timeout=60)
         try:
             rows = con.execute("SELECT key, raw = 1 AND typeof(key) = 'text' FROM Cache").fetchall()
         finally:
@@ -266,7 +287,7 @@ class CalibrationTable:
         self.directory = Path(directory) if directory is not None else default_directory()
         self._lock = threading.RLock()
         self._store: _Store | None = None
-        self._index: _Index | None = None
+        self._index: dict[str, _Index] = {}  # per device fingerprint
         self._versions: dict[tuple[str, str], str] = {}
 
     @property
@@ -281,23 +302,29 @@ class CalibrationTable:
         return self.store.cache is None
 
     def _guard(self, fn, *args):
-        """Run a store operation; a table that turns out corrupt is moved aside and retried once."""
+        """Run a store operation; a table that turns out corrupt is moved aside (one that is busy
+        or unwritable is left alone and the table kept in memory), then the operation retried."""
         try:
             return fn(*args)
         except sqlite3.DatabaseError as exc:
-            self.store.move_aside(exc)
-            self._index = None
+            if is_corrupt(exc):
+                self.store.move_aside(exc)
+            else:
+                self.store.to_memory(exc)
+            self.forget()
             return fn(*args)
 
     # reading
 
     def load(self, versions: dict[tuple[str, str], str], fingerprint_id: str) -> _Index:
         with self._lock:
-            if self._index is not None and versions == self._versions:
-                return self._index
-            self._versions = dict(versions)
-            self._index = self._guard(self._build_index, fingerprint_id)
-            return self._index
+            if versions != self._versions:
+                self._index.clear()
+                self._versions = dict(versions)
+            index = self._index.get(fingerprint_id)
+            if index is None:
+                index = self._index[fingerprint_id] = self._guard(self._build_index, fingerprint_id)
+            return index
 
     def _build_index(self, fingerprint_id: str) -> _Index:
         index = _Index()
@@ -420,26 +447,40 @@ class CalibrationTable:
         self.forget()
         return w
 
-    def clear(self, op: str | None = None, variant: str | None = None) -> int:
-        """Delete measurements (and winners, unless ``variant`` is given) of ``op``; returns count."""
+    def clear(self, op: str | None = None, variant: str | None = None,
+              versions: dict[tuple[str, str], str] | None = None, margin: float = DEFAULT_MARGIN) -> int:
+        """Delete measurements (and winners) of ``op``, or of ``variant`` only; returns how many
+        measurements went. Shapes whose winner was ``variant`` are re-decided from what is left
+        when ``versions`` is given (else their winner is dropped)."""
         n = 0
+        redecide: list[Winner] = []
         with self._lock:
-            for key, _ in list(self.store.items()):
+            for key, raw in list(self.store.items()):
                 parts = key.split("|")
-                if len(parts) < 3:
+                if len(parts) < 3 or parts[0] not in ("m", "w") or (op is not None and parts[2] != op):
                     continue
-                if op is not None and parts[2] != op:
+                if parts[0] == "m" and variant is not None and parts[-1] != variant:
                     continue
-                if variant is not None and not (parts[0] == "m" and parts[-1] == variant):
-                    continue
+                if parts[0] == "w" and variant is not None:
+                    try:
+                        w = Winner.model_validate_json(raw or "")
+                    except ValidationError:
+                        w = None
+                    if w is not None and w.variant != variant:
+                        continue
+                    if w is not None:
+                        redecide.append(w)
                 self.store.delete(key)
-                n += 1
+                n += parts[0] == "m"
         self.forget()
+        if versions is not None:
+            for w in redecide:
+                self.decide_winner(w.fingerprint_id, w.group, w.shape, versions, margin)
         return n
 
     def forget(self) -> None:
         """Drop the in-memory index: the next read sees what other processes or imports wrote."""
-        self._index = None
+        self._index.clear()
 
     def __len__(self) -> int:
         return len(self.store)

@@ -88,6 +88,14 @@ def measure(
 ) -> Timing:
     """Time ``calls`` (one, or several over rotating input copies for a cold cache), cycling."""
     device = torch.device(device)
+    if device.type in ("cuda", "npu") and device.index is not None:
+        # Events record on the current device's stream: make that the device being measured.
+        with getattr(torch, device.type).device(device):
+            return _measure(calls, device, config)
+    return _measure(calls, device, config)
+
+
+def _measure(calls: Sequence[Callable[[], Any]], device: torch.device, config: TimingConfig) -> Timing:
     n = len(calls)
     if n == 0:
         raise ValueError("calls: expected at least one callable, got none")

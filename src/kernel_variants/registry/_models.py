@@ -33,7 +33,8 @@ class Capabilities(BaseModel):
     seqlen: tuple[int, int | None] = (1, None)
     varlen: bool = False
     conv_states: bool = True
-    noncontiguous_states: bool = True
+    # Opt-in: a kernel that assumes a dense pool would write a strided one in the wrong places.
+    noncontiguous_states: bool = False
     num_accepted_tokens: bool = False
     # Some kernels honour num_accepted_tokens for one width only; None means the whole ``width`` range.
     num_accepted_tokens_width: tuple[int, int] | None = None

@@ -131,6 +131,7 @@ _CAPS = dict(
     dtypes={"float32", "bfloat16", "float16", "float64"},
     width=(1, None),
     bias=True,
+    noncontiguous_states=True,
 )
 
 

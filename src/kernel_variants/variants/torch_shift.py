@@ -118,6 +118,7 @@ _CAPS = dict(
     devices={"cpu", "cuda", "npu"},
     dtypes={"float32", "bfloat16", "float16", "float64"},
     width=(1, None),
+    noncontiguous_states=True,
 )
 
 

@@ -289,7 +289,7 @@ def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=No
     if tokens > 0:
         grid = (k.cdiv(tokens, blocks.t), k.cdiv(dim, blocks.d))
         k.fn_conv[grid](
-            x2, weight, bias if bias is not None else dummy, st, ci, init, qsl, seq, out,
+            x2, weight, bias.contiguous() if bias is not None else dummy, st, ci, init, qsl, seq, out,
             tokens, dim, length, rows, pad_slot_id,
             x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), *ss, out.stride(0), out.stride(1),
             W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_HIST=has_hist,
@@ -319,7 +319,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, c
     dummy = out
     grid = (batch, k.cdiv(dim, blocks.d))
     k.update[grid](
-        x3, weight, bias if bias is not None else dummy, conv_state,
+        x3, weight, bias.contiguous() if bias is not None else dummy, conv_state,
         conv_state_indices.contiguous() if conv_state_indices is not None else dummy,
         num_accepted_tokens.contiguous() if spec else dummy, out,
         dim, length, rows, kept, offset, pad_slot_id,
