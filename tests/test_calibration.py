@@ -317,3 +317,48 @@ def test_values_on_disk_are_json(tmp_path, monkeypatch):
     con.close()
     assert modes == {1}  # diskcache's raw mode: inline text, no pickle
     assert all(isinstance(json.loads(v), dict) for v in values)
+
+
+def _counting(vid, fn, priority):
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(vid)
+        return fn(*args, **kwargs)
+
+    return _variant(vid, counted, priority=priority), calls
+
+
+def test_real_calls_follow_the_table_after_calibrate_and_clear(with_variants):
+    """Through the memo, not explain(): calibrating and clearing must change what a call runs."""
+    slow, slow_calls = _counting("slow_but_preferred", _slow(0.003), priority=1000)
+    fast, fast_calls = _counting("fast", reference.causal_conv1d_fn, priority=0)
+    with_variants(slow, fast)
+    args, kw = _call(*SHAPES[0])
+    kv.causal_conv1d_fn(*args, **kw)
+    assert slow_calls and not fast_calls, "without measurements the priority decides"
+    kv.calibrate(FN, SHAPES[:1], variants=["slow_but_preferred", "fast"], **QUICK)
+    slow_calls.clear()
+    fast_calls.clear()
+    kv.causal_conv1d_fn(*args, **kw)
+    assert fast_calls == ["fast"] and not slow_calls, "the memoised decision survived calibration"
+    kv.clear_table(FN)
+    kv.causal_conv1d_fn(*args, **kw)
+    assert slow_calls == ["slow_but_preferred"], "the memoised decision survived clear_table"
+
+
+def test_import_re_decides_winners_from_the_merged_timings(with_variants):
+    """A newer imported timing that dethrones the local winner wins, whatever the winner rows say."""
+    from kernel_variants.dispatch._exchange import build_document, import_document
+
+    with_variants(_variant("a", reference.causal_conv1d_fn), _variant("b", reference.causal_conv1d_fn))
+    versions = dispatcher().versions()
+    va, vb = versions[(FN, "a")], versions[(FN, "b")]
+    t = dispatcher().table
+    t.record(_m("a", 100.0, va))
+    t.record(_m("b", 50.0, vb))
+    assert t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02).variant == "b"
+    doc = build_document("cpu").model_copy(update={"measurements": [_m("b", 500.0, vb)]})
+    import_document(doc)
+    _, winners = t.measurements(versions, _fpid())
+    assert winners[(_group(), (1, 16, 8))].variant == "a"

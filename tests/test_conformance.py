@@ -8,6 +8,7 @@ import torch
 
 import kernel_variants
 from kernel_variants._cases import make_case
+from kernel_variants.variants import reference
 from kernel_variants.dispatch import uncovered
 from kernel_variants.dispatch._verify import verify
 from kernel_variants.ops import call_key
@@ -24,6 +25,10 @@ FN_CASES = {
     "extra-rows": dict(batch=2, dim=16, seqlen=3, extra_rows=3, poison=True),
     "varlen": dict(batch=5, dim=40, seqlen=4, varlen=True, poison=True),
     "varlen-pad-noncontig": dict(batch=4, dim=24, seqlen=3, varlen=True, pad=True, noncontig=True, poison=True),
+    "slot-b": dict(batch=3, dim=40, seqlen=5, slot_indices=False, poison=True),
+    "no-initial-flags": dict(batch=3, dim=40, seqlen=5, initial_flags=False, poison=True),
+    "strided-inputs": dict(batch=2, dim=48, seqlen=6, strided=True, noncontig=True, poison=True),
+    "varlen-strided": dict(batch=3, dim=24, seqlen=4, varlen=True, strided=True, poison=True),
 }
 UPDATE_CASES = {
     "2d": dict(batch=3, dim=64, seqlen=1),
@@ -33,8 +38,11 @@ UPDATE_CASES = {
     "pad": dict(batch=4, dim=32, seqlen=1, pad=True, poison=True),
     "noncontig": dict(batch=3, dim=40, seqlen=2, noncontig=True),
     "no-bias-no-act": dict(batch=2, dim=24, seqlen=1, bias=False, activation=None),
-    "spec": dict(batch=3, dim=40, seqlen=4, spec=True),
-    "spec-pad-noncontig": dict(batch=4, dim=24, seqlen=3, spec=True, pad=True, noncontig=True, extra_rows=1),
+    "spec": dict(batch=3, dim=40, seqlen=4, spec=True, poison=True),
+    "spec-pad-noncontig": dict(batch=4, dim=24, seqlen=3, spec=True, pad=True, noncontig=True, extra_rows=1, poison=True),
+    "slot-b": dict(batch=3, dim=40, seqlen=2, slot_indices=False),
+    "strided-inputs": dict(batch=3, dim=48, seqlen=2, strided=True, noncontig=True),
+    "spec-strided": dict(batch=2, dim=32, seqlen=3, spec=True, strided=True, poison=True),
 }
 CASES = {"causal_conv1d_fn": FN_CASES, "causal_conv1d_update": UPDATE_CASES}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,16 +103,16 @@ def test_dispatched_call_writes_into_the_callers_view(variant, device):
     spec = dict(batch=2, dim=32, seqlen=3, noncontig=True)
     case = make_case(variant.op, width=_widths(caps)[-1], device=device, dtype=torch.float32, **spec).fresh()
     before = case.pool_base.clone()
+    _, expected_pool = case.run(getattr(reference, variant.op))  # the reference, on a fresh copy
     op = getattr(kernel_variants, variant.op)
     with kernel_variants.force(**{variant.op: variant.id}):
         op(*case.args, **case.kwargs)
     assert not torch.equal(before, case.pool_base), "the state update did not reach the caller's pool"
+    assert torch.equal(case.pool_base, expected_pool), "the caller's pool differs from the reference's"
 
 
 def test_the_suite_catches_a_variant_that_writes_into_a_copy():
     """The failure the SGLang adoption of causal_conv1d_update_v2 had: state written to a copy."""
-    from kernel_variants.variants import reference
-
     def into_copy(x, conv_state, *args, **kwargs):
         return reference.causal_conv1d_update(x, conv_state.contiguous(), *args, **kwargs)
 
@@ -113,8 +121,6 @@ def test_the_suite_catches_a_variant_that_writes_into_a_copy():
 
 
 def test_the_suite_catches_a_variant_that_reads_a_history_it_must_not():
-    from kernel_variants.variants import reference
-
     def always_initial(x, weight, bias=None, *, has_initial_state=None, **kwargs):
         return reference.causal_conv1d_fn(x, weight, bias, has_initial_state=torch.ones_like(has_initial_state), **kwargs)
 

@@ -87,12 +87,23 @@ def test_parse_force_rejects_unknown_ops_and_accepts_a_bare_id():
         parse_force("conv2d=reference")
 
 
-def test_force_context_pins_and_unpins():
+def test_force_context_pins_and_unpins(with_variants):
+    ran = []
+
+    def tracked(vid):
+        def fn(*a, **k):
+            ran.append(vid)
+            return reference.causal_conv1d_fn(*a, **k)
+        return fn
+
+    with_variants(_v("preferred", fn=tracked("preferred"), priority=99), _v("pinned", fn=tracked("pinned"), priority=1))
     args, kw = _args()
-    with kernel_variants.force(causal_conv1d_fn="reference"):
-        assert kernel_variants.explain("causal_conv1d_fn", *args, **kw).chosen.id == "reference"
+    kernel_variants.causal_conv1d_fn(*args, **kw)
+    with kernel_variants.force(causal_conv1d_fn="pinned"):
+        assert kernel_variants.explain("causal_conv1d_fn", *args, **kw).chosen.id == "pinned"
         out = kernel_variants.causal_conv1d_fn(*args, **kw)
-    assert kernel_variants.explain("causal_conv1d_fn", *args, **kw).chosen.id == _top_priority()
+    kernel_variants.causal_conv1d_fn(*args, **kw)
+    assert ran == ["preferred", "pinned", "preferred"], "the pin must apply inside the block only, memo or not"
     assert out.shape == args[0].shape
 
 

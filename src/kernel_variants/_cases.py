@@ -77,6 +77,9 @@ def make_case(
     varlen: bool = False,
     spec: bool = False,
     noncontig: bool = False,
+    strided: bool = False,
+    slot_indices: bool = True,
+    initial_flags: bool = True,
     pad: bool = False,
     poison: bool = False,
     extra_rows: int = 0,
@@ -85,16 +88,27 @@ def make_case(
     """A call of ``op`` on (B=batch, D=dim, L=seqlen) with real slot indices into a larger pool.
 
     ``noncontig`` makes the pool a view of a bigger one (extra leading rows and a slot stride of
-    two), ``pad`` maps one sequence to the pad slot, ``spec`` adds num_accepted_tokens (update).
+    two), ``strided`` makes x, weight and bias strided views too, ``pad`` maps one sequence to the
+    pad slot, ``spec`` adds num_accepted_tokens (update). Without ``slot_indices`` sequence b uses
+    slot b (no index tensor); without ``initial_flags`` no has_initial_state is passed (prefill).
     """
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
 
+    def maybe_strided(t: torch.Tensor) -> torch.Tensor:
+        """The same values as a view with every stride doubled (last dim included)."""
+        if not strided:
+            return t
+        big = torch.zeros(*[2 * s for s in t.shape], dtype=t.dtype, device=t.device)
+        view = big[tuple(slice(None, None, 2) for _ in t.shape)]
+        view.copy_(t)
+        return view
+
     keep = width - 1
-    weight = randn(dim, width) * (1.0 / width)
-    b = randn(dim) if bias else None
+    weight = maybe_strided(randn(dim, width) * (1.0 / width))
+    b = maybe_strided(randn(dim)) if bias else None
     if op == "causal_conv1d_update":
         states = True
         rows = keep + (seqlen - 1 if spec else 0) + extra_rows
@@ -107,45 +121,52 @@ def make_case(
         lead = 2 if noncontig else 0
         base = randn(n_slots * (2 if noncontig else 1), rows + lead, dim)
         pool = base[:: 2 if noncontig else 1, lead:] if noncontig else base
-        perm = torch.randperm(n_slots, generator=gen)[:batch]
-        if pad and batch > 1:
+        perm = torch.randperm(n_slots, generator=gen)[:batch] if slot_indices else torch.arange(batch)
+        if pad and batch > 1 and slot_indices:
             perm[batch // 2] = PAD_SLOT_ID
-        indices = perm.to(device=device, dtype=torch.int32)
+        indices = perm.to(device=device, dtype=torch.int32) if slot_indices else None
         if poison:
             used = set(perm.tolist())
             for s in range(n_slots):
                 if s not in used:
                     pool[s] = float("nan")
     if op == "causal_conv1d_update":
-        x = randn(batch, dim) if seqlen == 1 and not spec else randn(batch, seqlen, dim)
+        x = maybe_strided(randn(batch, dim) if seqlen == 1 and not spec else randn(batch, seqlen, dim))
         nat = None
         if spec:
-            nat = torch.randint(1, seqlen + 1, (batch,), generator=gen).to(device=device, dtype=torch.int32)
+            accepted = torch.randint(1, seqlen + 1, (batch,), generator=gen)
+            if poison:  # rows before n-1 are dropped unread by a verify step that accepted n
+                for slot, n in zip(perm.tolist(), accepted.tolist(), strict=True):
+                    if slot != PAD_SLOT_ID and n > 1:
+                        pool[slot, : n - 1] = float("nan")
+            nat = accepted.to(device=device, dtype=torch.int32)
         kwargs = dict(activation=activation, conv_state_indices=indices, num_accepted_tokens=nat,
                       pad_slot_id=PAD_SLOT_ID)
         return Case(op, (x, pool, weight, b), kwargs, "conv_state", base)
     qsl = None
     if varlen:
         lengths = _lengths(gen, batch, seqlen)
-        x = randn(sum(lengths), dim)
+        x = maybe_strided(randn(sum(lengths), dim))
         qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     else:
-        x = randn(batch, seqlen, dim)
+        x = maybe_strided(randn(batch, seqlen, dim))
     init = None
     if states:
         init = torch.rand(batch, generator=gen) < 0.7
         init[0] = True
         if batch > 1:
             init[-1] = False
+        if not initial_flags:
+            init[:] = False  # what None means: no sequence reads its slot
         if poison:
-            for i, slot in enumerate(indices.tolist()):
+            for i, slot in enumerate(perm.tolist()):
                 if slot == PAD_SLOT_ID:
                     continue
                 if not init[i]:
                     pool[slot] = float("nan")
                 elif rows > keep:
                     pool[slot, : rows - keep] = float("nan")
-        init = init.to(device)
+        init = init.to(device) if initial_flags else None
     kwargs = dict(conv_states=pool, cache_indices=indices, has_initial_state=init,
                   query_start_loc=qsl, activation=activation, pad_slot_id=PAD_SLOT_ID)
     return Case(op, (x, weight, b), kwargs, "conv_states" if states else "", base)
