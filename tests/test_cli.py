@@ -163,7 +163,7 @@ def test_without_a_sweep_each_op_gets_its_own_default():
         (["calibrate", "--sweep", "nope"], "calibrate", "sweep: expected one of seed69"),
         (["calibrate", "--sweep", "missing.csv"], "calibrate", "cannot be read"),
         (["calibrate", "--variants", "ghost", "--shapes", "1,8,4"], "calibrate", "ghost not registered"),
-        (["calibrate", "--margin", "2"], "calibrate", "--margin"),
+        (["calibrate", "--margin", "2"], "calibrate", "margin: expected a fraction"),
         (["calibrate", "--iters", "0"], "calibrate", "--iters: expected a positive count"),
         (["calibrate", "--iters", "many"], "calibrate", "invalid int value"),
         (["calibrate", "--sweep", "smoke", "--shapes", "1,2,3"], "calibrate", "not both"),

@@ -15,7 +15,7 @@ import sys
 
 import kernel_variants as kv
 from kernel_variants.dispatch._calibrate import CalibrationResult
-from kernel_variants.dispatch._table import DEFAULT_MARGIN
+from kernel_variants.dispatch._table import DEFAULT_MARGIN, check_margin
 
 from . import _options as opt
 from ._output import ProgressBar, percent, print_json, render_table, us
@@ -68,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         # Named explicitly, so that the progress total counts only variants that can run here.
         variants = [rv.id for rv in kv.variants(work.op) if rv.unavailable_reason() is None]
-    if not 0 <= args.margin < 1:
-        raise ValueError(f"--margin: expected a fraction in [0, 1), got {args.margin}")
+    check_margin(args.margin)
     common = dict(dtype=dtype, features=features, timing=timing, variants=variants, rotate=args.rotate,
                   margin=args.margin)
     if args.distributed:

@@ -17,7 +17,7 @@ from kernel_variants.registry._registry import RegisteredVariant
 
 from ._fingerprint import fingerprint, fingerprint_id
 from ._select import uncovered
-from ._table import CalibrationTable, Group, Measurement, Shape, Winner
+from ._table import CalibrationTable, Group, Measurement, Shape, Winner, check_margin
 from ._timing import TimingConfig, measure
 from ._verify import reference_result, verify
 
@@ -165,8 +165,7 @@ def run_calibration(
     progress: Callable[[Progress], None] | None,
 ) -> CalibrationResult:
     dt = as_dtype(dtype)
-    if not 0 <= margin < 1:
-        raise ValueError(f"margin: expected a fraction in [0, 1), got {margin}")
+    check_margin(margin)
     if variants is not None:
         known = {rv.id for rv in entries}
         missing = [v for v in variants if v not in known]

@@ -24,7 +24,7 @@ from ._calibrate import CalibrationResult, Features, Progress, as_dtype, measure
 from ._dispatcher import dispatcher
 from ._exchange import ImportReport, build_document, import_document, parse_document
 from ._fingerprint import fingerprint
-from ._table import DEFAULT_MARGIN, Measurement, Shape
+from ._table import DEFAULT_MARGIN, Measurement, Shape, check_margin
 from ._timing import TimingConfig
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -112,8 +112,7 @@ def calibrate_distributed(
     local = torchrun_env()[2]
     dev = rank_device(device, local)
     dt = as_dtype(dtype)
-    if not 0 <= margin < 1:
-        raise ValueError(f"margin: expected a fraction in [0, 1), got {margin}")
+    check_margin(margin)
     if dev.startswith("cuda"):
         torch.cuda.set_device(local)
     elif dev.startswith("npu"):
@@ -181,15 +180,8 @@ def _run(dist, op, shapes, dt, dev, features, timing, variants, rotate, margin, 
     if rank == 0:
         status = None
         try:
-            table = d.table
-            for m in measurements:
-                table.record(m)
-            by_op = {(rv.op, rv.id): rv.version for rv in entries}
-            firsts = {m.shape: m for m in reversed(measurements)}
-            for shape in shapes:
-                m = firsts.get(shape)
-                if m is not None:
-                    result.winners[shape] = table.decide_winner(m.fingerprint_id, m.group, shape, by_op, margin)
+            versions = {(rv.op, rv.id): rv.version for rv in entries}
+            result.winners.update(d.table.store_results(measurements, versions, margin))
             text = build_document(dev).model_dump_json()
         except Exception as exc:  # the other ranks wait in the broadcast below
             status, text = f"rank 0: {type(exc).__name__}: {exc}", ""

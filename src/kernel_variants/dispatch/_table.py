@@ -32,6 +32,12 @@ DEFAULT_MARGIN = 0.02
 Shape = tuple[int, int, int]
 
 
+def check_margin(margin: float) -> float:
+    if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
+        raise ValueError(f"margin: expected a fraction in [0, 1), got {margin!r}")
+    return float(margin)
+
+
 class CalibrationWarning(UserWarning):
     """The table could not be used as it was (corrupt, unwritable, or entries out of date)."""
 
@@ -446,6 +452,15 @@ class CalibrationTable:
             self.store.set(wkey, w.model_dump_json())
         self.forget()
         return w
+
+    def store_results(self, measurements: Iterable[Measurement], versions: dict[tuple[str, str], str],
+                      margin: float) -> dict[Shape, Winner | None]:
+        """Record ``measurements`` and re-decide the winner of every shape they cover."""
+        shapes: dict[tuple[str, Group, Shape], None] = {}
+        for m in measurements:
+            self.record(m)
+            shapes[(m.fingerprint_id, m.group, m.shape)] = None
+        return {shape: self.decide_winner(fp, group, shape, versions, margin) for fp, group, shape in shapes}
 
     def clear(self, op: str | None = None, variant: str | None = None,
               versions: dict[tuple[str, str], str] | None = None, margin: float = DEFAULT_MARGIN) -> int:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kernel_variants.registry import Capabilities, Variant, hookimpl
 
-from ._slots import initial, resolve
+from ._common import initial, resolve
 
 
 def _depthwise(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:

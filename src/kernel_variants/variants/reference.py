@@ -12,9 +12,7 @@ import torch.nn.functional as F
 
 from kernel_variants.registry import Capabilities, Variant, hookimpl
 
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ._common import acc_dtype
 
 
 def _conv(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
@@ -47,7 +45,7 @@ def causal_conv1d_fn(
     Returns [B, L, D] or [T, D] in x's dtype."""
     width = weight.shape[1]
     keep = width - 1
-    acc = _acc_dtype(x.dtype)
+    acc = acc_dtype(x.dtype)
     silu = activation in ("silu", "swish")
     if query_start_loc is None:
         bounds = [(b, None, None) for b in range(x.shape[0])]
@@ -96,7 +94,7 @@ def causal_conv1d_update(
     Returns x's shape and dtype."""
     width = weight.shape[1]
     keep = width - 1
-    acc = _acc_dtype(x.dtype)
+    acc = acc_dtype(x.dtype)
     silu = activation in ("silu", "swish")
     x3 = x.unsqueeze(1) if x.ndim == 2 else x
     batch, length, _ = x3.shape

@@ -12,11 +12,7 @@ import torch.nn.functional as F
 
 from kernel_variants.registry import Capabilities, Variant, hookimpl
 
-from ._slots import initial, resolve
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ._common import acc_dtype, initial, resolve
 
 
 def _taps(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
@@ -50,7 +46,7 @@ def causal_conv1d_fn(
         raise ValueError("query_start_loc: torch_shift supports dense [B, L, D] input only")
     batch, _, dim = x.shape
     keep = weight.shape[1] - 1
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     hist = x.new_zeros(batch, keep, dim, dtype=acc)
     live = None
     if conv_states is not None:
@@ -89,7 +85,7 @@ def causal_conv1d_update(
     batch, length, dim = x3.shape
     keep = weight.shape[1] - 1
     rows = conv_state.shape[1]
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     slots, safe, live = resolve(conv_state_indices, batch, pad_slot_id, x.device)
     state = conv_state[safe].to(acc)  # [B, S, D]
     xa = x3.to(acc)
