@@ -22,6 +22,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("reference", "kernel_variants.variants.reference"),
     ("torch_shift", "kernel_variants.variants.torch_shift"),
     ("aten", "kernel_variants.variants.aten"),
+    ("cpu_native", "kernel_variants.variants.cpu_native"),
     ("asc", "kernel_variants.variants.asc"),
     ("pto", "kernel_variants.variants.pto"),
     ("npu_triton", "kernel_variants.variants.npu_triton"),
@@ -64,15 +65,22 @@ def make_plugin_manager(
     return pm
 
 
-def _source_hash(variant: Variant) -> str:
+def _source_hash(variant: Variant, plugin: str) -> str:
     h = hashlib.sha256()
-    paths = [inspect.getsourcefile(variant.fn) or ""] + list(variant.sources)
-    for p in paths:
+    own = inspect.getsourcefile(variant.fn)
+    if own is not None:
+        h.update(Path(own).read_bytes())
+    # else a builtin or C function: no source to read, the declared version must do
+    here = Path(own).parent if own is not None else Path.cwd()
+    for p in variant.sources:
+        path = here / p  # relative paths are relative to the variant's module, not the cwd
         try:
-            h.update(Path(p).read_bytes())
-        except OSError:
-            # A builtin or C function has no readable source: the declared version must do.
-            h.update(p.encode())
+            h.update(path.read_bytes())
+        except OSError as exc:
+            raise ValueError(
+                f"plugin {plugin!r}: variant {variant.id!r} declares source {p!r}, which cannot be read "
+                f"({exc.strerror or exc}); its version would not follow its code"
+            ) from None
     return h.hexdigest()[:10]
 
 
@@ -159,7 +167,7 @@ class Registry:
                 f"variant id {variant.id!r} for op {variant.op!r} is registered twice: by plugin "
                 f"{first!r} and by plugin {plugin!r}"
             )
-        version = f"{variant.version}+{_source_hash(variant)}"
+        version = f"{variant.version}+{_source_hash(variant, plugin)}"
         self._by_key[key] = RegisteredVariant(variant, plugin, version)
 
     def variants(self, op: OpName | None = None) -> list[RegisteredVariant]:

@@ -11,7 +11,7 @@
 // This file must not define objects with dynamic initialisers: they would
 // run, with AVX2 code, at import time on CPUs that lack it.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#pragma GCC target("avx,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt")
+#pragma GCC target("avx,avx2,fma,f16c")
 // GCC's target pragma does not define the ISA macros; sleef.h (pulled in by
 // ATen's vec headers) needs them to declare its AVX2 entry points.
 #define __AVX__ 1

@@ -3,7 +3,7 @@
 // is a separate TU with a target pragma. Twice the lanes of AVX2 matter
 // here: with SiLU and bf16 conversion the kernel is compute-bound per core.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#pragma GCC target("avx,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt,avx512f,avx512bw,avx512vl,avx512dq")
+#pragma GCC target("avx,avx2,fma,f16c,prfchw,avx512f,avx512bw,avx512vl,avx512dq")
 // See causal_conv1d_avx2.cpp: sleef.h keys its declarations on these.
 #define __AVX__ 1
 #define __AVX2__ 1

@@ -11,8 +11,13 @@ enum class DType : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
 
 constexpr int kMaxWidth = 6;
 // Channels per work item. Multiple of the widest channel group (2 x 16
-// floats with AVX-512) so only the last tile of a row can be ragged.
-constexpr int64_t kTileC = 256;
+// floats with AVX-512) so only the last tile of a row can be ragged. Wide
+// tiles make the access pattern nearly row-contiguous; 2048 keeps the
+// per-item fp32 tap/window buffers (~64 KiB for W=4) on the stack.
+#ifndef KV_TILE_C
+#define KV_TILE_C 2048
+#endif
+constexpr int64_t kTileC = KV_TILE_C;
 
 // One sequence of the batch (fwd) or one batch row (update).
 struct Seq {
@@ -22,7 +27,7 @@ struct Seq {
   int64_t slot;     // state slot, or -1 for "no state row" / pad
   int64_t hist_row; // update: first history row within the slot
   int64_t shift;    // update: rows the slot is shifted by
-  int64_t item0;    // fwd: index of this sequence's first work item
+  int64_t item0;    // fwd: index of this sequence's first chunk in a tile
   bool pad;         // output zero, state untouched
   bool init;        // fwd: read history from the state
 };
@@ -46,13 +51,14 @@ struct Params {
   int64_t st_sn, st_ss, st_sd, st_rows;  // strides (slot, row, channel), S
   const Seq* seqs;
   int64_t nseq;
-  int64_t chunk_t;     // fwd: time rows per work item
+  int64_t chunk_t;     // fwd: time rows per item; update: batch rows per item
   int64_t n_tiles;     // channel tiles per row
+  int64_t items_per_tile;  // fwd: sum over sequences of their time chunks
 };
 
 // Work-range entry points, one set per ISA build. Items are numbered
-//  fwd:    seq.item0 + chunk * n_tiles + tile
-//  update: seq * n_tiles + tile
+//  fwd:    tile * items_per_tile + seq.item0 + chunk
+//  update: (batch row / chunk_t) * n_tiles + tile
 using RangeFn = void (*)(const Params&, int64_t begin, int64_t end);
 
 }  // namespace kv_cconv
