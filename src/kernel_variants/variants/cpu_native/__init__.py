@@ -42,9 +42,9 @@ def causal_conv1d_fn(
 ) -> torch.Tensor:
     """x: [B, L, D] or [T, D] with query_start_loc [B+1]; weight: [D, W]; bias: [D];
     conv_states: [N, S, D] updated in place (any strides). Returns x's shape."""
-    if x.stride(-1) != 1:
+    if x.stride(-1) != 1:  # the kernel vectorises along D; weight, bias and state take any strides
         x = x.contiguous()
-    return _build.load_extension().fwd(x, weight.contiguous(), bias, conv_states, cache_indices, has_initial_state,
+    return _build.load_extension().fwd(x, weight, bias, conv_states, cache_indices, has_initial_state,
                                        query_start_loc, activation is not None, pad_slot_id)
 
 
@@ -63,7 +63,7 @@ def causal_conv1d_update(
     weight: [D, W]; conv_state_indices, num_accepted_tokens: [B]. Returns x's shape."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return _build.load_extension().update(x, conv_state, weight.contiguous(), bias, activation is not None,
+    return _build.load_extension().update(x, conv_state, weight, bias, activation is not None,
                                           conv_state_indices, num_accepted_tokens, pad_slot_id)
 
 

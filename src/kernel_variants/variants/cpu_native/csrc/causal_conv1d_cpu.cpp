@@ -1,11 +1,17 @@
 // Fused CPU causal depthwise conv1d (+SiLU) with in-place conv-state update.
 //
 // This TU holds the torch bindings, argument checks, work decomposition and
-// the portable (baseline-ISA) kernel build; the AVX2 / AVX-512 builds of the
-// same kernel live in causal_conv1d_avx2.cpp / causal_conv1d_avx512.cpp and
-// are chosen once at runtime. It must stay first in the source list: for
-// inline functions emitted by several TUs the linker keeps the first copy,
-// and that copy has to be the baseline-ISA one.
+// the portable (baseline-ISA) kernel build; the AVX2 / AVX-512 /
+// AVX-512+BF16 builds of the same kernel (causal_conv1d_avx*.cpp) are chosen
+// once at runtime. It must stay first in the source list: for inline
+// functions emitted by several TUs the linker keeps the first copy, and that
+// copy has to be the baseline-ISA one.
+//
+// Layout requirements: x needs stride(-1) == 1 (any batch / time strides);
+// weight [D, W], bias [D] and the index tensors may have any strides;
+// conv_states is read and written in place through all three of its strides
+// (stride(-1) != 1 works, on a slower scalar path). out is a new contiguous
+// tensor of x's shape and dtype.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -455,11 +461,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"), py::arg("conv_states"), py::arg("cache_indices"),
         py::arg("has_initial_state"), py::arg("query_start_loc"),
         py::arg("silu"), py::arg("pad_slot_id"),
+        py::call_guard<py::gil_scoped_release>(),
         "Causal depthwise conv1d prefill (batched [B,L,D] or varlen [T,D]); "
         "updates conv_states in place.");
   m.def("update", &kv_cconv::update, py::arg("x"), py::arg("conv_state"),
         py::arg("weight"), py::arg("bias"), py::arg("silu"),
         py::arg("conv_state_indices"), py::arg("num_accepted_tokens"),
-        py::arg("pad_slot_id"),
+        py::arg("pad_slot_id"), py::call_guard<py::gil_scoped_release>(),
         "Causal depthwise conv1d decode step; shifts conv_state in place.");
 }
