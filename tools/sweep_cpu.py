@@ -30,12 +30,14 @@ from kernel_variants.dispatch._calibrate import as_dtype
 from kernel_variants.dispatch._timing import TimingConfig, measure
 
 
-def _copy_us(op: str, shape, dtype: torch.dtype, spec: bool, timing: TimingConfig) -> float:
-    """A copy of x's bytes into an output-sized buffer: the floor for this shape."""
+def _copy_us(op: str, shape, dtype: torch.dtype, spec: bool, timing: TimingConfig) -> tuple[float, float]:
+    """A copy of x's bytes into an output-sized buffer (the floor for this shape), and the same
+    copy into a freshly allocated one (``clone``), which an op returning a new tensor also pays."""
     case = make_case(op, *shape, dtype=dtype, spec=spec, states=False if op == "causal_conv1d_fn" else True)
     x = case.args[0]
     out = torch.empty_like(x)
-    return measure([lambda: out.copy_(x)], "cpu", timing).best_us
+    return (measure([lambda: out.copy_(x)], "cpu", timing).best_us,
+            measure([lambda: x.clone()], "cpu", timing).best_us)
 
 
 def run_sweep(name: str, dtype_name: str, timing: TimingConfig, quick: bool, skip: set[str]) -> dict:
@@ -51,11 +53,11 @@ def run_sweep(name: str, dtype_name: str, timing: TimingConfig, quick: bool, ski
         res = kv.calibrate(sweep.op, [shape], dtype=dtype, variants=variants, spec=sweep.spec,
                            warmup=timing.warmup, windows=timing.windows, iters=timing.iters,
                            window_budget_s=timing.window_budget_s)
-        copy = _copy_us(sweep.op, shape, dtype, sweep.spec, timing)
+        copy, clone = _copy_us(sweep.op, shape, dtype, sweep.spec, timing)
         times = {m.variant: m.best_us for m in res.measurements if m.status == "ok"}
         rejected = {m.variant: m.reason for m in res.rejected()}
         winner = res.winners.get(tuple(shape))
-        rows.append(dict(shape=list(shape), copy_us=copy, times_us=times, rejected=rejected,
+        rows.append(dict(shape=list(shape), copy_us=copy, clone_us=clone, times_us=times, rejected=rejected,
                          winner=winner.variant if winner else None,
                          fastest=min(times, key=times.__getitem__) if times else None))
         print(f"  [{name} {dtype_name}] {i + 1}/{len(shapes)} {shape}: "
@@ -67,7 +69,9 @@ def run_sweep(name: str, dtype_name: str, timing: TimingConfig, quick: bool, ski
 def summarize(result: dict) -> dict:
     rows = result["rows"]
     best = [min(r["times_us"].values()) / r["copy_us"] for r in rows if r["times_us"]]
+    over_clone = [min(r["times_us"].values()) / r["clone_us"] for r in rows if r["times_us"]]
     out = {"best_over_copy_median": statistics.median(best), "best_over_copy_worst": max(best),
+           "best_over_clone_median": statistics.median(over_clone),
            "winners": sorted({r["winner"] for r in rows if r["winner"]})}
     if all("cpu_native" in r["times_us"] and "aten" in r["times_us"] for r in rows):
         speedup = [r["times_us"]["aten"] / r["times_us"]["cpu_native"] for r in rows]
@@ -92,7 +96,7 @@ def to_markdown(result: dict, summary: dict) -> str:
     table = markdown_table(["B", "D", "L", "copy", *variants, "winner", "winner/copy"], rows)
     lines = [head, "", table, ""]
     lines.append(f"best/copy: median {summary['best_over_copy_median']:.2f}, worst {summary['best_over_copy_worst']:.2f}; "
-                 f"winners: {', '.join(summary['winners'])}")
+                 f"best/clone: median {summary['best_over_clone_median']:.2f}; winners: {', '.join(summary['winners'])}")
     if "aten_over_cpu_native_median" in summary:
         slow = summary["cpu_native_slower_than_aten_by_10pct"]
         lines.append(f"aten/cpu_native: median {summary['aten_over_cpu_native_median']:.2f}x; "
