@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -341,3 +343,30 @@ def prefill_rows0(
     if padded != dim:
         out = out[..., :dim].contiguous()
     return zero_dead_rows(out, slots.live, query_start_loc)
+
+
+class LazyKernel:
+    """A kernel looked up on first need: ``probe()`` says why it cannot run (and remembers it when
+    it can), ``kernel()`` returns it or raises with that reason. Subclasses implement ``find``."""
+
+    def __init__(self) -> None:
+        self._found: Any = None
+        self._lock = threading.Lock()
+
+    def find(self) -> tuple[Any, str | None]:
+        """(the kernel, None) when it is there and matches, else (anything, the reason)."""
+        raise NotImplementedError
+
+    def probe(self) -> str | None:
+        found, why = self.find()
+        if why is None:
+            with self._lock:
+                self._found = found
+        return why
+
+    def kernel(self) -> Any:
+        if self._found is None:
+            why = self.probe()
+            if why is not None:
+                raise RuntimeError(why)
+        return self._found

@@ -29,7 +29,6 @@ schema it found). Where it departs from the contract, and what the adapter does:
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ import torch
 from kernel_variants.registry import Capabilities, Variant, hookimpl
 
 from ._npu_common import (
+    LazyKernel,
     OpRef,
     Param,
     Slots,
@@ -70,35 +70,24 @@ SPEC_WIDTH = 4
 DEFAULT_OP = OpRef("npu::causal_conv1d", modules=("sgl_kernel_npu",), device="npu")
 
 
-class AscAdapter:
+class AscAdapter(LazyKernel):
     """Both ops through one Ascend C op, found by ``ref`` (the real one, or a test double)."""
 
     def __init__(self, ref: OpRef = DEFAULT_OP) -> None:
+        super().__init__()
         self.ref = ref
-        self._op: Any = None
-        self._lock = threading.Lock()
 
-    def probe(self) -> str | None:
+    def find(self) -> tuple[Any, str | None]:
         op, why = self.ref.load()
         if why is None:
             why = schema_mismatch(op._schema, SCHEMA, "the Ascend C kernel's (sgl-kernel-npu PR #592)")
-        if why is None:
-            with self._lock:
-                self._op = op
-        return why
-
-    def op(self) -> Any:
-        if self._op is None:
-            why = self.probe()
-            if why is not None:
-                raise RuntimeError(why)
-        return self._op
+        return op, why
 
     def causal_conv1d_fn(self, x, weight, bias=None, *, conv_states=None, cache_indices=None,
                          has_initial_state=None, query_start_loc=None, activation=None, pad_slot_id=-1):
         """x: [B, L, D] or [T, D] with query_start_loc; weight: [D, W]; conv_states: [N, S, D]
         updated in place; returns x's shape and dtype."""
-        op = self.op()
+        op = self.kernel()
 
         def call(x_in, w_in, states, qsl, ci, init, b_in, silu):
             return op(x_in, w_in, states, b_in, qsl, ci, init, None, int(silu), pad_slot_id, RUN_PREFILL)
@@ -109,7 +98,7 @@ class AscAdapter:
     def causal_conv1d_update(self, x, conv_state, weight, bias=None, *, activation=None,
                              conv_state_indices=None, num_accepted_tokens=None, pad_slot_id=-1):
         """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place; weight: [D, W]."""
-        op = self.op()
+        op = self.kernel()
         x3 = (x.unsqueeze(1) if x.ndim == 2 else x).contiguous()
         batch, length, _ = x3.shape
         width = weight.shape[1]

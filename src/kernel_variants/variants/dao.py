@@ -20,7 +20,6 @@ tensors, never copies that would lose a write:
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 from kernel_variants.registry import Capabilities, Variant, hookimpl
 
 from ._npu_common import (
+    LazyKernel,
     FunctionRef,
     Slots,
     dist_version,
@@ -47,43 +47,32 @@ UPDATE_ALSO = ("conv_state_indices",)
 CHANNEL_LAST_MULTIPLE = 8
 
 
-class DaoAdapter:
+class DaoAdapter(LazyKernel):
     def __init__(self, module: str = "causal_conv1d", *, needs_cuda: bool = True) -> None:
+        super().__init__()
         self.fn_ref = FunctionRef(f"{module}:causal_conv1d_fn")
         self.update_ref = FunctionRef(f"{module}:causal_conv1d_update")
         self.needs_cuda = needs_cuda
-        self._fns: tuple[Any, Any] | None = None
-        self._lock = threading.Lock()
 
-    def probe(self) -> str | None:
+    def find(self) -> tuple[Any, str | None]:
         fn, why = self.fn_ref.load()
         if why is not None:
-            return why
+            return None, why
         update, why = self.update_ref.load()
         if why is not None:
-            return why
+            return None, why
         why = (signature_mismatch(fn, FN_PARAMS, FN_ALSO, "causal-conv1d's causal_conv1d_fn")
                or signature_mismatch(update, UPDATE_PARAMS, UPDATE_ALSO, "causal-conv1d's causal_conv1d_update"))
         if why is None and self.needs_cuda and not torch.cuda.is_available():
             why = "no CUDA device (causal-conv1d's kernels run on CUDA only)"
-        if why is None:
-            with self._lock:
-                self._fns = (fn, update)
-        return why
-
-    def kernels(self) -> tuple[Any, Any]:
-        if self._fns is None:
-            why = self.probe()
-            if why is not None:
-                raise RuntimeError(why)
-        return self._fns
+        return (fn, update), why
 
     def causal_conv1d_fn(self, x, weight, bias=None, *, conv_states=None, cache_indices=None,
                          has_initial_state=None, query_start_loc=None, activation=None, pad_slot_id=-1):
         """x: [B, L, D] (dense only); weight: [D, W]; conv_states: [N, S, D] updated in place."""
         if query_start_loc is not None:
             raise ValueError("query_start_loc: the causal-conv1d adapter takes dense [B, L, D] input only")
-        fn, _ = self.kernels()
+        fn, _ = self.kernel()
         batch, _, dim = x.shape
         keep = weight.shape[1] - 1
         padded = round_up(dim, CHANNEL_LAST_MULTIPLE)
@@ -113,7 +102,7 @@ class DaoAdapter:
         """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place (through a view)."""
         if num_accepted_tokens is not None:
             raise ValueError("num_accepted_tokens: not supported by causal-conv1d's causal_conv1d_update")
-        _, update = self.kernels()
+        _, update = self.kernel()
         x3 = x.unsqueeze(1) if x.ndim == 2 else x
         slots = Slots(conv_state_indices, x3.shape[0], pad_slot_id, x.device)
         # The kernel skips negative slots (and zeroes their output); pad entries become -1.

@@ -25,7 +25,6 @@ Where it departs from the contract, and what the adapter does:
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch
 from kernel_variants.registry import Capabilities, Variant, hookimpl
 
 from ._npu_common import (
+    LazyKernel,
     FunctionRef,
     Slots,
     dist_version,
@@ -50,27 +50,16 @@ ALSO = ("pad_slot_id",)
 DEFAULT_FN = FunctionRef("sgl_kernel_npu.mamba.causal_conv1d:causal_conv1d_update_v2", device="npu")
 
 
-class NpuTritonAdapter:
+class NpuTritonAdapter(LazyKernel):
     def __init__(self, ref: FunctionRef = DEFAULT_FN) -> None:
+        super().__init__()
         self.ref = ref
-        self._fn: Any = None
-        self._lock = threading.Lock()
 
-    def probe(self) -> str | None:
+    def find(self) -> tuple[Any, str | None]:
         fn, why = self.ref.load()
         if why is None:
             why = signature_mismatch(fn, LEADING, ALSO, "sgl_kernel_npu's causal_conv1d_update_v2")
-        if why is None:
-            with self._lock:
-                self._fn = fn
-        return why
-
-    def kernel(self) -> Any:
-        if self._fn is None:
-            why = self.probe()
-            if why is not None:
-                raise RuntimeError(why)
-        return self._fn
+        return fn, why
 
     def causal_conv1d_update(self, x, conv_state, weight, bias=None, *, activation=None,
                              conv_state_indices=None, num_accepted_tokens=None, pad_slot_id=-1):

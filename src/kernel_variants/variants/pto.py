@@ -29,7 +29,6 @@ Where it departs from the contract, and what the adapter does:
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ import torch
 
 from kernel_variants.registry import Capabilities, Variant, hookimpl
 
-from ._npu_common import OpRef, Param, dist_version, prefill_rows0, schema_mismatch
+from ._npu_common import LazyKernel, OpRef, Param, dist_version, prefill_rows0, schema_mismatch
 
 SCHEMA = (
     Param("x", "Tensor"),
@@ -61,35 +60,24 @@ def default_ref(env=None) -> OpRef:
     return OpRef(name, modules=("sgl_kernel_npu",), device="npu")
 
 
-class PtoAdapter:
+class PtoAdapter(LazyKernel):
     def __init__(self, ref: OpRef) -> None:
+        super().__init__()
         self.ref = ref
-        self._op: Any = None
-        self._lock = threading.Lock()
 
-    def probe(self) -> str | None:
+    def find(self) -> tuple[Any, str | None]:
         op, why = self.ref.load()
         if why is None:
             why = schema_mismatch(op._schema, SCHEMA, "the PTO-ISA kernel's (sgl-kernel-npu PR #572)")
             if why is not None and self.ref.qualname == "npu::causal_conv1d":
                 why += f"; set {ENV_OP} to the name of a PTO build registered under another namespace"
-        if why is None:
-            with self._lock:
-                self._op = op
-        return why
-
-    def op(self) -> Any:
-        if self._op is None:
-            why = self.probe()
-            if why is not None:
-                raise RuntimeError(why)
-        return self._op
+        return op, why
 
     def causal_conv1d_fn(self, x, weight, bias=None, *, conv_states=None, cache_indices=None,
                          has_initial_state=None, query_start_loc=None, activation=None, pad_slot_id=-1):
         """x: [B, L, D] or [T, D] with query_start_loc; weight: [D, W]; conv_states: [N, S, D]
         updated in place; returns x's shape and dtype."""
-        op = self.op()
+        op = self.kernel()
 
         def call(x_in, w_in, states, qsl, ci, init, b_in, silu):
             if qsl is None:  # dense input: the kernel still takes the offsets
