@@ -362,3 +362,48 @@ def test_import_re_decides_winners_from_the_merged_timings(with_variants):
     import_document(doc)
     _, winners = t.measurements(versions, _fpid())
     assert winners[(_group(), (1, 16, 8))].variant == "a"
+
+
+def test_a_row_naming_a_file_never_makes_the_table_delete_it(tmp_path):
+    t = CalibrationTable(tmp_path / "t")
+    t.record(_m("a", 100.0, "1"))
+    victim = tmp_path / "victim" / "important"
+    victim.parent.mkdir()
+    victim.write_text("keep me")
+    con = sqlite3.connect(tmp_path / "t" / "cache.db")
+    con.execute(
+        "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, filename, value)"
+        " VALUES ('m|x|causal_conv1d_fn|y', 1, 0, NULL, 0, 0, NULL, 0, 2, ?, NULL)", (str(victim),))
+    con.commit()
+    con.close()
+    t.clear(FN)  # deletes the planted row, and with it (before the fix) the file it names
+    assert victim.read_text() == "keep me"
+
+
+def test_a_busy_table_is_not_called_corrupt(tmp_path):
+    from kernel_variants.dispatch._table import is_corrupt
+
+    assert not is_corrupt(sqlite3.OperationalError("database is locked"))
+    assert not is_corrupt(sqlite3.OperationalError("attempt to write a readonly database"))
+    assert is_corrupt(sqlite3.DatabaseError("file is not a database"))
+
+
+def test_a_cache_path_with_uri_characters_works(tmp_path, monkeypatch):
+    monkeypatch.setenv("KV_CACHE_DIR", str(tmp_path / "odd #1 ?x %20"))
+    kv.reload()
+    kv.calibrate(FN, SHAPES[:1], variants=["reference"], **QUICK)
+    kv.reload()
+    assert [r.shape for r in kv.table(FN)] == [SHAPES[0]]
+    assert not any(".corrupt-" in p.name for p in tmp_path.iterdir())
+
+
+def test_each_device_fingerprint_has_its_own_index(tmp_path):
+    t = CalibrationTable(tmp_path / "t")
+    t.record(_m("a", 100.0, "1"))
+    t.record(_m("a", 7.0, "1", shape=(2, 16, 8), fp="other-device"))
+    versions = {(FN, "a"): "1"}
+    with pytest.warns(CalibrationWarning):
+        mine, _ = t.measurements(versions, _fpid())
+    with pytest.warns(CalibrationWarning):
+        other, _ = t.measurements(versions, "other-device")
+    assert [s for _, s in mine] == [(1, 16, 8)] and [s for _, s in other] == [(2, 16, 8)]

@@ -389,3 +389,13 @@ def test_import_of_a_missing_file_and_export_to_a_missing_directory(capsys, tmp_
     assert "No such file or directory" in err
     rc, _, err = run(capsys, "export", str(tmp_path / "no" / "such" / "dir.json"))
     assert_one_line_error(rc, err, "export")
+
+
+def test_an_unavailable_device_is_a_user_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    rc, _, err = run(capsys, "table", "--device", "cuda")
+    assert_one_line_error(rc, err, "table")
+    assert "no CUDA device" in err

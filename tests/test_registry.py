@@ -161,3 +161,8 @@ def test_a_crashing_probe_makes_the_variant_unavailable_with_the_reason():
 
     reg = _registry(("p", _Plugin(_variant("flaky", probe=probe))))
     assert reg.get("causal_conv1d_fn", "flaky").unavailable_reason() == "availability probe raised OSError: driver missing"
+
+
+def test_a_declared_source_that_cannot_be_read_is_an_error():
+    with pytest.raises(ValueError, match="declares source 'missing.cpp', which cannot be read"):
+        _registry(("p", _Plugin(_variant("with_src", sources=("missing.cpp",)))))
