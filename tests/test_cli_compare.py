@@ -140,6 +140,15 @@ def test_gate_fails_a_candidate_that_is_wrong_anywhere(capsys, contenders):
     assert [f["reason"].split(":")[0] for f in got["failures"]] == ["rejected", "rejected"]
 
 
+def test_gate_cannot_pass_a_candidate_it_never_compared(capsys, contenders):
+    """A wrong incumbent is never timed: the gate has nothing to vouch with and must not pass."""
+    rc, out, _ = run(capsys, "gate", "--incumbent", "off_by_one", "--candidate", "reference", *SHAPES, *QUICK,
+                     "--json")
+    got = json.loads(out)
+    assert rc == 1 and not got["passed"]
+    assert all(f["reason"].startswith("not compared: incumbent rejected") for f in got["failures"])
+
+
 def _csv(tmp_path, text, name="m.csv"):
     p = tmp_path / name
     p.write_text(text)
