@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_conformance import _claimed_cases
+from test_conformance import assert_conforms
 
 import kernel_variants
 from kernel_variants._cases import make_case
 from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._verify import verify
 from kernel_variants.registry._models import OPS
 from kernel_variants.variants import reference, triton_kernels
 
@@ -29,17 +28,7 @@ def interpreter(monkeypatch):
 
 
 def _verify_all(rv, keep=lambda label: True) -> int:
-    failures, ran = [], 0
-    for label, case in _claimed_cases(rv, "cpu"):
-        if not keep(label):
-            continue
-        ran += 1
-        why = verify(rv.variant.fn, case)
-        if why is not None:
-            failures.append(f"{label}: {why}")
-    assert ran > 0, f"{rv.id} claims no case of the suite"
-    assert not failures, f"{rv.id} failed {len(failures)} of {ran} cases:\n" + "\n".join(failures)
-    return ran
+    return assert_conforms(rv, "cpu", keep)
 
 
 @pytest.mark.parametrize("op", OPS)
