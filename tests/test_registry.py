@@ -10,7 +10,12 @@ import pytest
 
 import kernel_variants
 from kernel_variants.registry import Capabilities, Variant, hookimpl
-from kernel_variants.registry._registry import DuplicateVariantError, Registry, make_plugin_manager
+from kernel_variants.registry._registry import (
+    DuplicateVariantError,
+    PluginWarning,
+    Registry,
+    make_plugin_manager,
+)
 from kernel_variants.variants import reference
 
 CAPS = Capabilities(devices={"cpu"}, dtypes={"float32"})
@@ -31,8 +36,10 @@ class _Plugin:
             register(v)
 
 
-def _registry(*plugins: tuple[str, object], **kw) -> Registry:
-    return Registry(make_plugin_manager(extra_plugins=plugins, entry_points=False, **kw))
+def _registry(*plugins: tuple[str, object], strict: bool = True, **kw) -> Registry:
+    """Strict by default, so that a test sees the error a broken plugin raises (KV_STRICT_PLUGINS=1)."""
+    return Registry(make_plugin_manager(extra_plugins=plugins, entry_points=False, strict=strict, **kw),
+                    strict=strict)
 
 
 def test_builtins_register_through_the_hook():
@@ -166,3 +173,49 @@ def test_a_crashing_probe_makes_the_variant_unavailable_with_the_reason():
 def test_a_declared_source_that_cannot_be_read_is_an_error():
     with pytest.raises(ValueError, match="declares source 'missing.cpp', which cannot be read"):
         _registry(("p", _Plugin(_variant("with_src", sources=("missing.cpp",)))))
+
+
+def test_a_broken_plugin_is_left_out_with_one_warning_and_the_rest_works():
+    """Finding 2 of the first-contact issue: one bad declaration no longer takes the library down."""
+    class Typo:
+        @hookimpl
+        def kv_register_variant(self, register):
+            pass
+
+    good = _Plugin(_variant("good"))
+    half = _Plugin(_variant("half_ok"), _variant("with_src", sources=("missing.cpp",)))
+    with pytest.warns(PluginWarning) as caught:
+        reg = _registry(("typo", Typo()), ("half", half), ("good", good), ("dup", _Plugin(_variant("good"))),
+                        strict=False)
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert "'typo'" in text and "'half'" in text and "'dup'" in text and "missing.cpp" in text
+    assert set(reg.broken) == {"typo", "half", "dup"}
+    assert "kv_register_variant" in reg.broken["typo"]
+    ids = {rv.id for rv in reg.variants("causal_conv1d_fn")}
+    assert "good" in ids and "reference" in ids
+    assert "half_ok" not in ids, "a broken plugin contributes nothing, not half of its variants"
+
+
+def test_an_entry_point_that_fails_to_import_leaves_the_others(monkeypatch, tmp_path):
+    (tmp_path / "kv_fine_plugin.py").write_text(textwrap.dedent("""
+        from kernel_variants.registry import Capabilities, Variant, hookimpl
+        from kernel_variants.variants import reference
+
+        @hookimpl
+        def kv_register_variants(register):
+            register(Variant(id="fine", op="causal_conv1d_fn", version="1", fn=reference.causal_conv1d_fn,
+                             capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"})))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    eps = [importlib.metadata.EntryPoint("gone", "kv_no_such_module", "kernel_variants"),
+           importlib.metadata.EntryPoint("fine", "kv_fine_plugin", "kernel_variants")]
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [_FakeDist("kv-mixed", eps)])
+    with pytest.warns(PluginWarning, match="'gone'.*ModuleNotFoundError"):
+        kernel_variants.reload()
+        ids = {rv.id for rv in kernel_variants.variants("causal_conv1d_fn")}
+    assert "fine" in ids and "reference" in ids
+    monkeypatch.setenv("KV_STRICT_PLUGINS", "1")
+    kernel_variants.reload()
+    with pytest.raises(ModuleNotFoundError, match="kv_no_such_module"):
+        kernel_variants.variants()

@@ -4,59 +4,105 @@ variant measured fastest for its shape on this device.
 Public API: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`), inspection
 (:func:`variants`, :func:`explain`), pinning (:func:`force`), and for plugin authors the
 :mod:`kernel_variants.registry` module.
+
+Names are imported on first use, so ``import kernel_variants`` (and ``kv --help``) does not pay
+for importing torch until something needs it.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 # The subpackage kernel_variants/variants/ shares its name with the variants() function below.
-# Importing it first means the function, defined afterwards, is what the package attribute holds;
-# the subpackage stays reachable as a module (``from kernel_variants.variants import reference``).
+# Importing it first (its __init__ is empty) means the function, defined afterwards, is what the
+# package attribute holds; the subpackage stays reachable as a module.
 import kernel_variants.variants as _variants_pkg  # noqa: F401
 from kernel_variants._version import __version__
-from kernel_variants.dispatch import Decision, NoVariantError, VariantFailed, force
-from kernel_variants.dispatch import reset as _reset
-from kernel_variants.dispatch._api import TableRow, calibrate, clear_table, table
-from kernel_variants.dispatch._calibrate import CalibrationResult, Progress
-from kernel_variants.dispatch._table import CalibrationWarning, Measurement
-from kernel_variants.dispatch._dispatcher import dispatcher as _dispatcher
-from kernel_variants.ops import causal_conv1d_fn, causal_conv1d_update, explain
-from kernel_variants.registry import Capabilities, Variant, hookimpl
-from kernel_variants.registry._models import OpName
-from kernel_variants.registry._registry import DuplicateVariantError, RegisteredVariant
+
+if TYPE_CHECKING:
+    from kernel_variants.dispatch import Decision, NoVariantError, VariantFailed, force
+    from kernel_variants.dispatch._api import TableRow, calibrate, clear_table, table
+    from kernel_variants.dispatch._calibrate import CalibrationResult, Progress
+    from kernel_variants.dispatch._table import CalibrationWarning, Measurement
+    from kernel_variants.ops import causal_conv1d_fn, causal_conv1d_update, explain
+    from kernel_variants.registry import Capabilities, Variant, hookimpl
+    from kernel_variants.registry._models import OpName
+    from kernel_variants.registry._registry import DuplicateVariantError, RegisteredVariant
+
+_LAZY = {
+    "Decision": "kernel_variants.dispatch",
+    "NoVariantError": "kernel_variants.dispatch",
+    "VariantFailed": "kernel_variants.dispatch",
+    "force": "kernel_variants.dispatch",
+    "TableRow": "kernel_variants.dispatch._api",
+    "calibrate": "kernel_variants.dispatch._api",
+    "clear_table": "kernel_variants.dispatch._api",
+    "table": "kernel_variants.dispatch._api",
+    "CalibrationResult": "kernel_variants.dispatch._calibrate",
+    "Progress": "kernel_variants.dispatch._calibrate",
+    "CalibrationWarning": "kernel_variants.dispatch._table",
+    "Measurement": "kernel_variants.dispatch._table",
+    "causal_conv1d_fn": "kernel_variants.ops",
+    "causal_conv1d_update": "kernel_variants.ops",
+    "explain": "kernel_variants.ops",
+    "Capabilities": "kernel_variants.registry",
+    "Variant": "kernel_variants.registry",
+    "hookimpl": "kernel_variants.registry",
+    "DuplicateVariantError": "kernel_variants.registry._registry",
+    "RegisteredVariant": "kernel_variants.registry._registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernel_variants' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups are a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def variants(op: OpName | None = None) -> list[RegisteredVariant]:
     """Every registered variant (of ``op``, if given), with its plugin, full version and probe."""
-    return _dispatcher().registry.variants(op)
+    from kernel_variants.dispatch._dispatcher import dispatcher
+
+    return dispatcher().registry.variants(op)
 
 
 def reload() -> None:
     """Re-read plugins and the KV_* environment variables, forgetting in-process decisions."""
-    _reset()
+    from kernel_variants.dispatch import reset
+
+    reset()
 
 
 __all__ = [
     "CalibrationResult",
     "CalibrationWarning",
     "Capabilities",
-    "Measurement",
-    "Progress",
-    "TableRow",
-    "calibrate",
-    "clear_table",
-    "table",
     "Decision",
     "DuplicateVariantError",
+    "Measurement",
     "NoVariantError",
+    "Progress",
     "RegisteredVariant",
+    "TableRow",
     "Variant",
     "VariantFailed",
     "__version__",
+    "calibrate",
     "causal_conv1d_fn",
     "causal_conv1d_update",
+    "clear_table",
     "explain",
     "force",
     "hookimpl",
     "reload",
+    "table",
     "variants",
 ]

@@ -1,7 +1,8 @@
 """The ``kv`` command line: one argparse subcommand per module, each with ``add_arguments`` and
 ``run(args) -> int``.
 
-``main(argv)`` is what tests call; ``entry()`` is the console script. A mistake in the user's
+``main(argv)`` is what tests call; ``entry()`` is the console script. Only the command being run
+is imported, so ``kv --help`` and ``kv --version`` answer without importing torch. A mistake in the user's
 input (a bad option, a missing or malformed file, an unknown variant) prints one line,
 ``kv <command>: error: ...``, on stderr and returns 2 (``KV_DEBUG=1`` shows the traceback
 instead); a command that ran but whose verdict is
@@ -11,22 +12,29 @@ negative (a failing ``kv gate``) returns 1.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 import traceback
 import warnings
 from collections.abc import Sequence
-from types import ModuleType
 from typing import NoReturn
-
-from pydantic import ValidationError
 
 from kernel_variants._version import __version__
 
-from . import calibrate, compare, export, gate, import_, info, list_, table
-
-COMMANDS: tuple[ModuleType, ...] = (list_, calibrate, table, compare, gate, export, import_, info)
+# command -> (module in this package, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "list": ("list_", "registered variants, or the decision for one shape"),
+    "build": ("build", "compile the variants built on this machine now (for images and CI)"),
+    "calibrate": ("calibrate", "measure variants on a sweep and store each shape's winner"),
+    "table": ("table", "calibrated winners per shape, with every variant's time"),
+    "compare": ("compare", "head-to-head of two variants (or two CSV columns), per shape"),
+    "gate": ("gate", "exit 1 if the candidate is slower than the incumbent beyond the tolerance anywhere"),
+    "export": ("export", "write this device's table as a JSON document"),
+    "import": ("import_", "merge a table document into this machine's table"),
+    "info": ("info", "device fingerprint, cache location, table size, plugins"),
+}
 
 
 class UsageError(Exception):
@@ -38,14 +46,20 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(load: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``kv`` parser; the commands in ``load`` (default: all) get their full options, the
+    others only their name and help line, which is all that ``kv --help`` shows."""
     parser = _Parser(prog="kv", description="Inspect, calibrate and compare kernel variants.")
     parser.add_argument("--version", action="version", version=f"kernel-variants {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for mod in COMMANDS:
-        p = sub.add_parser(mod.NAME, help=mod.HELP, description=(mod.__doc__ or "").replace("``", ""),
+    for name, (module, help_line) in COMMANDS.items():
+        if load is not None and name not in load:
+            sub.add_parser(name, help=help_line)
+            continue
+        mod = importlib.import_module(f"{__name__}.{module}")
+        p = sub.add_parser(name, help=help_line, description=(mod.__doc__ or "").replace("``", ""),
                            parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(run=mod.run)
@@ -54,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def describe(exc: BaseException) -> str:
     """One line for a user error, whatever shape its message has."""
+    from pydantic import ValidationError
+
     if isinstance(exc, ValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": str(exc)}
@@ -81,9 +97,10 @@ def _warning_line(command: str):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``kv`` command; returns its exit status (0 ok, 1 negative verdict, 2 user error,
     3 internal error)."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(load=[a for a in argv if a in COMMANDS][:1])
     try:
-        args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+        args, extra = parser.parse_known_args(argv)
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -6,7 +6,9 @@ import csv
 import io
 import json
 import math
+import shutil
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any, Literal, TextIO
 
@@ -16,14 +18,17 @@ Format = Literal["text", "md", "csv"]
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, fmt: Format = "text",
-                 right: Sequence[bool] | None = None, header: bool = True) -> str:
+                 right: Sequence[bool] | None = None, header: bool = True, width: int | None = None) -> str:
     """``rows`` (each as long as ``headers``) as one string without a trailing newline.
 
     ``right[i]`` right-aligns column i (numbers); by default a column is right-aligned when every
     cell in it is a number or a number-like string. ``None`` cells print as ``-``. Without
-    ``header`` (text only) the rows are aligned as a list of facts.
+    ``header`` (text only) the rows are aligned as a list of facts. With ``width`` (text only),
+    the last column wraps onto continuation lines so that every line fits.
     """
     cells = [["-" if c is None else str(c) for c in row] for row in rows]
+    if width is not None and fmt == "text" and cells:
+        cells = _wrap_last(headers, cells, width)
     if fmt == "md":  # a pipe inside a cell would end the cell
         headers = [h.replace("|", "\\|") for h in headers]
         cells = [[c.replace("|", "\\|") for c in row] for row in cells]
@@ -48,6 +53,22 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, fm
     lines = [line(headers), ["-" * w for w in widths]] if header else []
     lines += [line(r) for r in cells]
     return "\n".join("  ".join(v).rstrip() for v in lines)
+
+
+def _wrap_last(headers: Sequence[str], cells: list[list[str]], width: int) -> list[list[str]]:
+    lead = sum(max([len(h)] + [len(r[i]) for r in cells]) + 2 for i, h in enumerate(headers[:-1]))
+    room = max(width - lead, 20)
+    out = []
+    for row in cells:
+        pieces = textwrap.wrap(row[-1], room, break_long_words=True, break_on_hyphens=False) or [""]
+        out.append([*row[:-1], pieces[0]])
+        out += [[""] * (len(row) - 1) + [p] for p in pieces[1:]]
+    return out
+
+
+def terminal_width() -> int:
+    """Columns to fit output in: the terminal's (or $COLUMNS), 120 when not a terminal."""
+    return max(shutil.get_terminal_size((120, 24)).columns, 60)
 
 
 def _numeric(s: str) -> bool:

@@ -20,8 +20,6 @@ from kernel_variants.dispatch._table import DEFAULT_MARGIN, check_margin
 from . import _options as opt
 from ._output import ProgressBar, percent, print_json, render_table, us
 
-NAME = "calibrate"
-HELP = "measure variants on a sweep and store each shape's winner"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,8 +14,6 @@ from pathlib import Path
 from . import _headtohead as h2h
 from ._output import print_json, ratio, render_table, us
 
-NAME = "compare"
-HELP = "head-to-head of two variants (or two CSV columns), per shape"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -11,8 +11,6 @@ from kernel_variants.dispatch._exchange import export_table
 from . import _options as opt
 from ._output import print_json
 
-NAME = "export"
-HELP = "write this device's table as a JSON document"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

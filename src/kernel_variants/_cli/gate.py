@@ -12,8 +12,6 @@ import math
 from . import _headtohead as h2h
 from ._output import percent, print_json, ratio, render_table, us
 
-NAME = "gate"
-HELP = "exit 1 if the candidate is slower than the incumbent beyond the tolerance anywhere"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -15,8 +15,6 @@ from kernel_variants.dispatch._exchange import import_table
 from . import _options as opt
 from ._output import print_json
 
-NAME = "import"
-HELP = "merge a table document into this machine's table"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,8 +12,6 @@ from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
 from . import _options as opt
 from ._output import print_json, render_table
 
-NAME = "info"
-HELP = "device fingerprint, cache location, table size, plugins"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         "in_memory": table.in_memory,
         "table_entries": len(table),
         "plugins": d.registry.plugins(),
+        "broken_plugins": d.registry.broken,
         "variants": {op: [rv.id for rv in d.registry.variants(op)]
                      for op in sorted({rv.op for rv in d.registry.variants()})},
     }
@@ -42,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     rows += [[f"  {k}", v] for k, v in fp.items()]
     where = facts["cache_dir"] + (" (unusable: in memory for this process)" if table.in_memory else "")
     rows += [["cache", where], ["table entries", len(table)], ["plugins", ", ".join(facts["plugins"])]]
+    rows += [[f"broken plugin {name}", why] for name, why in d.registry.broken.items()]
     rows += [[op, ", ".join(ids)] for op, ids in facts["variants"].items()]
     print(render_table(["", ""], rows, right=[False, False], header=False))
     return 0

@@ -7,15 +7,14 @@ from __future__ import annotations
 import argparse
 
 import kernel_variants as kv
+from kernel_variants.dispatch import dispatcher
 from kernel_variants._cases import make_case
 from kernel_variants.dispatch._calibrate import as_dtype
 from kernel_variants.registry import Capabilities
 
 from . import _options as opt
-from ._output import print_json, render_table, us
+from ._output import print_json, render_table, terminal_width, us
 
-NAME = "list"
-HELP = "registered variants, or the decision for one shape"
 
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 
@@ -26,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_dtype(p)
     opt.add_device(p)
     opt.add_features(p)
+    p.add_argument("--wide", action="store_true", help="every column (plugin, version, width, features)")
 
 
 def _bounds(b: tuple[int, int | None]) -> str:
@@ -54,16 +54,28 @@ def _catalogue(args: argparse.Namespace) -> int:
             "op": rv.op, "id": rv.id, "plugin": rv.plugin, "version": rv.version,
             "priority": rv.variant.priority, "devices": sorted(c.devices), "dtypes": sorted(c.dtypes),
             "width": _bounds(c.width), "features": _features(c), "available": why is None, "reason": why,
+            "needs_build": rv.needs_build(),
             "capabilities": c.model_dump(mode="json"),
         })
     if args.json:
         print_json(records)
         return 0
-    rows = [[r["op"], r["id"], r["plugin"], r["version"], r["priority"], ",".join(r["devices"]),
-             ",".join(_SHORT.get(d, d) for d in r["dtypes"]), r["width"],
-             r["features"], "yes" if r["available"] else f"no: {r['reason']}"] for r in records]
-    print(render_table(["op", "variant", "plugin", "version", "prio", "devices", "dtypes", "W", "features",
-                        "available"], rows, right=[False] * 4 + [True] + [False] * 5))
+    status = ["yes, not built yet (kv build)" if r["needs_build"] else "yes" if r["available"]
+              else f"no: {r['reason']}" for r in records]
+    if args.wide:
+        rows = [[r["op"], r["id"], r["plugin"], r["version"], r["priority"], ",".join(r["devices"]),
+                 ",".join(_SHORT.get(d, d) for d in r["dtypes"]), r["width"], r["features"], st]
+                for r, st in zip(records, status, strict=True)]
+        print(render_table(["op", "variant", "plugin", "version", "prio", "devices", "dtypes", "W", "features",
+                            "available"], rows, right=[False] * 4 + [True] + [False] * 5))
+    else:
+        rows = [[r["op"], r["id"], r["priority"], ",".join(r["devices"]),
+                 ",".join(_SHORT.get(d, d) for d in r["dtypes"]), st]
+                for r, st in zip(records, status, strict=True)]
+        print(render_table(["op", "variant", "prio", "devices", "dtypes", "available"], rows,
+                           right=[False, False, True, False, False, False], width=terminal_width()))
+    for name, why in dispatcher().registry.broken.items():
+        print(f"broken plugin {name!r}: {why}")
     return 0
 
 

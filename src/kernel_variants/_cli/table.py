@@ -10,8 +10,6 @@ import kernel_variants as kv
 from . import _options as opt
 from ._output import percent, print_json, render_table, us
 
-NAME = "table"
-HELP = "calibrated winners per shape, with every variant's time"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

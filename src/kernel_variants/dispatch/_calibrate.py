@@ -80,13 +80,14 @@ def _case(op: OpName, shape: Shape, dtype: torch.dtype, device: str, f: Features
 
 
 def candidates(entries: Iterable[RegisteredVariant], case: Case, wanted: Sequence[str] | None) -> list[tuple[RegisteredVariant, str | None]]:
-    """Each entry with why it cannot be measured on ``case`` (None when it can)."""
+    """Each entry with why it cannot be measured on ``case`` (None when it can); a variant
+    compiled here is built first."""
     key = call_key(case.op, *case.args, **case.kwargs)
     out = []
     for rv in entries:
         if wanted is not None and rv.id not in wanted:
             continue
-        out.append((rv, uncovered(rv.variant.capabilities, key) or rv.unavailable_reason()))
+        out.append((rv, uncovered(rv.variant.capabilities, key) or rv.ensure_built()))
     return out
 
 

@@ -113,6 +113,10 @@ class Dispatcher:
     def resolve(self, sig: tuple[Any, ...] | None, key: CallKey) -> tuple[str, Callable[..., Any], str | None]:
         """Decide for a validated call and remember the decision under its signature ``sig``."""
         decision = self.decide(key, self.pinned(key.op))
+        # A variant compiled here is built before its first call (announced on stderr); one whose
+        # build fails is unavailable from then on, and the call goes to the next choice.
+        while decision.chosen is not None and decision.chosen.ensure_built() is not None:
+            decision = self.decide(key, self.pinned(key.op))
         if decision.chosen is None:
             raise NoVariantError(f"no variant can run this call\n{decision}")
         hit = (decision.chosen.id, decision.chosen.variant.fn, None if key.activation == "none" else "silu")

@@ -87,6 +87,8 @@ class Decision:
         )
         pick = self.chosen.id if self.chosen is not None else "nothing"
         notes = [self.note] if self.note else []
+        if self.chosen is not None and self.chosen.needs_build():
+            notes.append("not built yet: the first call compiles it, or run `kv build`")
         if self.measured_key is not None:
             b, d, seq = self.measured_key
             notes.append(f"timings measured at B={b}, D={d}, L={seq}")

@@ -61,6 +61,11 @@ class Variant(BaseModel):
     ``sources`` lists files beyond ``fn``'s own module whose content defines the implementation
     (a C++ kernel, say): their hash is part of the variant's version, so editing one makes its
     old timings stale.
+
+    A variant compiled on this machine declares ``build`` (compile or load it now; return where
+    it went; raise ``RuntimeError`` with the reason on failure) and ``is_built`` (whether that is
+    done, without doing it). ``probe`` must then only check that a build is possible: listing
+    and explaining never build, the first dispatched call or ``kv build`` does.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
@@ -71,6 +76,8 @@ class Variant(BaseModel):
     capabilities: Capabilities
     fn: Callable[..., Any] = Field(exclude=True, repr=False)
     probe: Callable[[], str | None] | None = Field(default=None, exclude=True, repr=False)
+    build: Callable[[], str] | None = Field(default=None, exclude=True, repr=False)
+    is_built: Callable[[], bool] | None = Field(default=None, exclude=True, repr=False)
     priority: int = 0
     sources: tuple[str, ...] = ()
     description: str = ""
@@ -84,6 +91,12 @@ class Variant(BaseModel):
                 f"with a letter), got {v!r}"
             )
         return v
+
+    @model_validator(mode="after")
+    def _build_pair(self) -> Variant:
+        if (self.build is None) != (self.is_built is None):
+            raise ValueError("build and is_built are declared together, or neither")
+        return self
 
     @model_validator(mode="after")
     def _spec_width_inside(self) -> Variant:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 import inspect
 import os
 import threading
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,32 +38,71 @@ def blocked_from_env() -> list[str]:
     return [name.strip() for name in raw.split(",") if name.strip()]
 
 
+def strict_from_env() -> bool:
+    return os.environ.get("KV_STRICT_PLUGINS", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+class PluginWarning(UserWarning):
+    """A plugin could not be loaded or declared something invalid; the rest of the registry works."""
+
+
+class _PluginManager(pluggy.PluginManager):
+    """pluggy's manager plus the plugins that failed to load, by name, with the reason."""
+
+    def __init__(self) -> None:
+        super().__init__(PROJECT_NAME)
+        self.broken: dict[str, str] = {}
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
 def make_plugin_manager(
     *,
     builtins: bool = True,
     entry_points: bool = True,
     blocked: Iterable[str] | None = None,
     extra_plugins: Sequence[tuple[str, object]] = (),
+    strict: bool | None = None,
 ) -> pluggy.PluginManager:
     """A fresh plugin manager: built-ins, then ``extra_plugins``, then installed entry points.
 
-    ``blocked`` defaults to ``KV_DISABLE_PLUGINS``. Raises ``pluggy.PluginValidationError`` when
-    a plugin implements a hook that does not exist (a misspelled ``kv_register_variant``, say).
+    ``blocked`` defaults to ``KV_DISABLE_PLUGINS``. A plugin that cannot be imported or implements
+    a hook that does not exist (a misspelled ``kv_register_variant``, say) is left out and listed
+    in ``pm.broken`` with the reason; with ``strict`` (default: ``KV_STRICT_PLUGINS``) it raises.
     """
-    pm = pluggy.PluginManager(PROJECT_NAME)
+    strict = strict_from_env() if strict is None else strict
+    pm = _PluginManager()
     pm.add_hookspecs(VariantSpecs)
     for name in blocked_from_env() if blocked is None else blocked:
         pm.set_blocked(name)
-    plugins: list[tuple[str, object]] = []
+
+    def add(name: str, load) -> None:
+        if pm.is_blocked(name) or pm.get_plugin(name) is not None:
+            return
+        try:
+            pm.register(load(), name=name)
+            pm.check_pending()
+        except Exception as exc:
+            if pm.get_plugin(name) is not None:
+                pm.unregister(name=name)
+            if strict:
+                raise
+            pm.broken[name] = _describe(exc)
+
     if builtins:
-        plugins += [(name, importlib.import_module(mod)) for name, mod in BUILTIN_PLUGINS]
-    plugins += list(extra_plugins)
-    for name, plugin in plugins:
-        if not pm.is_blocked(name):
-            pm.register(plugin, name=name)
+        for name, mod in BUILTIN_PLUGINS:
+            add(name, lambda mod=mod: importlib.import_module(mod))
+    for name, plugin in extra_plugins:
+        add(name, lambda plugin=plugin: plugin)
     if entry_points:
-        pm.load_setuptools_entrypoints(PROJECT_NAME)
-    pm.check_pending()
+        # pluggy's own loader stops at the first entry point that fails to import; this one
+        # loads each on its own, so one broken package leaves the others working.
+        for dist in importlib.metadata.distributions():
+            for ep in dist.entry_points:
+                if ep.group == PROJECT_NAME:
+                    add(ep.name, ep.load)
     return pm
 
 
@@ -93,6 +134,7 @@ class RegisteredVariant:
     version: str
     _reason: str | None = field(default=None, repr=False)
     _probed: bool = field(default=False, repr=False)
+    _built: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -104,11 +146,36 @@ class RegisteredVariant:
         return self.variant.op
 
     def unavailable_reason(self) -> str | None:
-        """``None`` when this variant can run here, else why not. Probed once, then remembered."""
+        """``None`` when this variant can run here, else why not. Probed once, then remembered;
+        a build that failed makes it unavailable with the build's reason. Never builds."""
         with self._lock:
             if not self._probed:
                 self._reason = _run_probe(self.variant)
                 self._probed = True
+            return self._reason
+
+    def needs_build(self) -> bool:
+        """Whether the first call would compile this variant first (``kv build`` does it ahead)."""
+        built = self.variant.is_built
+        if built is None or self.unavailable_reason() is not None:
+            return False
+        try:
+            return not built()
+        except Exception:  # a broken check is answered by the build itself
+            return True
+
+    def ensure_built(self) -> str | None:
+        """Build now if the variant needs it; ``None`` when it can run, else why not."""
+        reason = self.unavailable_reason()
+        if reason is not None or self.variant.build is None:
+            return reason
+        with self._lock:
+            if not self._built:
+                try:
+                    self.variant.build()
+                except Exception as exc:  # a failed build means "cannot run here", with its log line
+                    self._reason = f"build failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                self._built = True
             return self._reason
 
 
@@ -131,9 +198,10 @@ class DuplicateVariantError(ValueError):
 class Register:
     """Passed to ``kv_register_variants``; validates and keys each variant by (op, id)."""
 
-    def __init__(self, registry: Registry, plugin: str) -> None:
+    def __init__(self, registry: Registry, plugin: str, staged: dict[tuple[str, str], RegisteredVariant]) -> None:
         self._registry = registry
         self._plugin = plugin
+        self._staged = staged
 
     def __call__(self, variant: Variant) -> None:
         if not isinstance(variant, Variant):
@@ -141,34 +209,57 @@ class Register:
                 f"plugin {self._plugin!r}: register() expects a kernel_variants.Variant, "
                 f"got {type(variant).__name__}"
             )
-        self._registry._add(variant, self._plugin)
+        self._registry._add(variant, self._plugin, self._staged)
 
 
 class Registry:
-    """Every registered variant, keyed by (op, id). Built from a plugin manager."""
+    """Every registered variant, keyed by (op, id). Built from a plugin manager.
 
-    def __init__(self, pm: pluggy.PluginManager) -> None:
+    A plugin whose hook raises or registers something invalid (a bad declaration, a duplicate
+    id) contributes nothing: it is listed in :attr:`broken` with the reason and one
+    :class:`PluginWarning` names it, unless ``strict`` (default: ``KV_STRICT_PLUGINS``), where
+    the error propagates.
+    """
+
+    def __init__(self, pm: pluggy.PluginManager, *, strict: bool | None = None) -> None:
+        strict = strict_from_env() if strict is None else strict
         self._pm = pm
         self._by_key: dict[tuple[str, str], RegisteredVariant] = {}
+        self.broken: dict[str, str] = dict(getattr(pm, "broken", {}))
         # Calling each implementation with its own Register is how a variant is attributed to the
         # plugin that provided it, so that a duplicate id can name both plugins.
         for impl in pm.hook.kv_register_variants.get_hookimpls():
-            impl.function(register=Register(self, impl.plugin_name))
+            staged: dict[tuple[str, str], RegisteredVariant] = {}
+            try:
+                impl.function(register=Register(self, impl.plugin_name, staged))
+            except Exception as exc:
+                if strict:
+                    raise
+                self.broken[impl.plugin_name] = _describe(exc)
+                continue
+            self._by_key.update(staged)  # all of a plugin's variants, or none of them
+        if self.broken:
+            warnings.warn(
+                "kernel_variants: plugins left out: "
+                + "; ".join(f"{name!r} ({why})" for name, why in self.broken.items())
+                + " (KV_STRICT_PLUGINS=1 makes this an error)",
+                PluginWarning, stacklevel=2,
+            )
 
     @property
     def plugin_manager(self) -> pluggy.PluginManager:
         return self._pm
 
-    def _add(self, variant: Variant, plugin: str) -> None:
+    def _add(self, variant: Variant, plugin: str, staged: dict[tuple[str, str], RegisteredVariant]) -> None:
         key = (variant.op, variant.id)
-        if key in self._by_key:
-            first = self._by_key[key].plugin
+        if key in self._by_key or key in staged:
+            first = (self._by_key.get(key) or staged[key]).plugin
             raise DuplicateVariantError(
                 f"variant id {variant.id!r} for op {variant.op!r} is registered twice: by plugin "
                 f"{first!r} and by plugin {plugin!r}"
             )
         version = f"{variant.version}+{_source_hash(variant, plugin)}"
-        self._by_key[key] = RegisteredVariant(variant, plugin, version)
+        staged[key] = RegisteredVariant(variant, plugin, version)
 
     def variants(self, op: OpName | None = None) -> list[RegisteredVariant]:
         if op is not None and op not in OPS:

@@ -6,9 +6,10 @@ accumulating in fp32, parallel over batch and channel tiles and, when there are 
 over sequence chunks that re-read the W-1 rows before them. It reads and writes the state pool
 through its strides, so a non-contiguous view is updated in place.
 
-The extension is compiled at first use into a persistent per-machine cache (``KV_BUILD_DIR``,
-default ``~/.cache/kernel_variants/build``); without a compiler the variant is unavailable with
-that reason, and nothing else changes.
+The extension is compiled at first use (announced on stderr) or by ``kv build``, into a
+persistent per-machine cache (``KV_BUILD_DIR``, default ``~/.cache/kernel_variants/build``).
+Listing and explaining never build; without a compiler the variant is unavailable with that
+reason, and a failed build makes it unavailable with the compiler's first error.
 """
 
 from __future__ import annotations
@@ -18,14 +19,6 @@ import torch
 from kernel_variants.registry import Capabilities, Variant, hookimpl
 
 from . import _build
-
-
-def _probe() -> str | None:
-    try:
-        _build.load_extension()
-    except RuntimeError as exc:
-        return str(exc).splitlines()[0]
-    return None
 
 
 def causal_conv1d_fn(
@@ -68,18 +61,19 @@ def causal_conv1d_update(
 
 
 _CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)
+_NATIVE = dict(probe=_build.toolchain_missing, build=_build.build, is_built=_build.is_built)
 _SOURCES = tuple(str(p) for p in _build.source_files())
 
 
 @hookimpl
 def kv_register_variants(register) -> None:
     register(Variant(
-        id="cpu_native", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=30, probe=_probe,
+        id="cpu_native", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=30, **_NATIVE,
         sources=_SOURCES, capabilities=Capabilities(varlen=True, **_CAPS),
         description="fused, vectorised, parallel C++ kernel (at::vec), sequence-chunked for small batches",
     ))
     register(Variant(
-        id="cpu_native", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=30, probe=_probe,
+        id="cpu_native", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=30, **_NATIVE,
         sources=_SOURCES, capabilities=Capabilities(num_accepted_tokens=True, **_CAPS),
         description="fused C++ decode step with in-place state shift",
     ))

@@ -107,43 +107,116 @@ def _log_summary(text: str) -> tuple[str, str]:
     return first, "\n".join(keep)
 
 
+def _name_and_dir() -> tuple[str, Path]:
+    import torch
+
+    tag = _build_tag(str(torch.__version__))
+    return "kv_causal_conv1d_cpu_" + tag.rsplit("-", 1)[1][:12], _build_dir(tag)
+
+
+def toolchain_missing() -> str | None:
+    """Why the extension cannot be built here (no compiler, no ninja), or None; builds nothing."""
+    from torch.utils import cpp_extension
+
+    try:
+        with _compiler_env():
+            cpp_extension.verify_ninja_availability()
+    except RuntimeError as exc:
+        return f"cannot build cpu_native kernel: {str(exc).splitlines()[0]}"
+    return None
+
+
+def is_built() -> bool:
+    """Whether loading is quick: loaded already, or a build for these sources is on disk."""
+    if load_extension.cache_info().currsize:
+        return True
+    name, build_dir = _name_and_dir()
+    return (build_dir / f"{name}.so").exists()
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """One builder at a time, held by an OS lock that dies with its process.
+
+    cpp_extension's own baton is a plain ``lock`` file that a killed build leaves behind, and
+    the next process waits on it forever. Whoever holds this lock is the only builder, so a
+    ``lock`` file found while holding it is such a leftover and is removed.
+    """
+    import fcntl
+
+    with open(build_dir / "kv-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released by the OS if this process dies
+        with contextlib.suppress(FileNotFoundError):
+            (build_dir / "lock").unlink()
+        yield
+
+
+@contextlib.contextmanager
+def _notice(build_dir: Path) -> Iterator[None]:
+    """One line before a build and a heartbeat while it runs, on stderr: a first call that
+    compiles for a minute must not look like a hung process."""
+    import threading
+    import time
+
+    start = time.monotonic()
+    print(f"kernel_variants: building the cpu_native C++ kernel ({len(_SOURCES)} files) in {build_dir}; "
+          "this takes about a minute, once per machine and torch version "
+          "(`kv build` does it ahead of time)", file=sys.stderr, flush=True)
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(15):
+            print(f"kernel_variants: still building cpu_native ({time.monotonic() - start:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    ticker = threading.Thread(target=beat, name="kv-build-notice", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        print(f"kernel_variants: cpu_native build finished in {time.monotonic() - start:.0f} s",
+              file=sys.stderr, flush=True)
+
+
 @functools.cache
 def load_extension() -> ModuleType:
     """Compile (once per source/flags/torch version) and import the extension.
 
     Raises RuntimeError with a one-line reason (plus the build log tail) if
-    the toolchain is missing or the build fails.
+    the toolchain is missing or the build fails. A build announces itself on stderr.
     """
-    try:
-        import torch
-        from torch.utils import cpp_extension
-    except ImportError as exc:  # pragma: no cover - torch is a hard dependency
-        raise RuntimeError(f"cannot build cpu_native kernel: torch unavailable ({exc})") from exc
+    from torch.utils import cpp_extension
 
-    tag = _build_tag(str(torch.__version__))
-    build_dir = _build_dir(tag)
-    name = "kv_causal_conv1d_cpu_" + tag.rsplit("-", 1)[1][:12]
+    name, build_dir = _name_and_dir()
     with _compiler_env():
         try:
             cpp_extension.verify_ninja_availability()
         except RuntimeError as exc:
             raise RuntimeError(f"cannot build cpu_native kernel: ninja not available ({exc})") from exc
-        # cpp_extension serialises concurrent builds of one build_directory
-        # with a lock-file baton; other processes wait and then just load.
         build_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            return cpp_extension.load(
-                name=name,
-                sources=[str(_CSRC / s) for s in _SOURCES],
-                extra_cflags=list(_CFLAGS),
-                extra_include_paths=[str(_CSRC)],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
-        except (RuntimeError, OSError, ImportError) as exc:
-            first, log = _log_summary(str(exc))
-            head = str(exc).strip().splitlines()[:1]
-            reason = first or ": ".join([type(exc).__name__, *head])
-            raise RuntimeError(
-                f"cpu_native causal_conv1d build failed ({reason}) [build dir {build_dir}]\n{log}"
-            ) from exc
+        with _build_lock(build_dir):
+            building = not (build_dir / f"{name}.so").exists()
+            with _notice(build_dir) if building else contextlib.nullcontext():
+                try:
+                    return cpp_extension.load(
+                        name=name,
+                        sources=[str(_CSRC / s) for s in _SOURCES],
+                        extra_cflags=list(_CFLAGS),
+                        extra_include_paths=[str(_CSRC)],
+                        build_directory=str(build_dir),
+                        verbose=False,
+                    )
+                except (RuntimeError, OSError, ImportError) as exc:
+                    first, log = _log_summary(str(exc))
+                    head = str(exc).strip().splitlines()[:1]
+                    reason = first or ": ".join([type(exc).__name__, *head])
+                    raise RuntimeError(
+                        f"cpu_native causal_conv1d build failed ({reason}) [build dir {build_dir}]\n{log}"
+                    ) from exc
+
+
+def build() -> str:
+    """Build (or load) the extension now; returns where it lives."""
+    return str(Path(load_extension().__file__).parent)

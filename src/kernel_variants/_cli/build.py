@@ -1,0 +1,51 @@
+"""Compile every variant that is built on this machine (the cpu_native C++ kernel, and any
+plugin's that declares a build), so that no process pays for it on its first call. Run it when
+building a container image or in CI; it reports where each build went (exit status 1 when a
+build failed, with the reason)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import kernel_variants as kv
+
+from ._output import print_json, render_table
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    records: list[dict] = []
+    seen: dict[object, dict] = {}
+    for rv in kv.variants():
+        build = rv.variant.build
+        if build is None:
+            continue
+        if build in seen:  # one extension can serve several ops' variants
+            seen[build]["ops"].append(rv.op)
+            continue
+        record = {"variant": rv.id, "ops": [rv.op], "plugin": rv.plugin, "ok": False, "where": None,
+                  "seconds": None, "reason": rv.unavailable_reason()}
+        seen[build] = record
+        records.append(record)
+        if record["reason"] is not None:
+            continue
+        t0 = time.perf_counter()
+        try:
+            record["where"] = build()
+            record["ok"] = True
+        except Exception as exc:  # the build's own message is the verdict
+            record["reason"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        record["seconds"] = round(time.perf_counter() - t0, 1)
+    if args.json:
+        print_json(records)
+    elif not records:
+        print("kv build: no registered variant is built on this machine")
+    else:
+        rows = [[r["variant"], ",".join(r["ops"]), "built" if r["ok"] else "failed",
+                 r["seconds"], r["where"] if r["ok"] else r["reason"]] for r in records]
+        print(render_table(["variant", "ops", "status", "s", "where / why"], rows))
+    return 0 if all(r["ok"] for r in records) else 1

@@ -1,0 +1,112 @@
+"""First contact: the C++ build is announced and never happens behind a listing, a killed build
+does not block the next one, and ``kv --help`` / ``--version`` / ``import kernel_variants`` do not
+import torch. (The wheel itself: tests/test_packaging.py and tools/wheel_roundtrip.sh.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+import kernel_variants as kv
+from kernel_variants._cli import main
+from kernel_variants.variants.cpu_native import _build
+
+
+@pytest.fixture
+def fresh_build_dir(monkeypatch, tmp_path):
+    """An empty build cache, and cpp_extension.load replaced: the tests decide what a build does."""
+    monkeypatch.setenv("KV_BUILD_DIR", str(tmp_path / "build"))
+    _build.load_extension.cache_clear()
+    calls = []
+
+    def fake_load(name, sources, build_directory, **kw):
+        calls.append(build_directory)
+        from pathlib import Path
+
+        assert not (Path(build_directory) / "lock").exists(), "a stale cpp_extension lock reached the build"
+        (Path(build_directory) / f"{name}.so").write_text("")
+        return types.SimpleNamespace(__file__=str(Path(build_directory) / f"{name}.so"))
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    kv.reload()
+    yield calls
+    _build.load_extension.cache_clear()
+    kv.reload()
+
+
+def test_listing_and_explaining_never_build(fresh_build_dir, capsys):
+    assert main(["list", "--op", "fn"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if " cpu_native " in ln)
+    assert "not built yet" in line
+    import torch
+
+    text = str(kv.explain("causal_conv1d_fn", torch.zeros(1, 4, 8), torch.zeros(8, 4)))
+    assert "-> cpu_native" in text and "not built yet" in text
+    assert fresh_build_dir == [], "listing or explaining started a build"
+
+
+def test_a_build_announces_itself_once_and_kv_build_reports_where(fresh_build_dir, capsys):
+    assert main(["build"]) == 0
+    out, err = capsys.readouterr()
+    assert len(fresh_build_dir) == 1, "one extension serves both ops: built once"
+    notice = [ln for ln in err.splitlines() if "building the cpu_native C++ kernel" in ln]
+    assert len(notice) == 1 and str(fresh_build_dir[0]) in notice[0] and "about a minute" in notice[0]
+    assert "build finished in" in err
+    assert "cpu_native" in out and "built" in out and str(fresh_build_dir[0]) in out
+    _build.load_extension.cache_clear()
+    assert main(["build"]) == 0
+    assert "building" not in capsys.readouterr().err, "an existing build is loaded silently"
+
+
+def test_a_build_lock_left_by_a_killed_process_is_cleared(fresh_build_dir):
+    """Finding 3 of the reliability issue: cpp_extension's lock file outlives a killed build, and
+    the next process used to wait on it forever."""
+    name, build_dir = _build._name_and_dir()
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").write_text("")
+    _build.load_extension()  # the fake load asserts that the lock is gone
+    assert fresh_build_dir == [str(build_dir)]
+
+
+def test_a_failed_build_makes_the_variant_unavailable_and_the_call_goes_elsewhere(monkeypatch, fresh_build_dir):
+    def broken(**kw):
+        raise RuntimeError("error: no space left on device")
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    import torch
+
+    x, w = torch.randn(1, 4, 8), torch.randn(8, 4)
+    y = kv.causal_conv1d_fn(x, w)  # no error, and (warnings are errors here) no warning
+    assert kv.explain("causal_conv1d_fn", x, w).chosen.id != "cpu_native"
+    rv = next(rv for rv in kv.variants("causal_conv1d_fn") if rv.id == "cpu_native")
+    assert "build failed" in rv.unavailable_reason() and "no space left" in rv.unavailable_reason()
+    assert y.shape == x.shape
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], []])
+def test_help_and_version_do_not_import_torch(argv):
+    code = ("import sys\nfrom kernel_variants._cli import main\nimport kernel_variants\n"
+            f"rc = main({argv!r})\nassert 'torch' not in sys.modules, 'torch was imported'\nsys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == (2 if not argv else 0), proc.stderr
+    assert "torch was imported" not in proc.stderr
+    text = proc.stdout + proc.stderr
+    assert ("kernel-variants" in text) if argv == ["--version"] else ("calibrate" in text and "build" in text)
+
+
+def test_kv_list_fits_120_columns_and_wide_shows_everything(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 120
+    assert main(["list", "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert "features" in wide.splitlines()[0] and "version" in wide.splitlines()[0]
