@@ -20,8 +20,9 @@ import kernel_variants as kv
 from kernel_variants import CalibrationWarning
 from kernel_variants.dispatch import dispatcher
 from kernel_variants.dispatch._table import CalibrationTable, Group, Measurement
-from kernel_variants.registry import Capabilities, Variant
-from kernel_variants.variants import reference
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.registry import Variant
 
 FN = "causal_conv1d_fn"
 QUICK = dict(dtype="float32", warmup=1, windows=2, iters=3)
@@ -37,7 +38,7 @@ def _slow(seconds):
 
 def _variant(vid, fn, version="1", priority=0):
     return Variant(id=vid, op=FN, version=version, priority=priority, fn=fn,
-                   capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"}, varlen=True))
+                   capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, varlen=True))
 
 
 def _call(b=2, d=32, seq=16):
@@ -240,7 +241,7 @@ def test_four_processes_calibrating_into_one_table(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(i)], env=_worker_env(cache),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
     for p in procs:
-        out, err = p.communicate(timeout=300)
+        _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
     t = CalibrationTable(cache)
     with warnings.catch_warnings():
@@ -407,3 +408,26 @@ def test_each_device_fingerprint_has_its_own_index(tmp_path):
     with pytest.warns(CalibrationWarning):
         other, _ = t.measurements(versions, "other-device")
     assert [s for _, s in mine] == [(1, 16, 8)] and [s for _, s in other] == [(2, 16, 8)]
+
+
+def test_a_table_written_by_the_previous_release_is_migrated_not_mixed():
+    """Schema 1 kept causal_conv1d's flags inline in the group and keyed rows by another slug:
+    such rows are read, rewritten under the new key, and the old rows go."""
+    kv.calibrate(FN, SHAPES[:1], variants=["reference"], **QUICK)
+    table = dispatcher().table
+    (key, raw), = [(k, r) for k, r in table.store.items() if k.startswith("m|")]
+    doc = json.loads(raw)
+    group = doc["group"]
+    old_group = {"op": group["op"], "dtype": group["dtype"], **dict(group["features"])}
+    old = {**doc, "schema_version": 1, "group": old_group}
+    old_key = (f"m|{doc['fingerprint_id']}|{FN}|float32|W4|silu|bs|"
+               f"{','.join(map(str, doc['shape']))}|reference")
+    table.store.delete(key)
+    table.store.set(old_key, json.dumps(old))
+    table.forget()
+    kv.reload()
+    row = kv.table(FN)[0]
+    assert row.times_us["reference"] == doc["best_us"]
+    keys = [k for k, _ in dispatcher().table.store.items() if k.startswith("m|")]
+    assert keys == [key], "the old row was rewritten under the new key, and only once"
+    assert json.loads(dispatcher().table.store.get(key))["schema_version"] == 2

@@ -17,8 +17,9 @@ import kernel_variants as kv
 from kernel_variants._cli import main
 from kernel_variants.dispatch import dispatcher
 from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
-from kernel_variants.registry import Capabilities, Variant
-from kernel_variants.variants import reference
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.registry import Variant
 
 FN = "causal_conv1d_fn"
 QUICK = ["--dtype", "fp32", "--warmup", "1", "--windows", "1", "--iters", "2"]
@@ -27,7 +28,7 @@ SHAPES = ["--shapes", "1,16,8", "2,32,16"]
 
 def _variant(vid, fn=reference.causal_conv1d_fn, probe=None, priority=0):
     return Variant(id=vid, op=FN, version="1", priority=priority, fn=fn, probe=probe,
-                   capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"}))
+                   capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}))
 
 
 def _off_by_one(*args, **kwargs):
@@ -70,7 +71,7 @@ def test_list_shows_every_variant_with_plugin_version_and_why_unavailable(capsys
     assert rc == 0
     lines = {line.split()[1]: line for line in out.splitlines()[2:] if line[:1].strip()}
     assert "no: needs a unicorn accelerator" in lines["unicorn"]
-    assert lines["reference"].split()[2] == "reference" and lines["reference"].endswith("yes")
+    assert lines["reference"].split()[2] == "causal_conv1d" and lines["reference"].endswith("yes")
     records = run_json(capsys, "list", "--op", "fn")
     by_id = {r["id"]: r for r in records}
     assert set(by_id) == {rv.id for rv in kv.variants(FN)}
@@ -83,7 +84,7 @@ def test_list_shows_every_variant_with_plugin_version_and_why_unavailable(capsys
 def test_list_with_a_shape_gives_the_decision_trace(capsys):
     rc, out, _ = run(capsys, "list", "--shape", "2,32,16", "--dtype", "fp32")
     assert rc == 0
-    assert out.startswith(f"{FN} on cpu float32, B=2 D=32 L=16 W=4")
+    assert out.startswith(f"{FN} on cpu float32 (B=2, D=32, L=16) width=4")
     assert "(by priority; no measurements for this key)" in out
     calibrate(capsys)
     got = run_json(capsys, "list", "--shape", "2,32,16", "--dtype", "fp32")
@@ -141,7 +142,7 @@ def test_calibrate_takes_a_sweep_file_and_the_update_sweeps(capsys, tmp_path):
     assert [s["shape"] for s in got["shapes"]] == [[1, 16, 4], [2, 8, 2]] and got["sweep"] == "mine"
     got = run_json(capsys, "calibrate", "--op", "update", "--shapes", "2,16,3", "--spec", *QUICK, "-q")
     assert got["op"] == "causal_conv1d_update"
-    assert {m["group"]["spec"] for m in got["measurements"]} == {True}
+    assert {dict(m["group"]["features"])["spec"] for m in got["measurements"]} == {True}
 
 
 def test_without_a_sweep_each_op_gets_its_own_default():
@@ -151,7 +152,7 @@ def test_without_a_sweep_each_op_gets_its_own_default():
 
     assert work(Namespace(op=None, sweep=None, shapes=None)).source == "smoke"
     got = work(Namespace(op="update", sweep=None, shapes=None))  # measuring it takes seconds
-    assert (got.op, got.source, got.spec) == ("causal_conv1d_update", "decode", False)
+    assert (got.op, got.source, got.features.spec) == ("causal_conv1d_update", "decode", False)
 
 
 @pytest.mark.parametrize(
@@ -231,7 +232,7 @@ def test_info_names_fingerprint_cache_and_plugins(capsys):
     fp = fingerprint("cpu")
     assert got["fingerprint"] == fp and got["fingerprint_id"] == fingerprint_id(fp)
     assert got["cache_dir"] == os.environ["KV_CACHE_DIR"] and got["in_memory"] is False
-    assert got["table_entries"] == 0 and "reference" in got["plugins"]
+    assert got["table_entries"] == 0 and "causal_conv1d" in got["plugins"] and "aten" in got["plugins"]
     rc, out, _ = run(capsys, "info")
     assert rc == 0 and fingerprint_id(fp) in out and os.environ["KV_CACHE_DIR"] in out
 

@@ -12,8 +12,9 @@ import pytest
 
 import kernel_variants as kv
 from kernel_variants._cli import main
-from kernel_variants.registry import Capabilities, Variant
-from kernel_variants.variants import reference
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.registry import Variant
 
 FN = "causal_conv1d_fn"
 QUICK = ["--dtype", "fp32", "--warmup", "1", "--windows", "1", "--iters", "2", "-q"]
@@ -24,7 +25,7 @@ SEED_SUMMARY = "pto faster on 69 of 69 shapes, median asc/pto 1.49x (range 1.03x
 
 def _variant(vid, fn):
     return Variant(id=vid, op=FN, version="1", fn=fn,
-                   capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"}))
+                   capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}))
 
 
 def _sleepy(*args, **kwargs):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import kernel_variants
-from kernel_variants import _custom_ops
-from kernel_variants._cases import make_case
+from kernel_variants.dispatch import _custom_ops
 from kernel_variants.dispatch._dispatcher import Dispatcher
+from kernel_variants.ops.causal_conv1d._cases import make_case
 
 
 def step(x, weight, bias, pool, idx, init, x_next):
@@ -75,8 +75,7 @@ def test_eager_calls_never_go_through_the_custom_op(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("eager call routed through the custom op")
 
-    monkeypatch.setattr(_custom_ops, "causal_conv1d_fn", refuse)
-    monkeypatch.setattr(_custom_ops, "causal_conv1d_update", refuse)
+    monkeypatch.setattr(_custom_ops, "OPS", {"causal_conv1d_fn": refuse, "causal_conv1d_update": refuse})
     case = make_case("causal_conv1d_fn", batch=2, dim=8, seqlen=4)
     step(*_inputs(case.fresh()))
 

@@ -8,9 +8,9 @@ import torch
 import kernel_variants
 from kernel_variants import NoVariantError, VariantFailed
 from kernel_variants.dispatch import dispatcher, parse_force, select
-from kernel_variants.registry import Capabilities, Variant
-from kernel_variants.registry._registry import Registry, make_plugin_manager
-from kernel_variants.variants import reference
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.registry import Variant
 
 
 def _args():
@@ -19,7 +19,7 @@ def _args():
 
 def _v(vid, fn=reference.causal_conv1d_fn, priority=10, probe=None) -> Variant:
     return Variant(id=vid, op="causal_conv1d_fn", version="1", priority=priority, probe=probe,
-                   capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"}), fn=fn)
+                   capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}), fn=fn)
 
 
 def _top_priority(op="causal_conv1d_fn") -> str:
@@ -47,12 +47,12 @@ def test_capabilities_route_calls_a_variant_cannot_run():
 
 def test_select_is_pure_and_reports_every_reason():
     """No registry, no device: candidates, a call key and timings in, a decision out."""
-    from kernel_variants.ops import call_key
+    from kernel_variants.dispatch import call_key
     from kernel_variants.registry._registry import RegisteredVariant
 
     def entry(vid, **caps):
         v = Variant(id=vid, op="causal_conv1d_fn", version="1", fn=reference.causal_conv1d_fn,
-                    capabilities=Capabilities(devices={"cpu"}, **caps))
+                    capabilities=ConvCapabilities(devices={"cpu"}, **caps))
         return RegisteredVariant(v, "test", "1+0")
 
     entries = [
@@ -82,9 +82,10 @@ def test_kv_force_env_pins_the_variant(monkeypatch):
 
 
 def test_parse_force_rejects_unknown_ops_and_accepts_a_bare_id():
-    assert parse_force("reference") == {"causal_conv1d_fn": "reference", "causal_conv1d_update": "reference"}
+    ops = ("causal_conv1d_fn", "causal_conv1d_update")
+    assert parse_force("reference", ops) == {"causal_conv1d_fn": "reference", "causal_conv1d_update": "reference"}
     with pytest.raises(ValueError, match="conv2d"):
-        parse_force("conv2d=reference")
+        parse_force("conv2d=reference", ops)
 
 
 def test_force_context_pins_and_unpins(with_variants):

@@ -1,5 +1,6 @@
-"""The plugin package the README shows is real: it loads through its entry point and passes the
-conformance checks on every case it claims."""
+"""The plugin package the README shows is real: it loads through its entry points, bringing a
+variant of an existing op and a whole new op with its variant, and both pass the conformance
+checks on every case they claim."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import pytest
 
 import kernel_variants as kv
 from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._verify import verify
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "kv-my-conv"
@@ -23,6 +23,7 @@ def test_readme_shows_the_example_files_verbatim():
     blocks = dict((first.strip("# ").strip(), body) for first, body in
                   re.findall(r"```(?:toml|python)\n(# [^\n]+)\n(.*?)```", readme, re.S))
     assert blocks["kv_my_conv.py"] == (EXAMPLE / "kv_my_conv.py").read_text()
+    assert blocks["kv_silu_and_mul.py"] == (EXAMPLE / "kv_silu_and_mul.py").read_text()
     assert (EXAMPLE / "pyproject.toml").read_text().startswith(blocks["pyproject.toml"])
 
 
@@ -39,11 +40,23 @@ def test_example_plugin_loads_through_its_entry_point_and_conforms(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLE))
     monkeypatch.setattr(importlib.metadata, "distributions", lambda: [Dist()])
     kv.reload()
-    rv = dispatcher().registry.get("causal_conv1d_fn", "my_conv")
-    assert rv.plugin == "my_conv"
-    from test_conformance import _claimed_cases
+    registry = dispatcher().registry
+    assert registry.get("causal_conv1d_fn", "my_conv").plugin == "my_conv"
+    assert registry.op_plugin("silu_and_mul") == "silu_and_mul"
+    assert {rv.id for rv in registry.variants("silu_and_mul")} == {"reference", "fused"}
+    from test_conformance import assert_conforms
 
-    cases = list(_claimed_cases(rv, "cpu"))
-    assert cases, "the example claims no case of the conformance suite"
-    failures = [f"{label}: {why}" for label, case in cases if (why := verify(rv.variant.fn, case))]
-    assert not failures, "\n".join(failures)
+    assert_conforms(registry.get("causal_conv1d_fn", "my_conv"), "cpu")
+    assert_conforms(registry.get("silu_and_mul", "fused"), "cpu")
+
+    # The new op dispatches, explains and calibrates like a built-in one.
+    import kv_silu_and_mul
+    import torch
+
+    x = torch.randn(3, 16)
+    expected = torch.nn.functional.silu(x[:, :8]) * x[:, 8:]
+    torch.testing.assert_close(kv_silu_and_mul.silu_and_mul(x), expected)
+    assert kv.explain("silu_and_mul", x).chosen.id == "fused"
+    result = kv.calibrate("silu_and_mul", [(4, 64)], dtype="float32", warmup=1, windows=1, iters=2)
+    assert {m.variant for m in result.measurements} == {"reference", "fused"}
+    assert kv.table("silu_and_mul")[0].shape == (4, 64)

@@ -12,7 +12,7 @@ import pytest
 
 import kernel_variants as kv
 from kernel_variants._cli import main
-from kernel_variants.variants.cpu_native import _build
+from kernel_variants.kernels.cpu_native import _build
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_a_build_announces_itself_once_and_kv_build_reports_where(fresh_build_di
 def test_a_build_lock_left_by_a_killed_process_is_cleared(fresh_build_dir):
     """Finding 3 of the reliability issue: cpp_extension's lock file outlives a killed build, and
     the next process used to wait on it forever."""
-    name, build_dir = _build._name_and_dir()
+    _, build_dir = _build._name_and_dir()
     build_dir.mkdir(parents=True)
     (build_dir / "lock").write_text("")
     _build.load_extension()  # the fake load asserts that the lock is gone
@@ -109,4 +109,4 @@ def test_kv_list_fits_120_columns_and_wide_shows_everything(capsys, monkeypatch)
     assert max(len(line) for line in out.splitlines()) <= 120
     assert main(["list", "--wide"]) == 0
     wide = capsys.readouterr().out
-    assert "features" in wide.splitlines()[0] and "version" in wide.splitlines()[0]
+    assert "capabilities" in wide.splitlines()[0] and "version" in wide.splitlines()[0]

@@ -11,10 +11,10 @@ import torch
 from test_conformance import assert_conforms
 
 import kernel_variants
-from kernel_variants._cases import make_case
 from kernel_variants.dispatch import dispatcher
 from kernel_variants.dispatch._fingerprint import fingerprint
-from kernel_variants.variants import reference
+from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.ops.causal_conv1d._cases import make_case
 
 NPU = [("causal_conv1d_fn", "asc"), ("causal_conv1d_update", "asc"), ("causal_conv1d_fn", "pto"),
        ("causal_conv1d_update", "npu_triton_update")]
@@ -94,10 +94,10 @@ def test_cuda_variant_passes_the_conformance_checks(op, vid):
 @pytest.mark.cuda
 @pytest.mark.parametrize("op", ["causal_conv1d_fn", "causal_conv1d_update"])
 def test_cuda_smoke_calibration(op):
-    from kernel_variants.variants import triton_kernels
+    from kernel_variants.kernels import triton_conv
 
-    configs = [("causal_conv1d_fn", c.id) for c in triton_kernels.FN_CONFIGS]
-    configs += [("causal_conv1d_update", c.id) for c in triton_kernels.UPDATE_CONFIGS]
+    configs = [("causal_conv1d_fn", c.id) for c in triton_conv.FN_CONFIGS]
+    configs += [("causal_conv1d_update", c.id) for c in triton_conv.UPDATE_CONFIGS]
     _smoke_calibration(op, CUDA + configs, "cuda", "bfloat16")
 
 

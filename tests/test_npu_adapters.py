@@ -20,13 +20,13 @@ import torch
 from test_conformance import _claimed_cases
 
 import kernel_variants
-from kernel_variants._cases import make_case
-from kernel_variants.dispatch import uncovered
+from kernel_variants.dispatch import call_key
 from kernel_variants.dispatch._verify import verify
-from kernel_variants.ops import call_key
+from kernel_variants.kernels import _adapters, asc, dao, npu_triton, pto
+from kernel_variants.kernels._adapters import FunctionRef, OpRef
+from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.ops.causal_conv1d._cases import make_case
 from kernel_variants.registry._registry import RegisteredVariant
-from kernel_variants.variants import _npu_common, asc, dao, npu_triton, pto, reference
-from kernel_variants.variants._npu_common import FunctionRef, OpRef
 
 NAN = float("nan")
 
@@ -359,7 +359,7 @@ def test_asc_declares_num_accepted_tokens_for_width_4_only(adapters):
     caps = rv.variant.capabilities
     assert caps.num_accepted_tokens and caps.num_accepted_tokens_width == (4, 4)
     w3 = _case("causal_conv1d_update", width=3, spec=True, batch=4)
-    assert "only for width 4..4" in uncovered(caps, call_key(w3.op, *w3.args, **w3.kwargs))
+    assert "only for width 4..4" in caps.uncovered(call_key(w3.op, *w3.args, **w3.kwargs))
     assert verify(rv.variant.fn, _case("causal_conv1d_update", width=4, spec=True, noncontig=True)) is None
     # Why the limit is declared: below W=4 the kernel ignores num_accepted_tokens.
     case = w3.fresh()
@@ -397,7 +397,7 @@ def test_a_kernel_handed_a_contiguous_copy_of_the_pool_is_caught(adapters):
 
 
 def test_a_scatter_into_a_copy_of_the_pool_is_caught(adapters, monkeypatch):
-    real = _npu_common.scatter_rows
+    real = _adapters.scatter_rows
 
     def into_copy(pool, *args):
         real(pool.contiguous(), *args)
@@ -406,7 +406,7 @@ def test_a_scatter_into_a_copy_of_the_pool_is_caught(adapters, monkeypatch):
     fn_case = _case("causal_conv1d_fn", noncontig=True)
     assert verify(adapters["asc"]["causal_conv1d_update"].variant.fn, case) is None
     monkeypatch.setattr(asc, "scatter_rows", into_copy)
-    monkeypatch.setattr(_npu_common, "scatter_rows", into_copy)
+    monkeypatch.setattr(_adapters, "scatter_rows", into_copy)
     assert "state pool" in (verify(adapters["asc"]["causal_conv1d_update"].variant.fn, case) or "")
     assert "state pool" in (verify(adapters["pto"]["causal_conv1d_fn"].variant.fn, fn_case) or "")
 
@@ -439,7 +439,7 @@ def test_registered_variants_say_precisely_why_they_cannot_run_here(monkeypatch)
     reasons = {(rv.op, rv.id): rv.unavailable_reason() for rv in kernel_variants.variants()}
     expected_ids = {"asc", "pto", "npu_triton_update", "triton", "dao"}
     assert expected_ids <= {vid for _, vid in reasons}
-    if _npu_common.import_reason(["torch_npu"]) is not None:
+    if _adapters.import_reason(["torch_npu"]) is not None:
         for key in [("causal_conv1d_fn", "asc"), ("causal_conv1d_update", "asc"), ("causal_conv1d_fn", "pto"),
                     ("causal_conv1d_update", "npu_triton_update")]:
             assert reasons[key] == "torch_npu not installed (pip install torch_npu)"

@@ -9,16 +9,17 @@ import pluggy
 import pytest
 
 import kernel_variants
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.registry import Variant, hookimpl
 from kernel_variants.registry._registry import (
     DuplicateVariantError,
     PluginWarning,
     Registry,
     make_plugin_manager,
 )
-from kernel_variants.variants import reference
 
-CAPS = Capabilities(devices={"cpu"}, dtypes={"float32"})
+CAPS = ConvCapabilities(devices={"cpu"}, dtypes={"float32"})
 
 
 def _variant(vid: str, op: str = "causal_conv1d_fn", **kw) -> Variant:
@@ -47,7 +48,8 @@ def test_builtins_register_through_the_hook():
     assert {(rv.op, rv.id) for rv in reg.variants()} >= {
         ("causal_conv1d_fn", "reference"), ("causal_conv1d_update", "reference"),
     }
-    assert reg.get("causal_conv1d_fn", "reference").plugin == "reference"
+    assert reg.get("causal_conv1d_fn", "reference").plugin == "causal_conv1d"  # the op brings its reference
+    assert [spec.name for spec in reg.ops()][:2] == ["causal_conv1d_fn", "causal_conv1d_update"]
 
 
 class _FakeDist:
@@ -65,8 +67,9 @@ class _FakeDist:
 
 def test_entry_point_plugin_is_loaded_and_its_variant_dispatched(tmp_path, monkeypatch):
     (tmp_path / "kv_demo_plugin.py").write_text(textwrap.dedent("""
-        from kernel_variants.registry import Capabilities, Variant, hookimpl
-        from kernel_variants.variants import reference
+        from kernel_variants.ops.causal_conv1d import ConvCapabilities
+        from kernel_variants.registry import Variant, hookimpl
+        from kernel_variants.ops.causal_conv1d import _reference as reference
 
         def doubled(x, weight, bias=None, **kw):
             return reference.causal_conv1d_fn(x, weight * 2, bias, **kw)
@@ -74,7 +77,7 @@ def test_entry_point_plugin_is_loaded_and_its_variant_dispatched(tmp_path, monke
         @hookimpl
         def kv_register_variants(register):
             register(Variant(id="doubled", op="causal_conv1d_fn", version="1", priority=50,
-                             capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"}),
+                             capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}),
                              fn=doubled))
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -136,7 +139,7 @@ def test_register_refuses_anything_but_a_variant():
     ("field", "value", "match"),
     [
         ("id", "Not Stable", "variant id must be"),
-        ("op", "conv2d", "op"),
+        ("op", "Conv 2D", "op must be"),
         ("bogus", 1, "Extra inputs are not permitted"),
     ],
 )
@@ -149,9 +152,9 @@ def test_variant_model_is_strict(field, value, match):
 
 def test_capabilities_are_frozen_and_checked():
     with pytest.raises(ValueError, match="range"):
-        Capabilities(devices={"cpu"}, dtypes={"float32"}, width=(4, 2))
+        ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, width=(4, 2))
     with pytest.raises(ValueError):
-        Capabilities(devices={"tpu"}, dtypes={"float32"})
+        ConvCapabilities(devices={"tpu"}, dtypes={"float32"})
     with pytest.raises(ValueError, match="frozen"):
         CAPS.varlen = True
 
@@ -199,13 +202,14 @@ def test_a_broken_plugin_is_left_out_with_one_warning_and_the_rest_works():
 
 def test_an_entry_point_that_fails_to_import_leaves_the_others(monkeypatch, tmp_path):
     (tmp_path / "kv_fine_plugin.py").write_text(textwrap.dedent("""
-        from kernel_variants.registry import Capabilities, Variant, hookimpl
-        from kernel_variants.variants import reference
+        from kernel_variants.ops.causal_conv1d import ConvCapabilities
+        from kernel_variants.registry import Variant, hookimpl
+        from kernel_variants.ops.causal_conv1d import _reference as reference
 
         @hookimpl
         def kv_register_variants(register):
             register(Variant(id="fine", op="causal_conv1d_fn", version="1", fn=reference.causal_conv1d_fn,
-                             capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"})))
+                             capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"})))
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     eps = [importlib.metadata.EntryPoint("gone", "kv_no_such_module", "kernel_variants"),
@@ -219,3 +223,22 @@ def test_an_entry_point_that_fails_to_import_leaves_the_others(monkeypatch, tmp_
     kernel_variants.reload()
     with pytest.raises(ModuleNotFoundError, match="kv_no_such_module"):
         kernel_variants.variants()
+
+
+def test_a_variant_for_an_unregistered_op_or_with_another_ops_capabilities_is_refused():
+    from kernel_variants.registry import Capabilities
+
+    with pytest.raises(ValueError, match="op 'conv2d', which is not registered"):
+        _registry(("p", _Plugin(_variant("mine", op="conv2d"))))
+    plain = Variant(id="plain", op="causal_conv1d_fn", version="1", fn=reference.causal_conv1d_fn,
+                    capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"}))
+    with pytest.raises(TypeError, match="capabilities must be a kernel_variants.ops.causal_conv1d.ConvCapabilities"):
+        _registry(("p", _Plugin(plain)))
+
+
+def test_the_builtin_ops_and_their_references_cannot_be_blocked(monkeypatch):
+    monkeypatch.setenv("KV_DISABLE_PLUGINS", "causal_conv1d,torch_shift")
+    kernel_variants.reload()
+    ids = {(rv.op, rv.id) for rv in kernel_variants.variants()}
+    assert ("causal_conv1d_fn", "reference") in ids and ("causal_conv1d_update", "reference") in ids
+    assert not any(vid == "torch_shift" for _, vid in ids)

@@ -13,12 +13,13 @@ import torch
 from test_conformance import assert_conforms
 
 import kernel_variants
-from kernel_variants._cases import make_case
 from kernel_variants.dispatch import dispatcher
-from kernel_variants.registry._models import OPS
-from kernel_variants.variants import reference, triton_kernels
+from kernel_variants.kernels import triton_conv
+from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.ops.causal_conv1d._cases import make_case
 
 pytest.importorskip("triton", reason="triton not installed (the 'triton' extra)")
+OPS = ("causal_conv1d_fn", "causal_conv1d_update")
 
 
 @pytest.fixture
@@ -40,8 +41,8 @@ def test_triton_matches_the_reference_on_every_claimed_case(interpreter, op):
 
 
 CONFIG_IDS = [(op, rv.id) for op, rv in
-              [("causal_conv1d_fn", c) for c in triton_kernels.FN_CONFIGS]
-              + [("causal_conv1d_update", c) for c in triton_kernels.UPDATE_CONFIGS]]
+              [("causal_conv1d_fn", c) for c in triton_conv.FN_CONFIGS]
+              + [("causal_conv1d_update", c) for c in triton_conv.UPDATE_CONFIGS]]
 
 
 @pytest.mark.parametrize(("op", "vid"), CONFIG_IDS, ids=[v for _, v in CONFIG_IDS])
@@ -56,7 +57,8 @@ def test_each_block_configuration_on_the_width_4_cases(interpreter, op, vid):
 def test_a_dispatched_call_writes_into_the_callers_view(interpreter, op):
     case = make_case(op, batch=2, dim=24, seqlen=3, noncontig=True, width=4).fresh()
     before = case.pool_base.clone()
-    expected_out, expected_pool = case.run(getattr(reference, op))  # on a fresh copy
+    expected_out, pools = case.run(getattr(reference, op))  # on a fresh copy
+    expected_pool = next(iter(pools.values()))
     with kernel_variants.force(**{op: "triton"}):
         out = getattr(kernel_variants, op)(*case.args, **case.kwargs)
     assert not torch.equal(before, case.pool_base)
@@ -72,7 +74,7 @@ def test_the_interpreter_never_outranks_a_native_cpu_variant(interpreter):
 
 
 def test_the_calibrator_picks_among_block_configurations(interpreter):
-    ids = ["triton"] + [c.id for c in triton_kernels.UPDATE_CONFIGS]
+    ids = ["triton"] + [c.id for c in triton_conv.UPDATE_CONFIGS]
     result = kernel_variants.calibrate("causal_conv1d_update", [(2, 64, 1)], dtype="float32", device="cpu",
                                        variants=ids, warmup=1, windows=1, iters=2)
     assert not result.rejected()

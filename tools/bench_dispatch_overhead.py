@@ -18,12 +18,12 @@ import tempfile
 import timeit
 
 import torch
-
 from _report import markdown_table, write_report  # a sibling module: tools/ is sys.path[0]
 
 import kernel_variants as kv
 from kernel_variants.dispatch import dispatcher, reset
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.registry import Variant, hookimpl
 from kernel_variants.registry._registry import Registry, make_plugin_manager
 
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         @hookimpl
         def kv_register_variants(self, register):
             register(Variant(id="noop", op="causal_conv1d_fn", version="1", fn=noop,
-                             capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"})))
+                             capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"})))
 
     x, w, b = torch.randn(B, L, D), torch.randn(D, W), torch.randn(D)
     pool = torch.randn(4, W - 1, D)
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         reset()
         dispatched = lambda: kv.causal_conv1d_fn(x, w, b, **kwargs)  # noqa: E731
         dispatched()
-        vid, fn, _ = next(iter(dispatcher().memo.values()))
+        vid, fn, _, _ = next(iter(dispatcher().memo.values()))
         direct = lambda: fn(x, w, b, **kwargs)  # noqa: E731
         pairs = [(_per_call_us(dispatched, args.number // 10, 3), _per_call_us(direct, args.number // 10, 3))
                  for _ in range(args.repeat)]

@@ -18,12 +18,10 @@ import tempfile
 from _report import markdown_table, write_report  # a sibling module: tools/ is sys.path[0]
 
 import kernel_variants as kv
-from kernel_variants._cases import make_case
+from kernel_variants._dtypes import as_dtype
 from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._calibrate import as_dtype
 from kernel_variants.dispatch._timing import TimingConfig, measure
-from kernel_variants.ops import call_key
-from kernel_variants.dispatch._select import uncovered
+from kernel_variants.ops.causal_conv1d._cases import make_case
 
 
 def _grids(quick: bool) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
@@ -62,11 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     rows, data = [], []
     for shape in grid:
         case = make_case(args.op, *shape, dtype=dtype)
-        key = call_key(args.op, *case.args, **case.kwargs)
+        key = dispatcher().registry.spec(args.op).key_of_case(case)
         decision = dispatcher().decide(key)
         times = {}
         for rv in dispatcher().registry.variants(args.op):
-            if uncovered(rv.variant.capabilities, key) or rv.unavailable_reason():
+            if rv.why_not(key):
                 continue
             c = case.fresh()
             times[rv.id] = measure([lambda c=c, fn=rv.variant.fn: fn(*c.args, **c.kwargs)], "cpu", timing).best_us

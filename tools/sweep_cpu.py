@@ -24,17 +24,27 @@ import torch
 from _report import markdown_table, write_report  # a sibling module: tools/ is sys.path[0]
 
 import kernel_variants as kv
-from kernel_variants._cases import make_case
-from kernel_variants._sweeps import get_sweep
-from kernel_variants.dispatch._calibrate import as_dtype
+from kernel_variants._dtypes import as_dtype
+from kernel_variants.dispatch import dispatcher
 from kernel_variants.dispatch._timing import TimingConfig, measure
+from kernel_variants.registry import Sweep
 
 
-def _copy_us(op: str, shape, dtype: torch.dtype, spec: bool, timing: TimingConfig) -> tuple[float, float]:
+def get_sweep(name: str) -> Sweep:
+    """The named sweep of whichever registered op has it."""
+    for spec in dispatcher().registry.ops():
+        if name in spec.sweeps:
+            return spec.sweeps[name]
+    known = [n for spec in dispatcher().registry.ops() for n in spec.sweeps]
+    raise SystemExit(f"--sweeps: expected names among {', '.join(known)}, got {name!r}")
+
+
+def _copy_us(sweep: Sweep, shape, dtype: torch.dtype, timing: TimingConfig) -> tuple[float, float]:
     """A copy of x's bytes into an output-sized buffer (the floor for this shape), and the same
     copy into a freshly allocated one (``clone``), which an op returning a new tensor also pays."""
-    case = make_case(op, *shape, dtype=dtype, spec=spec, states=False if op == "causal_conv1d_fn" else True)
-    x = case.args[0]
+    spec = dispatcher().registry.spec(sweep.op)
+    case = spec.sweep_case(shape, spec.features(**sweep.features), dtype=dtype, device="cpu")
+    x = case.args[0]  # every op's first argument is its input x
     out = torch.empty_like(x)
     return (measure([lambda: out.copy_(x)], "cpu", timing).best_us,
             measure([lambda: x.clone()], "cpu", timing).best_us)
@@ -50,10 +60,10 @@ def run_sweep(name: str, dtype_name: str, timing: TimingConfig, quick: bool, ski
     rows = []
     t0 = time.perf_counter()
     for i, shape in enumerate(shapes):
-        res = kv.calibrate(sweep.op, [shape], dtype=dtype, variants=variants, spec=sweep.spec,
-                           warmup=timing.warmup, windows=timing.windows, iters=timing.iters,
-                           window_budget_s=timing.window_budget_s)
-        copy, clone = _copy_us(sweep.op, shape, dtype, sweep.spec, timing)
+        res = kv.calibrate(sweep.op, [shape], dtype=dtype, variants=variants, warmup=timing.warmup,
+                           windows=timing.windows, iters=timing.iters, window_budget_s=timing.window_budget_s,
+                           **sweep.features)
+        copy, clone = _copy_us(sweep, shape, dtype, timing)
         times = {m.variant: m.best_us for m in res.measurements if m.status == "ok"}
         rejected = {m.variant: m.reason for m in res.rejected()}
         winner = res.winners.get(tuple(shape))
@@ -78,8 +88,12 @@ def summarize(result: dict) -> dict:
         out["aten_over_cpu_native_median"] = statistics.median(speedup)
         out["cpu_native_slower_than_aten_by_10pct"] = [
             r["shape"] for r in rows if r["times_us"]["cpu_native"] > 1.1 * r["times_us"]["aten"]]
+    out["variant_over_copy_median"] = {
+        v: statistics.median(ts) for v in result["variants"]
+        if (ts := [r["times_us"][v] / r["copy_us"] for r in rows if v in r["times_us"]])}
+    out["wins"] = {v: sum(r["fastest"] == v for r in rows) for v in result["variants"]}
     b1 = [r for r in rows if r["shape"][0] == 1]
-    if result["op"] == "causal_conv1d_update" and b1:
+    if result["op"] == "causal_conv1d_update" and b1:  # decode latency at B=1 is a figure of its own
         out["b1_best_us"] = {str(r["shape"]): min(r["times_us"].values()) for r in b1 if r["times_us"]}
     return out
 
@@ -88,13 +102,16 @@ def to_markdown(result: dict, summary: dict) -> str:
     variants = result["variants"]
     rows = []
     for r in result["rows"]:
-        b, d, s = r["shape"]
         best = min(r["times_us"].values()) if r["times_us"] else float("nan")
-        rows.append([b, d, s, r["copy_us"], *[r["times_us"].get(v, float("nan")) for v in variants],
+        rows.append([*r["shape"], r["copy_us"], *[r["times_us"].get(v, float("nan")) for v in variants],
                      r["winner"] or "-", best / r["copy_us"]])
     head = f"## {result['sweep']} ({result['op']}, {result['dtype']}): microseconds per call"
-    table = markdown_table(["B", "D", "L", "copy", *variants, "winner", "winner/copy"], rows)
+    axes = list(dispatcher().registry.spec(result["op"]).axes)
+    table = markdown_table([*axes, "copy", *variants, "winner", "winner/copy"], rows)
     lines = [head, "", table, ""]
+    lines.append("variant/copy median: " + ", ".join(
+        f"{v} {m:.2f}" for v, m in summary["variant_over_copy_median"].items()))
+    lines.append("fastest on: " + ", ".join(f"{v} {n}/{len(result['rows'])}" for v, n in summary["wins"].items()))
     lines.append(f"best/copy: median {summary['best_over_copy_median']:.2f}, worst {summary['best_over_copy_worst']:.2f}; "
                  f"best/clone: median {summary['best_over_clone_median']:.2f}; winners: {', '.join(summary['winners'])}")
     if "aten_over_cpu_native_median" in summary:

@@ -1,5 +1,7 @@
 import torch.nn.functional as F
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.registry import Variant, hookimpl
 
 
 def my_conv(x, weight, bias=None, *, conv_states=None, cache_indices=None,
@@ -15,7 +17,7 @@ def my_conv(x, weight, bias=None, *, conv_states=None, cache_indices=None,
 def kv_register_variants(register):
     register(Variant(
         id="my_conv", op="causal_conv1d_fn", version="1", fn=my_conv,
-        capabilities=Capabilities(devices={"cpu", "cuda"}, dtypes={"float32", "bfloat16"},
-                                  width=(2, 4), conv_states=False, varlen=False),
+        capabilities=ConvCapabilities(devices={"cpu", "cuda"}, dtypes={"float32", "bfloat16"},
+                                      width=(2, 4), conv_states=False, varlen=False),
         probe=lambda: None,  # or a one-line reason why it cannot run on this machine
     ))

@@ -2,8 +2,8 @@
 variant measured fastest for its shape on this device.
 
 Public API: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`), inspection
-(:func:`variants`, :func:`explain`), pinning (:func:`force`), and for plugin authors the
-:mod:`kernel_variants.registry` module.
+(:func:`variants`, :func:`explain`), pinning (:func:`force`), calibration (:func:`calibrate`,
+:func:`table`), and for plugin authors the :mod:`kernel_variants.registry` module.
 
 Names are imported on first use, so ``import kernel_variants`` (and ``kv --help``) does not pay
 for importing torch until something needs it.
@@ -14,20 +14,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# The subpackage kernel_variants/variants/ shares its name with the variants() function below.
-# Importing it first (its __init__ is empty) means the function, defined afterwards, is what the
-# package attribute holds; the subpackage stays reachable as a module.
-import kernel_variants.variants as _variants_pkg  # noqa: F401
 from kernel_variants._version import __version__
 
 if TYPE_CHECKING:
-    from kernel_variants.dispatch import Decision, NoVariantError, VariantFailed, force
+    from kernel_variants.dispatch import Decision, NoVariantError, VariantFailed, explain, force
     from kernel_variants.dispatch._api import TableRow, calibrate, clear_table, table
     from kernel_variants.dispatch._calibrate import CalibrationResult, Progress
     from kernel_variants.dispatch._table import CalibrationWarning, Measurement
-    from kernel_variants.ops import causal_conv1d_fn, causal_conv1d_update, explain
-    from kernel_variants.registry import Capabilities, Variant, hookimpl
-    from kernel_variants.registry._models import OpName
+    from kernel_variants.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+    from kernel_variants.registry import Capabilities, OpSpec, Variant, hookimpl
     from kernel_variants.registry._registry import DuplicateVariantError, RegisteredVariant
 
 _LAZY = {
@@ -43,10 +38,11 @@ _LAZY = {
     "Progress": "kernel_variants.dispatch._calibrate",
     "CalibrationWarning": "kernel_variants.dispatch._table",
     "Measurement": "kernel_variants.dispatch._table",
-    "causal_conv1d_fn": "kernel_variants.ops",
-    "causal_conv1d_update": "kernel_variants.ops",
-    "explain": "kernel_variants.ops",
+    "causal_conv1d_fn": "kernel_variants.ops.causal_conv1d",
+    "causal_conv1d_update": "kernel_variants.ops.causal_conv1d",
+    "explain": "kernel_variants.dispatch",
     "Capabilities": "kernel_variants.registry",
+    "OpSpec": "kernel_variants.registry",
     "Variant": "kernel_variants.registry",
     "hookimpl": "kernel_variants.registry",
     "DuplicateVariantError": "kernel_variants.registry._registry",
@@ -67,7 +63,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-def variants(op: OpName | None = None) -> list[RegisteredVariant]:
+def variants(op: str | None = None) -> list[RegisteredVariant]:
     """Every registered variant (of ``op``, if given), with its plugin, full version and probe."""
     from kernel_variants.dispatch._dispatcher import dispatcher
 
@@ -89,6 +85,7 @@ __all__ = [
     "DuplicateVariantError",
     "Measurement",
     "NoVariantError",
+    "OpSpec",
     "Progress",
     "RegisteredVariant",
     "TableRow",

@@ -7,7 +7,6 @@ same shape and measurement options, defined here.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import statistics
 import time
@@ -17,18 +16,17 @@ from pathlib import Path
 
 import torch
 
-from kernel_variants._cases import make_case
-from kernel_variants.dispatch import dispatcher, uncovered
-from kernel_variants.dispatch._calibrate import Features, Progress, as_dtype, measure_shape
+from kernel_variants._dtypes import as_dtype
+from kernel_variants.dispatch import dispatcher
+from kernel_variants.dispatch._calibrate import Progress, measure_shape
 from kernel_variants.dispatch._table import Measurement
 from kernel_variants.dispatch._timing import TimingConfig
-from kernel_variants.ops import call_key
-from kernel_variants.registry._models import OpName
+from kernel_variants.registry import CallKey, Features, OpSpec
+from kernel_variants.registry._spec import Shape, read_csv_rows, read_shapes
 
 from . import _options as opt
 from ._output import ProgressBar
 
-Shape = tuple[int, int, int]
 RANGE_DASH = "\N{EN DASH}"  # ranges as the regression report writes them
 
 
@@ -55,6 +53,7 @@ class HeadToHead:
     b: str
     source: str  # "measured on cpu bfloat16" or the CSV path
     pairs: tuple[Pair, ...]
+    axes: tuple[str, ...]  # what the shapes' sizes are called (the CSV's columns, or the op's axes)
 
     def timed(self) -> list[Pair]:
         return [p for p in self.pairs if p.ratio is not None]
@@ -101,7 +100,8 @@ def collect(args: argparse.Namespace, a: str | None, b: str | None) -> HeadToHea
         a_col, b_col = args.a_col or a, args.b_col or b
         if not a_col or not b_col:
             raise ValueError("--from-csv needs the two columns to compare: --a-col COL --b-col COL")
-        return read_csv(args.from_csv, a_col, b_col)
+        spec = opt.op_spec(args.op) if args.op else opt.registry().ops()[0]
+        return read_csv(args.from_csv, a_col, b_col, spec)
     if args.a_col or args.b_col:
         raise ValueError("--a-col/--b-col name columns of --from-csv FILE, which is missing")
     if not a or not b:
@@ -109,22 +109,22 @@ def collect(args: argparse.Namespace, a: str | None, b: str | None) -> HeadToHea
     if a == b:
         raise ValueError(f"expected two different variants, got {a!r} twice")
     work = opt.work(args)
-    bar = None if args.quiet else ProgressBar()
+    bar = None if args.quiet else ProgressBar(axes=work.spec.axes)
     try:
-        return measure(a, b, work.op, work.shapes, dtype=opt.dtype(args.dtype), device=opt.device(args.device),
-                       features=opt.features(args, work.op, spec=work.spec), timing=opt.timing(args),
-                       rotate=args.rotate, progress=bar)
+        return measure(a, b, work.spec, work.shapes, dtype=opt.dtype(args.dtype), device=opt.device(args.device),
+                       features=work.features, timing=opt.timing(args), rotate=args.rotate, progress=bar)
     finally:
         if bar is not None:
             bar.close()
 
 
-def measure(a: str, b: str, op: OpName, shapes: Sequence[Shape], *, dtype: str, device: str, features: Features,
-            timing: TimingConfig, rotate: int = 0, progress: Callable[[Progress], None] | None = None) -> HeadToHead:
+def measure(a: str, b: str, spec: OpSpec, shapes: Sequence[Shape], *, dtype: str, device: str,
+            features: Features, timing: TimingConfig, rotate: int = 0,
+            progress: Callable[[Progress], None] | None = None) -> HeadToHead:
     """Verify, then time, ``a`` and ``b`` on each shape; nothing is written to the table."""
     registry = dispatcher().registry
-    rvs = {v: registry.get(op, v) for v in (a, b)}  # KeyError naming what is registered
-    entries = registry.variants(op)
+    rvs = {v: registry.get(spec.name, v) for v in (a, b)}  # KeyError naming what is registered
+    entries = registry.variants(spec.name)
     dt = as_dtype(dtype)
     total, done = 2 * len(shapes), 0
     t0 = time.perf_counter()
@@ -136,68 +136,40 @@ def measure(a: str, b: str, op: OpName, shapes: Sequence[Shape], *, dtype: str, 
             if progress is not None:
                 progress(Progress(done, total, m.shape, m.variant, time.perf_counter() - t0))
 
-        ms = {m.variant: m for m in measure_shape(entries, op, shape, dtype=dt, device=device, features=features,
+        ms = {m.variant: m for m in measure_shape(entries, spec, shape, dtype=dt, device=device, features=features,
                                                   timing=timing, rotate=rotate, only=[a, b], on_result=taken)}
         times, notes = {}, {}
         for v in (a, b):
             m = ms.get(v)
             if m is None:
                 done += 1
-                notes[v] = f"cannot run: {_why_not(rvs[v], op, shape, dt, device, features)}"
+                key = CallKey(spec, torch.device(device).type, str(dt).removeprefix("torch."), features, shape)
+                notes[v] = f"cannot run: {rvs[v].why_not(key) or 'not measured'}"
             elif m.status == "rejected":
                 notes[v] = f"rejected: {m.reason}"
             else:
                 times[v] = m.best_us
         pairs.append(Pair(shape, math.prod(shape), times.get(a), times.get(b), notes.get(a, ""), notes.get(b, "")))
-    return HeadToHead(a, b, f"measured on {device} {str(dt).removeprefix('torch.')}", tuple(pairs))
-
-
-def _why_not(rv, op: OpName, shape: Shape, dt: torch.dtype, device: str, f: Features) -> str:
-    case = make_case(op, *shape, width=f.width, dtype=dt, device=device, bias=f.bias, activation=f.activation,
-                     states=f.states, varlen=f.varlen, spec=f.spec)
-    key = call_key(op, *case.args, **case.kwargs)
-    return uncovered(rv.variant.capabilities, key) or rv.unavailable_reason() or "not measured"
-
-
-_SHAPE_COLUMNS = (("B", "batch"), ("dim", "D"), ("seq", "L", "seqlen"))
+    return HeadToHead(a, b, f"measured on {device} {str(dt).removeprefix('torch.')}", tuple(pairs), spec.axes)
 
 
 def _label(col: str) -> str:
     return col.removesuffix("_us") or col
 
 
-def read_csv(path: str | Path, a_col: str, b_col: str) -> HeadToHead:
-    """Pairs from a CSV of measurements: columns B, dim, seq, optionally elements, and the two
-    microsecond columns named. Every row must parse; the first bad one is the error."""
-    try:
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            header = reader.fieldnames or []
-            rows = list(reader)
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a CSV file (not UTF-8 text)") from None
-    except csv.Error as exc:
-        raise ValueError(f"{path}: not a CSV file ({exc})") from None
+def read_csv(path: str | Path, a_col: str, b_col: str, spec: OpSpec) -> HeadToHead:
+    """Pairs from a CSV of measurements: a column per axis of ``spec`` (B, dim, seq for the conv
+    ops), optionally elements, and the two microsecond columns named. Every row must parse; the
+    first bad one is the error."""
+    header, rows = read_csv_rows(path)
     if not header:
-        raise ValueError(f"{path}: empty (expected a header with B, dim, seq, {a_col}, {b_col})")
-    shape_cols = []
-    for names in _SHAPE_COLUMNS:
-        found = next((n for n in names if n in header), None)
-        if found is None:
-            raise ValueError(f"{path}: no column {' or '.join(names)} (columns: {', '.join(header)})")
-        shape_cols.append(found)
+        raise ValueError(f"{path}: empty (expected a header with {', '.join(spec.axes)}, {a_col}, {b_col})")
     for col in (a_col, b_col):
         if col not in header:
             raise ValueError(f"{path}: no column {col!r} (columns: {', '.join(header)})")
+    columns, shapes = read_shapes(header, rows, spec.axes, spec.axis_aliases, str(path))
     pairs = []
-    for line, row in enumerate(rows, start=2):
-        try:
-            shape = tuple(int(row[c]) for c in shape_cols)
-        except (TypeError, ValueError):
-            raise ValueError(f"{path}, line {line}: expected integer {', '.join(shape_cols)}, "
-                             f"got {[row.get(c) for c in shape_cols]}") from None
-        if min(shape) < 1:
-            raise ValueError(f"{path}, line {line}: expected positive sizes, got {shape}")
+    for line, (row, shape) in enumerate(zip(rows, shapes, strict=True), start=2):
         times = []
         for col in (a_col, b_col):
             raw = row.get(col)
@@ -215,10 +187,8 @@ def read_csv(path: str | Path, a_col: str, b_col: str) -> HeadToHead:
             except ValueError:
                 raise ValueError(f"{path}, line {line}: column elements: expected an integer, "
                                  f"got {row['elements']!r}") from None
-        pairs.append(Pair(shape, elements, times[0], times[1]))  # type: ignore[arg-type]
-    if not pairs:
-        raise ValueError(f"{path}: no rows below the header")
+        pairs.append(Pair(shape, elements, times[0], times[1]))
     a, b = _label(a_col), _label(b_col)
     if a == b:
         a, b = a_col, b_col
-    return HeadToHead(a, b, str(path), tuple(pairs))
+    return HeadToHead(a, b, str(path), tuple(pairs), tuple(columns))

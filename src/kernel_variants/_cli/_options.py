@@ -1,50 +1,62 @@
 """Options several commands share, and turning them into library arguments.
 
-The parsers raise ``ValueError`` with a message naming the option, so a typo reads as one line.
+Nothing here names an op: ``--op`` takes any registered op (or an alias), shapes have as many
+sizes as the op has axes, sweeps come from the op specs, and the feature options (``--width``,
+``--no-bias``...) are generated from the registered ops' feature models. The parsers raise
+``ValueError`` with a message naming the option, so a typo reads as one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import typing
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+from pydantic import ValidationError
 
-from kernel_variants._sweeps import NAMES, Sweep, get_sweep
-from kernel_variants.dispatch._calibrate import Features, as_dtype
+from kernel_variants._dtypes import CHOICES as DTYPE_CHOICES
+from kernel_variants._dtypes import canonical
+from kernel_variants.dispatch import dispatcher
 from kernel_variants.dispatch._timing import TimingConfig
-from kernel_variants.registry._models import OPS, OpName
+from kernel_variants.registry import Features, OpSpec
+from kernel_variants.registry._spec import Shape, Sweep, load_sweep_csv
 
-Shape = tuple[int, int, int]
-
-_OP_ALIASES = {"fn": "causal_conv1d_fn", "prefill": "causal_conv1d_fn",
-               "update": "causal_conv1d_update", "decode": "causal_conv1d_update"}
-DTYPE_CHOICES = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+_FEATURE_PREFIX = "feature_"
 
 
-def op_name(raw: str) -> OpName:
-    op = _OP_ALIASES.get(raw, raw)
-    if op not in OPS:
-        raise ValueError(f"--op: expected one of {', '.join(OPS)} (or fn, update), got {raw!r}")
-    return op  # type: ignore[return-value]
+def registry():
+    return dispatcher().registry
 
 
-def shape(raw: str) -> Shape:
-    """``"B,D,L"`` (also ``BxDxL``) -> (B, D, L) of positive ints."""
+def op_spec(raw: str) -> OpSpec:
+    try:
+        return registry().spec(raw)
+    except ValueError:
+        names = ", ".join(f"{s.name}" + (f" ({', '.join(s.aliases)})" if s.aliases else "") for s in registry().ops())
+        raise ValueError(f"--op: expected one of {names}, got {raw!r}") from None
+
+
+def shape(raw: str, spec: OpSpec) -> Shape:
+    """``"B,D,L"`` (also ``BxDxL``) -> a tuple of positive ints, one per axis of ``spec``."""
     parts = raw.replace("x", ",").split(",")
     try:
         values = tuple(int(p) for p in parts)
     except ValueError:
         values = ()
-    if len(values) != 3 or min(values) < 1:
-        raise ValueError(f"shape: expected B,D,L as three positive integers (e.g. 2,256,64), got {raw!r}")
-    return values  # type: ignore[return-value]
+    if len(values) != len(spec.axes) or min(values) < 1:
+        axes = ",".join(spec.axes)
+        raise ValueError(f"shape: expected {axes} as {len(spec.axes)} positive integers for {spec.name}, got {raw!r}")
+    return values
 
 
 def dtype(raw: str) -> str:
-    if raw not in DTYPE_CHOICES:
-        raise ValueError(f"--dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {raw!r}")
-    return str(as_dtype(raw)).removeprefix("torch.")
+    try:
+        return canonical(raw)
+    except ValueError:
+        raise ValueError(f"--dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {raw!r}") from None
 
 
 def device(raw: str) -> str:
@@ -68,8 +80,8 @@ def variant_list(raw: str) -> list[str]:
     return ids
 
 
-def add_op(p: argparse.ArgumentParser, *, default: str | None = None) -> None:
-    p.add_argument("--op", help=f"{' or '.join(OPS)} (or fn, update)" + (f"; default {default}" if default else ""))
+def add_op(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--op", help="an op name or alias (kv info lists them); default: the first registered op")
 
 
 def add_device(p: argparse.ArgumentParser) -> None:
@@ -80,21 +92,57 @@ def add_dtype(p: argparse.ArgumentParser, default: str = "bf16") -> None:
     p.add_argument("--dtype", default=default, help=f"{', '.join(DTYPE_CHOICES)} (default {default})")
 
 
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
 def add_features(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("call features (what the measured call looks like)")
-    g.add_argument("--width", type=int, default=4, help="convolution width W (default 4)")
-    g.add_argument("--no-bias", action="store_true", help="no bias")
-    g.add_argument("--activation", default="silu", help="silu or none (default silu)")
-    g.add_argument("--no-states", action="store_true", help="no conv_states (prefill only)")
-    g.add_argument("--varlen", action="store_true", help="packed sequences with query_start_loc (prefill)")
-    g.add_argument("--spec", action="store_true", help="num_accepted_tokens (update, L > 1)")
+    """One option per feature field of every registered op: ``--no-X`` for a flag on by default,
+    ``--X`` for one off by default, ``--X VALUE`` otherwise. Unset options leave the op's default."""
+    g = p.add_argument_group("call features (what the measured call looks like; each op has its own)")
+    seen: set[str] = set()
+    for spec in registry().ops():
+        hints = typing.get_type_hints(spec.features)
+        for name, field in spec.features.model_fields.items():
+            if name in seen:
+                continue
+            seen.add(name)
+            dest = _FEATURE_PREFIX + name
+            ops = [s.name for s in registry().ops() if name in s.features.model_fields]
+            doc = f"{field.description + '; ' if field.description else ''}{', '.join(ops)}"
+            if hints[name] is bool:
+                if field.default:
+                    g.add_argument(f"--no-{_flag(name)}", dest=dest, action="store_false", default=None,
+                                   help=f"{doc} (default on)")
+                else:
+                    g.add_argument(f"--{_flag(name)}", dest=dest, action="store_true", default=None,
+                                   help=f"{doc} (default off)")
+            else:
+                g.add_argument(f"--{_flag(name)}", dest=dest, default=None, metavar="VALUE",
+                               help=f"{doc} (default {field.default})")
+
+
+def features(args: argparse.Namespace, spec: OpSpec, base: dict[str, Any] | None = None) -> Features:
+    """The feature model of ``spec`` from the options given (on top of ``base``, a sweep's)."""
+    given = {k.removeprefix(_FEATURE_PREFIX): v for k, v in vars(args).items()
+             if k.startswith(_FEATURE_PREFIX) and v is not None}
+    foreign = [n for n in given if n not in spec.features.model_fields]
+    if foreign:
+        raise ValueError(f"--{_flag(foreign[0])}: not a feature of {spec.name} "
+                         f"(its features: {', '.join(spec.features.model_fields) or 'none'})")
+    try:
+        return spec.features(**{**(base or {}), **given})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = f"--{_flag(str(err['loc'][0]))}: " if err["loc"] else ""
+        raise ValueError(f"{where}{err['msg'].removeprefix('Value error, ')}") from None
 
 
 def add_sweep(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("shapes")
-    g.add_argument("--sweep", help=f"{', '.join(NAMES)} or a CSV file with B,dim,seq columns "
-                                   "(default smoke; decode with --op update)")
-    g.add_argument("--shapes", nargs="+", metavar="B,D,L", help="explicit shapes instead of a sweep")
+    g.add_argument("--sweep", help="a named sweep of an op (kv info lists them) or a CSV file with a column per "
+                                   "axis of the op (default: the op's own default sweep)")
+    g.add_argument("--shapes", nargs="+", metavar="SHAPE", help="explicit shapes (B,D,L for the conv ops) instead")
 
 
 def add_timing(p: argparse.ArgumentParser) -> None:
@@ -103,25 +151,6 @@ def add_timing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--windows", type=int, default=5, help="timed windows; the minimum counts (default 5)")
     g.add_argument("--iters", type=int, default=100, help="calls per window (default 100)")
     g.add_argument("--rotate", type=int, default=0, help="extra input copies cycled for a cold cache (default 0)")
-
-
-def features(args: argparse.Namespace, op: OpName, *, spec: bool = False) -> Features:
-    act = args.activation.lower()
-    if act == "swish":
-        act = "silu"
-    if act not in ("silu", "none"):
-        raise ValueError(f"--activation: expected silu or none, got {args.activation!r}")
-    spec = spec or args.spec
-    if spec and op != "causal_conv1d_update":
-        raise ValueError("--spec: num_accepted_tokens exists only for causal_conv1d_update (use --op update)")
-    if args.varlen and op != "causal_conv1d_fn":
-        raise ValueError("--varlen: packed sequences exist only for causal_conv1d_fn")
-    if args.no_states and op != "causal_conv1d_fn":
-        raise ValueError("--no-states: causal_conv1d_update always has a conv_state")
-    if args.width < 1:
-        raise ValueError(f"--width: expected a convolution width W >= 1, got {args.width}")
-    return Features(width=args.width, bias=not args.no_bias, activation=None if act == "none" else "silu",
-                    states=not args.no_states, varlen=args.varlen, spec=spec)
 
 
 def timing(args: argparse.Namespace) -> TimingConfig:
@@ -133,26 +162,53 @@ def timing(args: argparse.Namespace) -> TimingConfig:
         raise ValueError(f"--{exc}") from None
 
 
+def find_sweep(name: str, spec: OpSpec | None) -> Sweep:
+    """A named sweep (of ``spec``, or of whichever op has one by that name), or a CSV file."""
+    specs = [spec] if spec is not None else registry().ops()
+    named = [s.sweeps[name] for s in specs if name in s.sweeps]
+    if len(named) == 1:
+        return named[0]
+    if len(named) > 1:
+        raise ValueError(f"--sweep {name}: several ops have a sweep of that name; say which with --op")
+    if name.endswith(".csv") or Path(name).exists():
+        return load_sweep_csv(name, spec or registry().ops()[0])
+    known = list(dict.fromkeys(n for s in registry().ops() for n in s.sweeps))
+    if spec is not None:
+        others = [s.name for s in registry().ops() if name in s.sweeps]
+        if others:
+            raise ValueError(f"--sweep {name} is a sweep of {others[0]}, but --op is {spec.name}")
+    raise ValueError(f"sweep: expected one of {', '.join(known)} or a .csv file, got {name!r}")
+
+
 @dataclass(frozen=True)
 class Work:
-    """What to measure: the op, its shapes and whether the sweep asks for speculative decoding."""
+    """What to measure: the op, its shapes, the features of the call and where they came from."""
 
-    op: OpName
+    spec: OpSpec
     shapes: tuple[Shape, ...]
-    spec: bool
+    features: Features
     source: str  # the sweep name, file, or "--shapes"
+
+    @property
+    def op(self) -> str:
+        return self.spec.name
 
 
 def work(args: argparse.Namespace) -> Work:
-    """The op and shapes from ``--op``, ``--sweep`` and ``--shapes``; without either, the smoke
-    sweep (prefill) or the decode sweep (``--op update``)."""
-    op = op_name(args.op) if args.op else None
+    """The op, shapes and features from ``--op``, ``--sweep``, ``--shapes`` and the feature
+    options; without a sweep or shapes, the op's default sweep."""
+    spec = op_spec(args.op) if args.op else None
     if args.shapes and args.sweep:
         raise ValueError("give --sweep or --shapes, not both")
     if args.shapes:
-        return Work(op or "causal_conv1d_fn", tuple(shape(s) for s in args.shapes), False, "--shapes")
-    default = "decode" if op == "causal_conv1d_update" else "smoke"
-    sweep: Sweep = get_sweep(args.sweep or default, op)
-    if op is not None and sweep.op != op:
-        raise ValueError(f"--sweep {sweep.name} is a sweep of {sweep.op}, but --op is {op}")
-    return Work(sweep.op, sweep.shapes, sweep.spec, sweep.name)
+        spec = spec or registry().ops()[0]
+        return Work(spec, tuple(shape(s, spec) for s in args.shapes), features(args, spec), "--shapes")
+    if args.sweep:
+        sweep = find_sweep(args.sweep, spec)
+    else:
+        spec = spec or registry().ops()[0]
+        if spec.default_sweep is None:
+            raise ValueError(f"{spec.name} has no default sweep: give --sweep or --shapes")
+        sweep = spec.sweeps[spec.default_sweep]
+    spec = registry().spec(sweep.op)
+    return Work(spec, sweep.shapes, features(args, spec, dict(sweep.features)), sweep.name)

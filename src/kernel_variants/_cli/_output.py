@@ -116,9 +116,11 @@ class ProgressBar:
     step so that a log shows how far a killed run got.
     """
 
-    def __init__(self, label: str = "", stream: TextIO | None = None, width: int = 24) -> None:
+    def __init__(self, label: str = "", stream: TextIO | None = None, width: int = 24,
+                 axes: Sequence[str] = ("B", "D", "L")) -> None:
         self.stream = stream or sys.stderr
         self.label = label
+        self.axes = tuple(axes)
         self.width = width
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._drawn = False
@@ -126,8 +128,8 @@ class ProgressBar:
     def __call__(self, p: Progress) -> None:
         filled = int(self.width * p.done / p.total) if p.total else self.width
         bar = "#" * filled + "." * (self.width - filled)
-        b, d, seq = p.shape
-        text = (f"{self.label}[{bar}] {p.done}/{p.total}  B={b} D={d} L={seq}  {p.variant}  "
+        at = " ".join(f"{a}={v}" for a, v in zip(self.axes, p.shape, strict=False))
+        text = (f"{self.label}[{bar}] {p.done}/{p.total}  {at}  {p.variant}  "
                 f"{_clock(p.elapsed_s)} elapsed, ~{_clock(p.eta_s)} left")
         if self.tty:
             self.stream.write("\r\x1b[K" + text)

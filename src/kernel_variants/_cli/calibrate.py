@@ -21,7 +21,6 @@ from . import _options as opt
 from ._output import ProgressBar, percent, print_json, render_table, us
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_op(p)
     opt.add_sweep(p)
@@ -57,7 +56,7 @@ def summary(result: CalibrationResult, shapes, device: str) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     work = opt.work(args)
-    features = opt.features(args, work.op, spec=work.spec)
+    features = work.features
     timing = opt.timing(args)
     dtype = opt.dtype(args.dtype)
     device = opt.device(args.device)
@@ -67,15 +66,15 @@ def run(args: argparse.Namespace) -> int:
         # Named explicitly, so that the progress total counts only variants that can run here.
         variants = [rv.id for rv in kv.variants(work.op) if rv.unavailable_reason() is None]
     check_margin(args.margin)
-    common = dict(dtype=dtype, features=features, timing=timing, variants=variants, rotate=args.rotate,
-                  margin=args.margin)
+    common = dict(dtype=dtype, timing=timing, variants=variants, rotate=args.rotate, margin=args.margin)
     if args.distributed:
         from kernel_variants.dispatch._distributed import calibrate_distributed, torchrun_env
 
         rank = torchrun_env()[0]
-        bar = None if args.quiet or rank != 0 else ProgressBar("rank 0 share ")
+        bar = None if args.quiet or rank != 0 else ProgressBar("rank 0 share ", axes=work.spec.axes)
         try:
-            dres = calibrate_distributed(work.op, work.shapes, device=device, progress=bar, **common)
+            dres = calibrate_distributed(work.op, work.shapes, device=device, features=features, progress=bar,
+                                         **common)
         finally:
             if bar is not None:
                 bar.close()
@@ -86,13 +85,11 @@ def run(args: argparse.Namespace) -> int:
             return 0
         result, device = dres.result, dres.result.device
     else:
-        bar = None if args.quiet else ProgressBar()
+        bar = None if args.quiet else ProgressBar(axes=work.spec.axes)
         try:
-            result = kv.calibrate(work.op, work.shapes, device=device, width=features.width, bias=features.bias,
-                                  activation=features.activation, states=features.states, varlen=features.varlen,
-                                  spec=features.spec, warmup=timing.warmup, windows=timing.windows,
+            result = kv.calibrate(work.op, work.shapes, device=device, warmup=timing.warmup, windows=timing.windows,
                                   iters=timing.iters, rotate=args.rotate, margin=args.margin, dtype=dtype,
-                                  variants=variants, progress=bar)
+                                  variants=variants, progress=bar, **features.model_dump())
         finally:
             if bar is not None:
                 bar.close()
@@ -104,11 +101,11 @@ def run(args: argparse.Namespace) -> int:
                     "measurements": [m.model_dump(mode="json") for m in result.measurements]})
         return 0
     print(f"{result.op} on {result.device} {result.dtype}, sweep {work.source}: {len(rows)} shape{'' if len(rows) == 1 else 's'}")
+    axes = list(work.spec.axes)
     table = [[*r["shape"], r["winner"] or "(none can run it)", us(r["winner_us"]), r["runner_up"],
               us(r["runner_up_us"]), percent(r["margin"])] for r in rows]
-    print(render_table(["B", "D", "L", "winner", "winner µs", "runner-up", "runner-up µs", "margin"], table))
+    print(render_table([*axes, "winner", "winner µs", "runner-up", "runner-up µs", "margin"], table))
     if rejected:
         print(f"\nrejected ({len(rejected)}):")
-        print(render_table(["B", "D", "L", "variant", "reason"],
-                           [[*r["shape"], r["variant"], r["reason"]] for r in rejected]))
+        print(render_table([*axes, "variant", "reason"], [[*r["shape"], r["variant"], r["reason"]] for r in rejected]))
     return 0

@@ -15,7 +15,6 @@ from . import _headtohead as h2h
 from ._output import print_json, ratio, render_table, us
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", nargs="?", metavar="A", help="variant id (with --from-csv: column of A)")
     p.add_argument("b", nargs="?", metavar="B", help="variant id (with --from-csv: column of B)")
@@ -43,11 +42,11 @@ def plot(result: h2h.HeadToHead, path: str | Path) -> None:
     ax = fig.add_subplot()
     ax.bar(range(len(timed)), ratios, color=["tab:green" if r > 1 else "tab:red" for r in ratios])
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(timed)), [f"{b}x{d}x{s}" for b, d, s in (p.shape for p in timed)],
+    ax.set_xticks(range(len(timed)), ["x".join(map(str, p.shape)) for p in timed],
                   rotation=90, fontsize=6)
     ax.set_xlim(-0.6, len(timed) - 0.4)
     ax.set_ylabel(f"{result.b} / {result.a} time")
-    ax.set_xlabel("shape (BxDxL)")
+    ax.set_xlabel(f"shape ({'x'.join(result.axes)})")
     ax.set_title(result.summary(), fontsize=9)
     fig.savefig(path, dpi=120)
 
@@ -68,12 +67,12 @@ def run(args: argparse.Namespace) -> int:
     rows = [[*p.shape, p.elements, us(p.a_us) or _short(p.a_note), us(p.b_us) or _short(p.b_note), ratio(p.ratio)]
             for p in result.pairs]
     print(f"{b} vs {a}, {result.source}")
-    print(render_table(["B", "dim", "seq", "elements", f"{a} µs", f"{b} µs", f"{b}/{a}"], rows,
-                       right=[True] * 7))
+    print(render_table([*result.axes, "elements", f"{a} µs", f"{b} µs", f"{b}/{a}"], rows,
+                       right=[True] * (len(result.axes) + 4)))
     notes = [(p, v, n) for p in result.pairs for v, n in ((a, p.a_note), (b, p.b_note)) if n]
     if notes:
         print()
-        print(render_table(["B", "dim", "seq", "variant", "not timed because"], [[*p.shape, v, n] for p, v, n in notes]))
+        print(render_table([*result.axes, "variant", "not timed because"], [[*p.shape, v, n] for p, v, n in notes]))
     print()
     print(result.summary())
     if args.plot:

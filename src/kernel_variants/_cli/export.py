@@ -12,7 +12,6 @@ from . import _options as opt
 from ._output import print_json
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help="where to write the document (- for stdout)")
     opt.add_device(p)

@@ -13,7 +13,6 @@ from . import _headtohead as h2h
 from ._output import percent, print_json, ratio, render_table, us
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--incumbent", required=True, help="variant id (with --from-csv: its µs column)")
     p.add_argument("--candidate", required=True, help="variant id (with --from-csv: its µs column)")
@@ -59,6 +58,6 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         rows = [[*f["shape"], us(f["incumbent_us"]), us(f["candidate_us"]), ratio(f["ratio"]), f["reason"]]
                 for f in failed]
-        print(render_table(["B", "dim", "seq", f"{a} µs", f"{b} µs", f"{b}/{a}", "why"], rows))
+        print(render_table([*result.axes, f"{a} µs", f"{b} µs", f"{b}/{a}", "why"], rows))
     print(result.summary())
     return 1 if failed else 0

@@ -16,7 +16,6 @@ from . import _options as opt
 from ._output import print_json
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help="a document written by kv export")
     p.add_argument("--force", action="store_true", help="import a document from another fingerprint")

@@ -13,7 +13,6 @@ from . import _options as opt
 from ._output import print_json, render_table
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_device(p)
 
@@ -31,8 +30,10 @@ def run(args: argparse.Namespace) -> int:
         "table_entries": len(table),
         "plugins": d.registry.plugins(),
         "broken_plugins": d.registry.broken,
-        "variants": {op: [rv.id for rv in d.registry.variants(op)]
-                     for op in sorted({rv.op for rv in d.registry.variants()})},
+        "variants": {spec.name: [rv.id for rv in d.registry.variants(spec.name)] for spec in d.registry.ops()},
+        "ops": {spec.name: {"axes": list(spec.axes), "aliases": list(spec.aliases), "sweeps": list(spec.sweeps),
+                            "features": list(spec.features.model_fields), "plugin": d.registry.op_plugin(spec.name)}
+                for spec in d.registry.ops()},
     }
     if args.json:
         print_json(facts)
@@ -42,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
     where = facts["cache_dir"] + (" (unusable: in memory for this process)" if table.in_memory else "")
     rows += [["cache", where], ["table entries", len(table)], ["plugins", ", ".join(facts["plugins"])]]
     rows += [[f"broken plugin {name}", why] for name, why in d.registry.broken.items()]
-    rows += [[op, ", ".join(ids)] for op, ids in facts["variants"].items()]
+    for op, ids in facts["variants"].items():
+        o = facts["ops"][op]
+        rows.append([op, f"axes {','.join(o['axes'])}; aliases {', '.join(o['aliases']) or '-'}; "
+                         f"sweeps {', '.join(o['sweeps']) or '-'}"])
+        rows.append(["  variants", ", ".join(ids)])
     print(render_table(["", ""], rows, right=[False, False], header=False))
     return 0

@@ -11,7 +11,6 @@ from . import _options as opt
 from ._output import percent, print_json, render_table, us
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_op(p)
     opt.add_device(p)
@@ -20,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    op = opt.op_name(args.op) if args.op else None
+    op = opt.op_spec(args.op).name if args.op else None
     rows = kv.table(op, device=opt.device(args.device))
     fmt = "json" if args.json else args.format
     if fmt == "json":
@@ -31,11 +30,19 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print("kv table: no calibrated shapes on this device yet (run kv calibrate)", file=sys.stderr)
         return 0
-    variants = sorted({v for r in rows for v in (*r.times_us, *r.rejected)})
-    body = []
+    by_op: dict[str, list] = {}
     for r in rows:
-        cells = [us(r.times_us[v]) if v in r.times_us else "rejected" if v in r.rejected else None for v in variants]
-        body.append([r.group.slug(), *r.shape, r.winner, *cells, percent(r.margin)])
-    print(render_table(["features", "B", "D", "L", "winner", *(f"{v} µs" for v in variants), "margin"], body,
-                       fmt=fmt, right=[False, True, True, True, False, *[True] * len(variants), True]))
+        by_op.setdefault(r.group.op, []).append(r)
+    for i, (name, group_rows) in enumerate(by_op.items()):  # each op has its own axes
+        axes = opt.registry().spec(name).axes
+        variants = sorted({v for r in group_rows for v in (*r.times_us, *r.rejected)})
+        body = []
+        for r in group_rows:
+            cells = [us(r.times_us[v]) if v in r.times_us else "rejected" if v in r.rejected else None
+                     for v in variants]
+            body.append([r.group.slug(), *r.shape, r.winner, *cells, percent(r.margin)])
+        if i:
+            print()
+        print(render_table(["features", *axes, "winner", *(f"{v} µs" for v in variants), "margin"], body,
+                           fmt=fmt, right=[False, *[True] * len(axes), False, *[True] * len(variants), True]))
     return 0

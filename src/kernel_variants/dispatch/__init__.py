@@ -1,7 +1,9 @@
-"""Selecting a variant per call: pure selection (``select``) and the process-wide dispatcher."""
+"""Selecting a variant per call: pure selection (``select``), the process-wide dispatcher, and
+``make_op``, which turns an op spec into its dispatched public function."""
 
 from ._dispatcher import Dispatcher, VariantFailed, dispatcher, force, parse_force, reset
-from ._select import Decision, NoVariantError, TraceRow, select, uncovered
+from ._op import call_key, explain, make_op
+from ._select import Decision, NoVariantError, TraceRow, select
 
 __all__ = [
     "Decision",
@@ -9,10 +11,12 @@ __all__ = [
     "NoVariantError",
     "TraceRow",
     "VariantFailed",
+    "call_key",
     "dispatcher",
+    "explain",
     "force",
+    "make_op",
     "parse_force",
     "reset",
     "select",
-    "uncovered",
 ]

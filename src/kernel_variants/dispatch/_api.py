@@ -7,39 +7,33 @@ from dataclasses import dataclass
 
 import torch
 
-from kernel_variants.registry._models import OpName
+from kernel_variants.registry._spec import Shape
 
-from ._calibrate import CalibrationResult, Features, Progress, run_calibration
+from ._calibrate import CalibrationResult, Progress, run_calibration
 from ._dispatcher import dispatcher
 from ._fingerprint import fingerprint, fingerprint_id
-from ._table import DEFAULT_MARGIN, Group, Shape
+from ._table import DEFAULT_MARGIN, Group
 from ._timing import TimingConfig
 
 
-def _shapes(shapes: Sequence[Sequence[int]]) -> list[Shape]:
+def check_shapes(shapes: Sequence[Sequence[int]], axes: Sequence[str]) -> list[Shape]:
     out = []
     for s in shapes:
-        if len(s) != 3 or not all(isinstance(v, int) and v >= 1 for v in s):
-            raise ValueError(f"shapes: expected (B, D, L) triples of positive ints, got {tuple(s)!r}")
-        out.append((s[0], s[1], s[2]))
+        if len(s) != len(axes) or not all(isinstance(v, int) and v >= 1 for v in s):
+            raise ValueError(f"shapes: expected ({', '.join(axes)}) tuples of positive ints, got {tuple(s)!r}")
+        out.append(tuple(s))
     if not out:
-        raise ValueError("shapes: expected at least one (B, D, L), got none")
+        raise ValueError(f"shapes: expected at least one ({', '.join(axes)}), got none")
     return out
 
 
 def calibrate(
-    op: OpName,
+    op: str,
     shapes: Sequence[Sequence[int]],
     *,
     dtype: str | torch.dtype = "bfloat16",
     device: str = "cpu",
     variants: Sequence[str] | None = None,
-    width: int = 4,
-    bias: bool = True,
-    activation: str | None = "silu",
-    states: bool = True,
-    varlen: bool = False,
-    spec: bool = False,
     warmup: int = 5,
     windows: int = 5,
     iters: int = 100,
@@ -47,8 +41,11 @@ def calibrate(
     rotate: int = 0,
     margin: float = DEFAULT_MARGIN,
     progress: Callable[[Progress], None] | None = None,
+    **features: object,
 ) -> CalibrationResult:
-    """Measure ``variants`` (default: every available one) of ``op`` on each ``(B, D, L)``.
+    """Measure ``variants`` (default: every available one) of ``op`` on each shape (a tuple over
+    the op's axes, ``(B, D, L)`` for the conv ops), with the op's ``features`` (``width=3``,
+    ``activation=None``...; defaults: the op's).
 
     Each variant is first checked against the reference on the shape's inputs; one that differs,
     raises or gives NaN/Inf is recorded as rejected with the reason and never chosen there. The
@@ -57,12 +54,12 @@ def calibrate(
     A shape's winner changes only when a challenger is faster by more than ``margin``.
     """
     d = dispatcher()
+    spec = d.registry.spec(op)
     timing = TimingConfig(warmup=warmup, windows=windows, iters=iters, window_budget_s=window_budget_s)
-    features = Features(width=width, bias=bias, activation=activation, states=states, varlen=varlen, spec=spec)
     try:
-        return run_calibration(d.registry.variants(op), d.table, op, _shapes(shapes), dtype=dtype,
-                               device=str(torch.device(device)), features=features, timing=timing,
-                               variants=variants, rotate=rotate, margin=margin, progress=progress)
+        return run_calibration(d.registry.variants(spec.name), d.table, spec, check_shapes(shapes, spec.axes),
+                               dtype=dtype, device=str(torch.device(device)), features=spec.features(**features),
+                               timing=timing, variants=variants, rotate=rotate, margin=margin, progress=progress)
     finally:
         d.invalidate()
 
@@ -86,7 +83,7 @@ class TableRow:
         return min(others) / self.times_us[self.winner] - 1
 
 
-def table(op: OpName | None = None, *, device: str = "cpu") -> list[TableRow]:
+def table(op: str | None = None, *, device: str = "cpu") -> list[TableRow]:
     """The calibrated shapes of this device (of ``op``, if given), grouped and sorted."""
     d = dispatcher()
     fpid = fingerprint_id(fingerprint(str(torch.device(device))))
@@ -102,7 +99,7 @@ def table(op: OpName | None = None, *, device: str = "cpu") -> list[TableRow]:
     return sorted(out, key=lambda r: (r.group.slug(), r.shape))
 
 
-def clear_table(op: OpName | None = None, variant: str | None = None) -> int:
+def clear_table(op: str | None = None, variant: str | None = None) -> int:
     """Forget measurements of ``op`` (and of ``variant`` only, if given); returns entries removed."""
     d = dispatcher()
     try:

@@ -9,41 +9,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernel_variants._cases import Case, make_case
-from kernel_variants._checks import CallKey, dtype_name
-from kernel_variants.ops import call_key
-from kernel_variants.registry._models import OpName
+from kernel_variants._dtypes import as_dtype, dtype_name
+from kernel_variants.registry import CallKey, Features, OpSpec
 from kernel_variants.registry._registry import RegisteredVariant
+from kernel_variants.registry._spec import Shape
 
 from ._fingerprint import fingerprint, fingerprint_id
-from ._select import uncovered
-from ._table import CalibrationTable, Group, Measurement, Shape, Winner, check_margin
+from ._table import CalibrationTable, Group, Measurement, Winner, check_margin
 from ._timing import TimingConfig, measure
 from ._verify import reference_result, verify
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}") from None
-
-
-@dataclass(frozen=True)
-class Features:
-    """The call features a calibration run measures (shared by every shape of the run)."""
-
-    width: int = 4
-    bias: bool = True
-    activation: str | None = "silu"
-    states: bool = True
-    varlen: bool = False
-    spec: bool = False
 
 
 @dataclass
@@ -63,7 +37,7 @@ class Progress:
 class CalibrationResult:
     """Everything one run measured, and the winner each shape ended with."""
 
-    op: OpName
+    op: str
     device: str
     dtype: str
     measurements: list[Measurement] = field(default_factory=list)
@@ -73,27 +47,17 @@ class CalibrationResult:
         return [m for m in self.measurements if m.status == "rejected"]
 
 
-def _case(op: OpName, shape: Shape, dtype: torch.dtype, device: str, f: Features, seed: int) -> Case:
-    b, d, seq = shape
-    return make_case(op, b, d, seq, width=f.width, dtype=dtype, device=device, bias=f.bias,
-                     activation=f.activation, states=f.states, varlen=f.varlen, spec=f.spec, seed=seed)
-
-
-def candidates(entries: Iterable[RegisteredVariant], case: Case, wanted: Sequence[str] | None) -> list[tuple[RegisteredVariant, str | None]]:
-    """Each entry with why it cannot be measured on ``case`` (None when it can); a variant
+def candidates(entries: Iterable[RegisteredVariant], key: CallKey,
+               wanted: Sequence[str] | None) -> list[tuple[RegisteredVariant, str | None]]:
+    """Each entry with why it cannot be measured for ``key`` (None when it can); a variant
     compiled here is built first."""
-    key = call_key(case.op, *case.args, **case.kwargs)
-    out = []
-    for rv in entries:
-        if wanted is not None and rv.id not in wanted:
-            continue
-        out.append((rv, uncovered(rv.variant.capabilities, key) or rv.ensure_built()))
-    return out
+    return [(rv, rv.variant.capabilities.uncovered(key) or rv.ensure_built())
+            for rv in entries if wanted is None or rv.id in wanted]
 
 
 def measure_shape(
     entries: Sequence[RegisteredVariant],
-    op: OpName,
+    spec: OpSpec,
     shape: Shape,
     *,
     dtype: torch.dtype,
@@ -106,14 +70,14 @@ def measure_shape(
 ) -> list[Measurement]:
     """Verify, then time, each of ``entries`` that can run ``shape``; rejected ones say why.
     ``on_result`` sees each measurement as soon as it is taken."""
-    case = _case(op, shape, dtype, device, features, seed=_seed(shape))
-    key = call_key(op, *case.args, **case.kwargs)
+    case = spec.sweep_case(shape, features, dtype=dtype, device=device, seed=_seed(shape))
+    key = spec.key_of_case(case)
     fp = fingerprint(device)
     fpid = fingerprint_id(fp)
     group = Group.of(key)
     expected = None
     out = []
-    for rv, why in candidates(entries, case, only):
+    for rv, why in candidates(entries, key, only):
         if why is not None:
             continue  # cannot run here or does not claim this call: nothing to record
         if expected is None:
@@ -122,9 +86,10 @@ def measure_shape(
                     version=rv.version, measured_at=time.time())
         bad = verify(rv.variant.fn, case, expected)
         if bad is None:
-            copies = [case.fresh()] + [_case(op, shape, dtype, device, features, seed=i + 1) for i in range(rotate)]
+            copies = [case.fresh()] + [spec.sweep_case(shape, features, dtype=dtype, device=device, seed=i + 1)
+                                       for i in range(rotate)]
             fn = rv.variant.fn
-            calls = [(lambda c=c: fn(*c.args, **c.kwargs)) for c in copies]
+            calls = [(lambda c=c, fn=fn: fn(*c.args, **c.kwargs)) for c in copies]
             try:
                 t = measure(calls, device, timing)
             except Exception as exc:  # a variant that verified but crashes when timed is rejected too
@@ -142,8 +107,10 @@ def measure_shape(
 
 
 def _seed(shape: Shape) -> int:
-    b, d, seq = shape
-    return (b * 1_000_003 + d * 1009 + seq) % (1 << 31)
+    seed = 0
+    for size in shape:
+        seed = (seed * 1009 + size) % (1 << 31)
+    return seed
 
 
 def _finite(v: float) -> bool:
@@ -153,7 +120,7 @@ def _finite(v: float) -> bool:
 def run_calibration(
     entries: Sequence[RegisteredVariant],
     table: CalibrationTable | None,
-    op: OpName,
+    spec: OpSpec,
     shapes: Sequence[Shape],
     *,
     dtype: str | torch.dtype,
@@ -171,18 +138,16 @@ def run_calibration(
         known = {rv.id for rv in entries}
         missing = [v for v in variants if v not in known]
         if missing:
-            raise ValueError(f"variants: {', '.join(missing)} not registered for {op} (registered: {', '.join(sorted(known))})")
-    result = CalibrationResult(op, device, dtype_name(dt))
+            raise ValueError(f"variants: {', '.join(missing)} not registered for {spec.name} "
+                             f"(registered: {', '.join(sorted(known))})")
+    result = CalibrationResult(spec.name, device, dtype_name(dt))
     versions = {(rv.op, rv.id): rv.version for rv in entries}
     start = time.perf_counter()
     wanted = [rv for rv in entries if variants is None or rv.id in variants]
     runnable = {}
     for shape in shapes:  # for the progress total: which variants will run each shape
-        key = CallKey(op, torch.device(device).type, dtype_name(dt), features.width, *shape, features.bias,
-                      "none" if features.activation is None else "silu", features.states or op == "causal_conv1d_update",
-                      features.varlen, features.spec, False)
-        runnable[tuple(shape)] = sum(1 for rv in wanted if uncovered(rv.variant.capabilities, key) is None
-                                     and rv.unavailable_reason() is None)
+        key = CallKey(spec, torch.device(device).type, dtype_name(dt), features, tuple(shape))
+        runnable[tuple(shape)] = sum(1 for rv in wanted if rv.why_not(key) is None)
     total, done = sum(runnable.values()), 0
     for shape in shapes:
         def taken(m: Measurement) -> None:
@@ -193,7 +158,7 @@ def run_calibration(
             if progress is not None:
                 progress(Progress(done, total, m.shape, m.variant, time.perf_counter() - start))
 
-        ms = measure_shape(entries, op, tuple(shape), dtype=dt, device=device, features=features,
+        ms = measure_shape(entries, spec, tuple(shape), dtype=dt, device=device, features=features,
                            timing=timing, rotate=rotate, only=variants, on_result=taken)
         done += runnable[tuple(shape)] - len(ms)  # keeps the count right if a case's key differs
         result.measurements += ms

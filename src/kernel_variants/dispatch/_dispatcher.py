@@ -10,18 +10,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from kernel_variants._capture import capturing
-from kernel_variants._checks import CallKey
-from kernel_variants.registry._models import OPS
+from kernel_variants.registry import CallKey
 from kernel_variants.registry._registry import Registry, make_plugin_manager
 
 from ._fingerprint import fingerprint, fingerprint_id
-from ._select import Decision, NoVariantError, select, uncovered
+from ._select import Decision, NoVariantError, select
 from ._table import DEFAULT_MARGIN, CalibrationTable
 
+Hit = tuple[str, Callable[..., Any], Callable[..., Any], tuple[tuple[int, Any], ...]]
 _MEMO_LIMIT = 65536  # varlen batches make many distinct keys; a bound keeps serving memory flat
 
 # Pins set by force(), as a hashable tuple of (op, id) pairs so that it can be part of a memo key.
@@ -29,17 +29,18 @@ _pins: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.Context
 pins_in_context = _pins.get
 
 
-def parse_force(raw: str) -> dict[str, str]:
+def parse_force(raw: str, ops: Iterable[str]) -> dict[str, str]:
     """``"causal_conv1d_fn=reference,causal_conv1d_update=x"``; a bare id pins every op."""
+    ops = list(ops)
     pins: dict[str, str] = {}
     for item in filter(None, (p.strip() for p in raw.split(","))):
         op, sep, vid = item.partition("=")
         if not sep:
-            pins.update(dict.fromkeys(OPS, item))
+            pins.update(dict.fromkeys(ops, item))
             continue
         op, vid = op.strip(), vid.strip()
-        if op not in OPS:
-            raise ValueError(f"KV_FORCE: expected op names {', '.join(OPS)}, got {op!r} in {raw!r}")
+        if op not in ops:
+            raise ValueError(f"KV_FORCE: expected op names {', '.join(ops)}, got {op!r} in {raw!r}")
         if not vid:
             raise ValueError(f"KV_FORCE: expected a variant id after '{op}=', got nothing in {raw!r}")
         pins[op] = vid
@@ -54,12 +55,13 @@ class Dispatcher:
     def __init__(self, registry: Registry | None = None, *, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         self._registry = registry
-        self._env_pins = parse_force(env.get("KV_FORCE", ""))
+        self._force_raw = env.get("KV_FORCE", "")
+        self._env_pins: dict[str, str] | None = None
         self.check_values = _flag(env.get("KV_CHECK_VALUES", "1"))
         self.tune = _flag(env.get("KV_TUNE", "0"))
         self._table: CalibrationTable | None = None
-        # call signature (shapes, dtypes, devices, strides, flags, pin) -> (id, fn, activation)
-        self.memo: dict[tuple[Any, ...], tuple[str, Callable[..., Any], str | None]] = {}
+        # call signature (op, pins, each argument's metadata) -> (id, fn, invoker, substitutions)
+        self.memo: dict[tuple[Any, ...], Hit] = {}
 
     @property
     def registry(self) -> Registry:
@@ -77,6 +79,8 @@ class Dispatcher:
         return {(rv.op, rv.id): rv.version for rv in self.registry.variants()}
 
     def pinned(self, op: str) -> str | None:
+        if self._env_pins is None:  # parsed against the registered ops, so on first use
+            self._env_pins = parse_force(self._force_raw, (spec.name for spec in self.registry.ops()))
         return dict(_pins.get()).get(op) or self._env_pins.get(op)
 
     def decide(self, key: CallKey, forced: str | None = None, *, tune: bool | None = None) -> Decision:
@@ -84,8 +88,7 @@ class Dispatcher:
         entries = self.registry.variants(key.op)
         if forced is not None:
             return select(entries, key, forced=forced)
-        runnable = [rv.id for rv in entries
-                    if uncovered(rv.variant.capabilities, key) is None and rv.unavailable_reason() is None]
+        runnable = [rv.id for rv in entries if rv.why_not(key) is None]
         if not runnable:
             return select(entries, key)
         fpid = fingerprint_id(fingerprint(key.device))
@@ -100,17 +103,15 @@ class Dispatcher:
 
     def _tune(self, key: CallKey) -> None:
         """KV_TUNE=1: measure an unseen key on first sight, as PyTorch TunableOp's online tuning."""
-        from ._calibrate import Features, run_calibration
+        from ._calibrate import run_calibration
         from ._timing import TimingConfig
 
-        features = Features(width=key.width, bias=key.bias, activation=None if key.activation == "none" else "silu",
-                            states=key.states, varlen=key.varlen, spec=key.spec)
-        run_calibration(self.registry.variants(key.op), self.table, key.op, [(key.batch, key.dim, key.seqlen)],
-                        dtype=key.dtype, device=key.device, features=features, timing=TimingConfig(),
-                        variants=None, rotate=0, margin=DEFAULT_MARGIN, progress=None)
+        run_calibration(self.registry.variants(key.op), self.table, key.spec, [key.shape], dtype=key.dtype,
+                        device=key.device, features=key.features, timing=TimingConfig(), variants=None,
+                        rotate=0, margin=DEFAULT_MARGIN, progress=None)
         self.invalidate()  # signatures memoised from nearest or priority decisions may change
 
-    def resolve(self, sig: tuple[Any, ...] | None, key: CallKey) -> tuple[str, Callable[..., Any], str | None]:
+    def resolve(self, sig: tuple[Any, ...] | None, key: CallKey, args: tuple[Any, ...]) -> Hit:
         """Decide for a validated call and remember the decision under its signature ``sig``."""
         decision = self.decide(key, self.pinned(key.op))
         # A variant compiled here is built before its first call (announced on stderr); one whose
@@ -119,7 +120,10 @@ class Dispatcher:
             decision = self.decide(key, self.pinned(key.op))
         if decision.chosen is None:
             raise NoVariantError(f"no variant can run this call\n{decision}")
-        hit = (decision.chosen.id, decision.chosen.variant.fn, None if key.activation == "none" else "silu")
+        spec = key.spec
+        # Normalised arguments depend only on values that are part of the signature.
+        subs = tuple((i, spec.normalize[n](args[i])) for i, n in enumerate(spec.params) if n in spec.normalize)
+        hit = (decision.chosen.id, decision.chosen.variant.fn, spec.invoke, subs)
         if sig is not None:
             if len(self.memo) >= _MEMO_LIMIT:
                 self.memo.clear()
@@ -158,12 +162,16 @@ def force(**pins: str) -> Iterator[None]:
 
     A pinned variant that cannot run a call raises with its reasons; it never falls back.
     """
+    registry = dispatcher().registry
     for op, vid in pins.items():
-        if op not in OPS:
-            raise TypeError(f"force: expected keyword arguments among {', '.join(OPS)}, got {op!r}")
+        try:
+            registry.spec(op)
+        except ValueError:
+            raise TypeError(f"force: expected keyword arguments among {', '.join(s.name for s in registry.ops())}, "
+                            f"got {op!r}") from None
         if not isinstance(vid, str):
             raise TypeError(f"force: expected a variant id string for {op}, got {type(vid).__name__}")
-        dispatcher().registry.get(op, vid)  # raises KeyError listing what is registered
+        registry.get(op, vid)  # raises KeyError listing what is registered
     token = _pins.set(tuple({**dict(_pins.get()), **pins}.items()))
     try:
         yield

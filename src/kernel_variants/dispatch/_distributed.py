@@ -17,14 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kernel_variants._checks import dtype_name
-from kernel_variants.registry._models import OpName
+from kernel_variants._dtypes import as_dtype, dtype_name
+from kernel_variants.registry import Features
+from kernel_variants.registry._spec import Shape
 
-from ._calibrate import CalibrationResult, Features, Progress, as_dtype, measure_shape
+from ._calibrate import CalibrationResult, Progress, measure_shape
 from ._dispatcher import dispatcher
 from ._exchange import ImportReport, build_document, import_document, parse_document
 from ._fingerprint import fingerprint
-from ._table import DEFAULT_MARGIN, Measurement, Shape, check_margin
+from ._table import DEFAULT_MARGIN, Measurement, check_margin
 from ._timing import TimingConfig
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -90,7 +91,7 @@ def shard(shapes: Sequence[Shape], variants: Sequence[str], rank: int, world: in
 
 
 def calibrate_distributed(
-    op: OpName,
+    op: str,
     shapes: Sequence[Shape],
     *,
     dtype: str | torch.dtype,
@@ -130,7 +131,8 @@ def calibrate_distributed(
 def _run(dist, op, shapes, dt, dev, features, timing, variants, rotate, margin, progress) -> DistributedResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     d = dispatcher()
-    entries = d.registry.variants(op)
+    spec = d.registry.spec(op)
+    entries = d.registry.variants(spec.name)
     versions = {rv.id: rv.version for rv in entries}
     asked = {"variants": ",".join(variants) if variants is not None else "(all)"}
     everyone: list = [None] * world
@@ -160,7 +162,7 @@ def _run(dist, op, shapes, dt, dev, features, timing, variants, rotate, margin, 
                 if progress is not None:
                     progress(Progress(done, total, m.shape, m.variant, time.perf_counter() - start))
 
-            ms = measure_shape(entries, op, shape, dtype=dt, device=dev, features=features, timing=timing,
+            ms = measure_shape(entries, spec, shape, dtype=dt, device=dev, features=features, timing=timing,
                                rotate=rotate, only=vids, on_result=taken)
             payload += [m.model_dump_json() for m in ms]
     except Exception as exc:  # the other ranks wait in the gather below: they must hear of it
@@ -175,7 +177,7 @@ def _run(dist, op, shapes, dt, dev, features, timing, variants, rotate, margin, 
     order = {s: i for i, s in enumerate(shapes)}
     measurements = sorted((Measurement.model_validate_json(t) for _, p in gathered for t in p),
                           key=lambda m: (order.get(m.shape, len(order)), m.variant))
-    result = CalibrationResult(op, dev, dtype_name(dt), measurements=measurements)
+    result = CalibrationResult(spec.name, dev, dtype_name(dt), measurements=measurements)
     imported = None
     if rank == 0:
         status = None

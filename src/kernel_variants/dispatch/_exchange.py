@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import math
 import os
-import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,8 @@ from typing import IO, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kernel_variants.registry._models import valid_id
 
 from ._dispatcher import dispatcher
 from ._fingerprint import fingerprint, fingerprint_id
@@ -33,7 +34,6 @@ MAX_DOCUMENT_BYTES = 64 << 20
 _MAX_US = 1e9  # a thousand seconds per call: beyond that a figure is corrupt, not slow
 _MAX_COUNT = 1 << 31
 _FUTURE_S = 86400.0  # clocks of a fleet disagree a little; a timestamp a day ahead is forged
-_ID = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
 
 
 class ExchangeError(ValueError):
@@ -83,7 +83,7 @@ class TableDocument(BaseModel):
         return self
 
 
-def _shape(s: tuple[int, int, int]) -> str:
+def _shape(s: tuple[int, ...]) -> str:
     return ",".join(map(str, s))
 
 
@@ -92,11 +92,11 @@ def _check_time(name: str, t: float, now: float) -> None:
         raise ValueError(f"{name}: expected a Unix time no later than now, got {t}")
 
 
-def _common_problem(shape: tuple[int, int, int], variant: str, best_us: float | None, t: float, now: float,
+def _common_problem(shape: tuple[int, ...], variant: str, best_us: float | None, t: float, now: float,
                     t_name: str) -> str | None:
-    if not all(1 <= s < _MAX_COUNT for s in shape):
+    if not shape or not all(1 <= s < _MAX_COUNT for s in shape):
         return f"shape sizes must be between 1 and {_MAX_COUNT - 1}"
-    if not _ID.match(variant):
+    if not valid_id(variant):
         return f"variant id {variant[:80]!r} is not a valid id"
     if best_us is not None and not (math.isfinite(best_us) and 0 < best_us <= _MAX_US):
         return f"best_us must be a positive number of microseconds up to {_MAX_US:g}, got {best_us}"

@@ -42,7 +42,7 @@ def _cuda(index: int) -> dict[str, str]:
 
 
 def _npu(index: int) -> dict[str, str]:
-    import torch_npu  # noqa: F401  (registers torch.npu)
+    import torch_npu
 
     info = {"name": str(torch.npu.get_device_name(index))}
     info["cann"] = "unknown"

@@ -5,52 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kernel_variants._checks import CallKey
-from kernel_variants.registry._models import Capabilities
+from kernel_variants.registry import CallKey
 from kernel_variants.registry._registry import RegisteredVariant
-
-
-def _in(value: int, bounds: tuple[int, int | None]) -> bool:
-    lo, hi = bounds
-    return value >= lo and (hi is None or value <= hi)
-
-
-def _fmt(bounds: tuple[int, int | None]) -> str:
-    lo, hi = bounds
-    return f"{lo}..{'' if hi is None else hi}"
-
-
-def uncovered(caps: Capabilities, key: CallKey) -> str | None:
-    """Why ``caps`` does not cover the call ``key``, or ``None`` when it does."""
-    if key.device not in caps.devices:
-        return f"device {key.device} not in {sorted(caps.devices)}"
-    if key.dtype not in caps.dtypes:
-        return f"dtype {key.dtype} not in {sorted(caps.dtypes)}"
-    for name, value, bounds in (
-        ("width W", key.width, caps.width),
-        ("batch B", key.batch, caps.batch),
-        ("dim D", key.dim, caps.dim),
-        ("seqlen L", key.seqlen, caps.seqlen),
-    ):
-        if not _in(value, bounds):
-            return f"{name}={value} outside {_fmt(bounds)}"
-    if key.varlen and not caps.varlen:
-        return "varlen input (query_start_loc) not supported"
-    if key.states and not caps.conv_states:
-        return "conv states not supported"
-    if key.noncontig_states and not caps.noncontiguous_states:
-        return "non-contiguous state view not supported"
-    if key.spec:
-        if not caps.num_accepted_tokens:
-            return "num_accepted_tokens not supported"
-        spec_width = caps.num_accepted_tokens_width
-        if spec_width is not None and not _in(key.width, spec_width):
-            return f"num_accepted_tokens only for width {_fmt(spec_width)}, got W={key.width}"
-    if key.bias and not caps.bias:
-        return "bias not supported"
-    if key.activation not in caps.activations:
-        return f"activation {key.activation} not in {sorted(caps.activations)}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -77,21 +33,17 @@ class Decision:
     source: str  # "forced", "table", "nearest", "priority" or "none"
     trace: tuple[TraceRow, ...]
     note: str = ""
-    measured_key: tuple[int, int, int] | None = field(default=None)
+    measured_key: tuple[int, ...] | None = field(default=None)
 
     def __str__(self) -> str:
-        k = self.key
-        head = (
-            f"{k.op} on {k.device} {k.dtype} W={k.width} (B={k.batch}, D={k.dim}, L={k.seqlen}) "
-            f"bias={k.bias} act={k.activation} states={k.states} varlen={k.varlen} spec={k.spec}"
-        )
+        head = self.key.describe()
         pick = self.chosen.id if self.chosen is not None else "nothing"
         notes = [self.note] if self.note else []
         if self.chosen is not None and self.chosen.needs_build():
             notes.append("not built yet: the first call compiles it, or run `kv build`")
         if self.measured_key is not None:
-            b, d, seq = self.measured_key
-            notes.append(f"timings measured at B={b}, D={d}, L={seq}")
+            at = ", ".join(f"{a}={v}" for a, v in zip(self.key.spec.axes, self.measured_key, strict=True))
+            notes.append(f"timings measured at {at}")
         lines = [head, f"-> {pick} (by {self.source}{'; ' + '; '.join(notes) if notes else ''})"]
         lines += [str(r) for r in self.trace]
         return "\n".join(lines)
@@ -108,7 +60,7 @@ def select(
     forced: str | None = None,
     timings: Mapping[str, float] | None = None,
     timings_source: str = "table",
-    measured_key: tuple[int, int, int] | None = None,
+    measured_key: tuple[int, ...] | None = None,
     winner: str | None = None,
 ) -> Decision:
     """Pick the variant for ``key`` among ``entries``.
@@ -123,7 +75,7 @@ def select(
         if forced is not None and rv.id != forced:
             rows.append(TraceRow(rv.id, False, f"not the forced variant {forced!r}"))
             continue
-        why = uncovered(rv.variant.capabilities, key) or rv.unavailable_reason()
+        why = rv.why_not(key)
         if why is not None:
             rows.append(TraceRow(rv.id, False, why))
             continue

@@ -20,16 +20,20 @@ from pathlib import Path
 from typing import Literal
 
 import diskcache
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from kernel_variants._checks import CallKey
-from kernel_variants.registry._models import DTypeName, OpName
+from kernel_variants._paths import table_dir
+from kernel_variants.registry import CallKey
+from kernel_variants.registry._models import DTypeName
+from kernel_variants.registry._spec import Shape
 
-SCHEMA = 1
+# 2: a group is (op, dtype, the op's own feature flags); rows of 1 (causal_conv1d's fields
+# inline) are migrated when the table loads.
+SCHEMA = 2
 # A challenger must be this much faster to take a shape from its winner: noise on a shared
 # machine is a few percent, and choices that flip back and forth help nobody.
 DEFAULT_MARGIN = 0.02
-Shape = tuple[int, int, int]
+FeatureValue = bool | int | float | str
 
 
 def check_margin(margin: float) -> float:
@@ -43,27 +47,41 @@ class CalibrationWarning(UserWarning):
 
 
 class Group(BaseModel):
-    """The part of a call key other than the shape: timings are compared only within a group."""
+    """The part of a call key other than the shape: timings are compared only within a group.
+
+    ``features`` are the op's own flags as sorted (name, value) pairs, so that a group is the
+    same whatever order an op declares them in.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    op: OpName
+    op: str
     dtype: DTypeName
-    width: int
-    bias: bool
-    activation: Literal["none", "silu"]
-    states: bool
-    varlen: bool
-    spec: bool
+    features: tuple[tuple[str, FeatureValue], ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: object) -> object:
+        """Schema 1 stored causal_conv1d's flags as fields of the group itself."""
+        if isinstance(data, dict) and "features" not in data:
+            flags = {k: v for k, v in data.items() if k not in ("op", "dtype")}
+            data = {"op": data.get("op"), "dtype": data.get("dtype"), "features": flags}
+        if isinstance(data, dict) and isinstance(data.get("features"), dict):
+            data = {**data, "features": tuple(sorted(data["features"].items()))}
+        elif isinstance(data, dict) and data.get("features") is not None:
+            data = {**data, "features": tuple(sorted(tuple(p) for p in data["features"]))}
+        return data
 
     @classmethod
     def of(cls, key: CallKey) -> Group:
-        return cls(op=key.op, dtype=key.dtype, width=key.width, bias=key.bias, activation=key.activation,
-                   states=key.states, varlen=key.varlen, spec=key.spec)
+        return cls(op=key.op, dtype=key.dtype, features=key.features.model_dump())
+
+    def flags(self) -> dict[str, FeatureValue]:
+        return dict(self.features)
 
     def slug(self) -> str:
-        flags = "".join(c for c, on in (("b", self.bias), ("s", self.states), ("v", self.varlen), ("p", self.spec)) if on)
-        return f"{self.op}|{self.dtype}|W{self.width}|{self.activation}|{flags or '-'}"
+        flags = ",".join(f"{k}={v}" for k, v in self.features)
+        return f"{self.op}|{self.dtype}|{flags or '-'}"
 
 
 class Measurement(BaseModel):
@@ -71,7 +89,7 @@ class Measurement(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    schema_version: Literal[1] = SCHEMA
+    schema_version: Literal[1, 2] = SCHEMA
     fingerprint: dict[str, str]
     fingerprint_id: str
     group: Group
@@ -97,7 +115,7 @@ class Winner(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    schema_version: Literal[1] = SCHEMA
+    schema_version: Literal[1, 2] = SCHEMA
     fingerprint_id: str
     group: Group
     shape: Shape
@@ -110,11 +128,11 @@ class Winner(BaseModel):
 
 
 def _mkey(fp: str, group: Group, shape: Shape, variant: str) -> str:
-    return f"m|{fp}|{group.slug()}|{shape[0]},{shape[1]},{shape[2]}|{variant}"
+    return f"m|{fp}|{group.slug()}|{','.join(map(str, shape))}|{variant}"
 
 
 def _wkey(fp: str, group: Group, shape: Shape) -> str:
-    return f"w|{fp}|{group.slug()}|{shape[0]},{shape[1]},{shape[2]}"
+    return f"w|{fp}|{group.slug()}|{','.join(map(str, shape))}"
 
 
 class _HostileRow(ValueError):
@@ -144,14 +162,6 @@ class _JSONOnlyDisk(diskcache.Disk):
         # names (diskcache joins it onto the directory, and an absolute path wins) would let a
         # shared cache directory delete any file. Nothing is ever removed from disk.
         return None
-
-
-def default_directory() -> Path:
-    env = os.environ.get("KV_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kernel_variants"
 
 
 def is_corrupt(exc: sqlite3.DatabaseError) -> bool:
@@ -290,7 +300,7 @@ class CalibrationTable:
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
-        self.directory = Path(directory) if directory is not None else default_directory()
+        self.directory = Path(directory) if directory is not None else table_dir()
         self._lock = threading.RLock()
         self._store: _Store | None = None
         self._index: dict[str, _Index] = {}  # per device fingerprint
@@ -340,6 +350,8 @@ class CalibrationTable:
                 bad += 1
                 continue
             try:
+                if key.startswith(("m|", "w|")) and '"schema_version":1' in raw.replace(" ", ""):
+                    key, raw = self._migrate_row(key, raw)
                 if key.startswith("m|"):
                     m = Measurement.model_validate_json(raw)
                     if m.fingerprint_id != fingerprint_id:
@@ -371,6 +383,21 @@ class CalibrationTable:
             warnings.warn("calibration table: ignoring entries: " + "; ".join(reasons), CalibrationWarning, stacklevel=3)
         return index
 
+    def _migrate_row(self, key: str, raw: str) -> tuple[str, str]:
+        """A schema-1 row, rewritten under its schema-2 key (the group's slug changed); the old
+        row goes, so two schemas never mix. A read-only table migrates in memory only."""
+        row: Measurement | Winner = (Measurement if key.startswith("m|") else Winner).model_validate_json(raw)
+        row = row.model_copy(update={"schema_version": SCHEMA})
+        new_key, new_raw = row.storage_key(), row.model_dump_json()
+        with contextlib.suppress(OSError, sqlite3.Error):
+            existing = self.store.get(new_key)
+            if existing is None:
+                self.store.set(new_key, new_raw)
+            else:  # written by this release already: that row is newer
+                new_raw = existing
+            self.store.delete(key)
+        return new_key, new_raw
+
     def lookup(self, key: CallKey, fingerprint_id: str, candidates: Iterable[str], versions: dict[tuple[str, str], str]):
         """Timings for ``key`` among ``candidates``: at its own shape, else the nearest calibrated
         shape (log space) of the same group where a candidate was measured. None when none."""
@@ -380,7 +407,7 @@ class CalibrationTable:
         if not shapes:
             return None
         allowed = set(candidates)
-        want: Shape = (key.batch, key.dim, key.seqlen)
+        want: Shape = key.shape
 
         def usable(at: Shape) -> dict[str, float]:
             return {v: m.best_us for v, m in shapes[at].items()

@@ -1,66 +1,118 @@
-"""What a variant declares about itself: frozen pydantic models, unknown fields refused."""
+"""What a variant declares about itself: frozen pydantic models, unknown fields refused.
+
+:class:`Capabilities` holds what every op shares (devices, dtypes, size limits per named shape
+axis); an op whose calls vary in more ways (a convolution width, packed sequences, state pools)
+subclasses it in its own module and extends :meth:`Capabilities.uncovered`.
+"""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-OpName = Literal["causal_conv1d_fn", "causal_conv1d_update"]
-OPS: tuple[OpName, ...] = ("causal_conv1d_fn", "causal_conv1d_update")
+if TYPE_CHECKING:
+    from ._spec import CallKey
+
 DeviceType = Literal["cpu", "cuda", "npu"]
 DTypeName = Literal["float32", "bfloat16", "float16", "float64"]
-ActivationName = Literal["none", "silu"]
+Range = tuple[int, int | None]
 
 _ID = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
+ID_RULE = "lowercase letters, digits, '_', '.', '-' (<= 64, starting with a letter)"
+
+
+def valid_id(value: str) -> bool:
+    """The one rule for op and variant ids: stable lowercase names (they key stored tables)."""
+    return isinstance(value, str) and _ID.match(value) is not None
+
+
+def check_id(value: str, what: str) -> str:
+    if not valid_id(value):
+        raise ValueError(f"{what} must be {ID_RULE}, got {value!r}")
+    return value
+
+
+def in_range(value: int, bounds: Range) -> bool:
+    lo, hi = bounds
+    return value >= lo and (hi is None or value <= hi)
+
+
+def format_range(bounds: Range, *, compact: bool = False) -> str:
+    """``lo..hi`` (``lo..`` when unbounded); ``compact`` writes a single value once."""
+    lo, hi = bounds
+    if hi is None:
+        return f"{lo}.."
+    return str(lo) if compact and lo == hi else f"{lo}..{hi}"
+
+
+def _ordered(v: Range) -> Range:
+    lo, hi = v
+    if lo < 0 or (hi is not None and hi < lo):
+        raise ValueError(f"range must satisfy 0 <= lo <= hi, got {v}")
+    return v
 
 
 class Capabilities(BaseModel):
     """The calls a variant can run. The dispatcher never sends it a call outside these.
 
-    Ranges are inclusive; a ``None`` upper bound means unbounded.
+    ``limits`` bounds the op's named shape axes (``{"D": (16, None)}``), inclusive; a ``None``
+    upper bound means unbounded. An op's own capabilities model adds its fields and extends
+    :meth:`uncovered`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     devices: frozenset[DeviceType]
     dtypes: frozenset[DTypeName]
-    width: tuple[int, int | None] = (2, 4)
-    batch: tuple[int, int | None] = (1, None)
-    dim: tuple[int, int | None] = (1, None)
-    seqlen: tuple[int, int | None] = (1, None)
-    varlen: bool = False
-    conv_states: bool = True
-    # Opt-in: a kernel that assumes a dense pool would write a strided one in the wrong places.
-    noncontiguous_states: bool = False
-    num_accepted_tokens: bool = False
-    # Some kernels honour num_accepted_tokens for one width only; None means the whole ``width`` range.
-    num_accepted_tokens_width: tuple[int, int] | None = None
-    bias: bool = True
-    activations: frozenset[ActivationName] = frozenset({"none", "silu"})
+    limits: Mapping[str, Range] = Field(default_factory=dict)
 
-    @field_validator("width", "batch", "dim", "seqlen", "num_accepted_tokens_width")
+    @field_validator("limits")
     @classmethod
-    def _ordered(cls, v: tuple[int, int | None] | None) -> tuple[int, int | None] | None:
-        if v is None:
-            return v
-        lo, hi = v
-        if lo < 0 or (hi is not None and hi < lo):
-            raise ValueError(f"range must satisfy 0 <= lo <= hi, got {v}")
+    def _limits_ordered(cls, v: Mapping[str, Range]) -> Mapping[str, Range]:
+        for bounds in v.values():
+            _ordered(bounds)
         return v
+
+    def uncovered(self, key: CallKey) -> str | None:
+        """Why these capabilities do not cover the call ``key``, or ``None`` when they do."""
+        if key.device not in self.devices:
+            return f"device {key.device} not in {sorted(self.devices)}"
+        if key.dtype not in self.dtypes:
+            return f"dtype {key.dtype} not in {sorted(self.dtypes)}"
+        for axis, value in zip(key.spec.axes, key.shape, strict=True):
+            bounds = self.limits.get(axis)
+            if bounds is not None and not in_range(value, bounds):
+                return f"{axis}={value} outside {format_range(bounds)}"
+        return None
+
+    def summary(self) -> str:
+        """The op-specific part, short, for ``kv list``: limits and whatever the subclass adds."""
+        parts = [f"{axis}={format_range(b, compact=True)}" for axis, b in self.limits.items()]
+        for name in type(self).model_fields:
+            if name in ("devices", "dtypes", "limits"):
+                continue
+            value = getattr(self, name)
+            if value is True:
+                parts.append(name)
+            elif isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int | None) for v in value):
+                parts.append(f"{name}={format_range(value, compact=True)}")
+            elif isinstance(value, frozenset):
+                parts.append(f"{name}={'+'.join(sorted(map(str, value)))}")
+        return ",".join(parts)
 
 
 class Variant(BaseModel):
     """One implementation of one op, as a plugin registers it.
 
-    ``fn`` takes exactly the public op's arguments (already validated; ``activation`` normalised
-    to ``None`` or ``"silu"``) and returns the output tensor, updating state tensors in place.
-    ``probe`` returns ``None`` when the variant can run on this machine, else a one-line reason.
-    ``sources`` lists files beyond ``fn``'s own module whose content defines the implementation
-    (a C++ kernel, say): their hash is part of the variant's version, so editing one makes its
-    old timings stale.
+    ``fn`` takes exactly the public op's arguments (already validated, and normalised where the
+    op says so) and returns what the op returns, updating state tensors in place.
+    ``capabilities`` is an instance of the op's capabilities model. ``probe`` returns ``None``
+    when the variant can run on this machine, else a one-line reason. ``sources`` lists files
+    beyond ``fn``'s own module whose content defines the implementation (a C++ kernel, say):
+    their hash is part of the variant's version, so editing one makes its old timings stale.
 
     A variant compiled on this machine declares ``build`` (compile or load it now; return where
     it went; raise ``RuntimeError`` with the reason on failure) and ``is_built`` (whether that is
@@ -71,7 +123,7 @@ class Variant(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     id: str
-    op: OpName
+    op: str
     version: str = Field(min_length=1, max_length=64)
     capabilities: Capabilities
     fn: Callable[..., Any] = Field(exclude=True, repr=False)
@@ -85,22 +137,15 @@ class Variant(BaseModel):
     @field_validator("id")
     @classmethod
     def _stable_id(cls, v: str) -> str:
-        if not _ID.match(v):
-            raise ValueError(
-                f"variant id must be lowercase letters, digits, '_', '.', '-' (<= 64, starting "
-                f"with a letter), got {v!r}"
-            )
-        return v
+        return check_id(v, "variant id")
+
+    @field_validator("op")
+    @classmethod
+    def _op_id(cls, v: str) -> str:
+        return check_id(v, "op")
 
     @model_validator(mode="after")
     def _build_pair(self) -> Variant:
         if (self.build is None) != (self.is_built is None):
             raise ValueError("build and is_built are declared together, or neither")
-        return self
-
-    @model_validator(mode="after")
-    def _spec_width_inside(self) -> Variant:
-        caps = self.capabilities
-        if caps.num_accepted_tokens_width is not None and not caps.num_accepted_tokens:
-            raise ValueError("num_accepted_tokens_width is set but num_accepted_tokens is False")
         return self

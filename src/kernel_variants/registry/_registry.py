@@ -9,28 +9,15 @@ import inspect
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pluggy
 
-from ._hookspecs import PROJECT_NAME, VariantSpecs
-from ._models import OPS, OpName, Variant
-
-# Built-in plugins register through the same hook as third parties; the name is the plugin name
-# that KV_DISABLE_PLUGINS refers to.
-BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
-    ("reference", "kernel_variants.variants.reference"),
-    ("torch_shift", "kernel_variants.variants.torch_shift"),
-    ("aten", "kernel_variants.variants.aten"),
-    ("cpu_native", "kernel_variants.variants.cpu_native"),
-    ("asc", "kernel_variants.variants.asc"),
-    ("pto", "kernel_variants.variants.pto"),
-    ("npu_triton", "kernel_variants.variants.npu_triton"),
-    ("triton", "kernel_variants.variants.triton_kernels"),
-    ("dao", "kernel_variants.variants.dao"),
-)
+from ._hookspecs import PROJECT_NAME, HookSpecs
+from ._models import Variant
+from ._spec import CallKey, OpSpec
 
 
 def blocked_from_env() -> list[str]:
@@ -68,15 +55,19 @@ def make_plugin_manager(
 ) -> pluggy.PluginManager:
     """A fresh plugin manager: built-ins, then ``extra_plugins``, then installed entry points.
 
-    ``blocked`` defaults to ``KV_DISABLE_PLUGINS``. A plugin that cannot be imported or implements
+    ``blocked`` defaults to ``KV_DISABLE_PLUGINS``; the built-in op plugins (which bring each
+    op's reference) cannot be blocked. A plugin that cannot be imported or implements
     a hook that does not exist (a misspelled ``kv_register_variant``, say) is left out and listed
     in ``pm.broken`` with the reason; with ``strict`` (default: ``KV_STRICT_PLUGINS``) it raises.
     """
+    from kernel_variants._builtins import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS
+
     strict = strict_from_env() if strict is None else strict
     pm = _PluginManager()
-    pm.add_hookspecs(VariantSpecs)
+    pm.add_hookspecs(HookSpecs)
     for name in blocked_from_env() if blocked is None else blocked:
-        pm.set_blocked(name)
+        if name not in ESSENTIAL_PLUGINS:  # the built-in ops and their references are the oracle
+            pm.set_blocked(name)
 
     def add(name: str, load) -> None:
         if pm.is_blocked(name) or pm.get_plugin(name) is not None:
@@ -142,8 +133,13 @@ class RegisteredVariant:
         return self.variant.id
 
     @property
-    def op(self) -> OpName:
+    def op(self) -> str:
         return self.variant.op
+
+    def why_not(self, key: CallKey) -> str | None:
+        """Why this variant cannot run the call ``key`` (outside its capabilities, or unavailable
+        here), or ``None`` when it can. Never builds."""
+        return self.variant.capabilities.uncovered(key) or self.unavailable_reason()
 
     def unavailable_reason(self) -> str | None:
         """``None`` when this variant can run here, else why not. Probed once, then remembered;
@@ -196,48 +192,53 @@ class DuplicateVariantError(ValueError):
 
 
 class Register:
-    """Passed to ``kv_register_variants``; validates and keys each variant by (op, id)."""
+    """Passed to the hooks; validates each op spec or variant and stages it for its plugin."""
 
-    def __init__(self, registry: Registry, plugin: str, staged: dict[tuple[str, str], RegisteredVariant]) -> None:
-        self._registry = registry
+    def __init__(self, plugin: str, accepts: type, stage: Callable[[object], None]) -> None:
         self._plugin = plugin
-        self._staged = staged
+        self._accepts = accepts
+        self._stage = stage
 
-    def __call__(self, variant: Variant) -> None:
-        if not isinstance(variant, Variant):
+    def __call__(self, item: object) -> None:
+        if not isinstance(item, self._accepts):
             raise TypeError(
-                f"plugin {self._plugin!r}: register() expects a kernel_variants.Variant, "
-                f"got {type(variant).__name__}"
+                f"plugin {self._plugin!r}: register() expects a kernel_variants "
+                f"{self._accepts.__name__}, got {type(item).__name__}"
             )
-        self._registry._add(variant, self._plugin, self._staged)
+        self._stage(item)
 
 
 class Registry:
-    """Every registered variant, keyed by (op, id). Built from a plugin manager.
+    """Every registered op spec, by name, and every variant, keyed by (op, id).
 
-    A plugin whose hook raises or registers something invalid (a bad declaration, a duplicate
-    id) contributes nothing: it is listed in :attr:`broken` with the reason and one
-    :class:`PluginWarning` names it, unless ``strict`` (default: ``KV_STRICT_PLUGINS``), where
-    the error propagates.
+    Ops are registered first (``kv_register_ops``), each bringing its reference variant; then
+    variants (``kv_register_variants``), each for a registered op with capabilities of that op's
+    model. A plugin whose hook raises or registers something invalid (a bad declaration, a
+    duplicate id, an unknown op) contributes nothing: it is listed in :attr:`broken` with the
+    reason and one :class:`PluginWarning` names it, unless ``strict`` (default:
+    ``KV_STRICT_PLUGINS``), where the error propagates.
     """
 
     def __init__(self, pm: pluggy.PluginManager, *, strict: bool | None = None) -> None:
         strict = strict_from_env() if strict is None else strict
         self._pm = pm
+        self._ops: dict[str, OpSpec] = {}
+        self._op_plugin: dict[str, str] = {}
         self._by_key: dict[tuple[str, str], RegisteredVariant] = {}
         self.broken: dict[str, str] = dict(getattr(pm, "broken", {}))
+        for impl in pm.hook.kv_register_ops.get_hookimpls():
+            ops: dict[str, OpSpec] = {}
+            if self._run(impl, OpSpec, lambda spec, ops=ops, p=impl.plugin_name: self._stage_op(spec, p, ops), strict):
+                for spec in ops.values():
+                    self._ops[spec.name] = spec
+                    self._op_plugin[spec.name] = impl.plugin_name
+                    self._by_key[(spec.name, "reference")] = self._registered(spec.reference, impl.plugin_name)
         # Calling each implementation with its own Register is how a variant is attributed to the
         # plugin that provided it, so that a duplicate id can name both plugins.
         for impl in pm.hook.kv_register_variants.get_hookimpls():
             staged: dict[tuple[str, str], RegisteredVariant] = {}
-            try:
-                impl.function(register=Register(self, impl.plugin_name, staged))
-            except Exception as exc:
-                if strict:
-                    raise
-                self.broken[impl.plugin_name] = _describe(exc)
-                continue
-            self._by_key.update(staged)  # all of a plugin's variants, or none of them
+            if self._run(impl, Variant, lambda v, st=staged, p=impl.plugin_name: self._stage_variant(v, p, st), strict):
+                self._by_key.update(staged)  # all of a plugin's variants, or none of them
         if self.broken:
             warnings.warn(
                 "kernel_variants: plugins left out: "
@@ -246,11 +247,36 @@ class Registry:
                 PluginWarning, stacklevel=2,
             )
 
-    @property
-    def plugin_manager(self) -> pluggy.PluginManager:
-        return self._pm
+    def _run(self, impl, accepts: type, stage: Callable[[object], None], strict: bool) -> bool:
+        try:
+            impl.function(register=Register(impl.plugin_name, accepts, stage))
+        except Exception as exc:
+            if strict:
+                raise
+            self.broken[impl.plugin_name] = _describe(exc)
+            return False
+        return True
 
-    def _add(self, variant: Variant, plugin: str, staged: dict[tuple[str, str], RegisteredVariant]) -> None:
+    def _stage_op(self, spec: OpSpec, plugin: str, staged: dict[str, OpSpec]) -> None:
+        first = self._op_plugin.get(spec.name) or (plugin if spec.name in staged else None)
+        if first is not None:
+            raise DuplicateVariantError(
+                f"op {spec.name!r} is registered twice: by plugin {first!r} and by plugin {plugin!r}")
+        staged[spec.name] = spec
+
+    def _stage_variant(self, variant: Variant, plugin: str, staged: dict[tuple[str, str], RegisteredVariant]) -> None:
+        spec = self._ops.get(variant.op)
+        if spec is None:
+            raise ValueError(f"plugin {plugin!r}: variant {variant.id!r} is for op {variant.op!r}, which is not "
+                             f"registered (registered: {', '.join(sorted(self._ops)) or 'none'})")
+        if not isinstance(variant.capabilities, spec.capabilities):
+            raise TypeError(f"plugin {plugin!r}: variant {variant.id!r} of {variant.op}: capabilities must be a "
+                            f"{spec.capabilities.__module__}.{spec.capabilities.__name__}, "
+                            f"got {type(variant.capabilities).__name__}")
+        unknown = set(variant.capabilities.limits) - set(spec.axes)
+        if unknown:
+            raise ValueError(f"plugin {plugin!r}: variant {variant.id!r} limits axes {sorted(unknown)}, "
+                             f"but {variant.op}'s axes are {', '.join(spec.axes)}")
         key = (variant.op, variant.id)
         if key in self._by_key or key in staged:
             first = (self._by_key.get(key) or staged[key]).plugin
@@ -258,15 +284,37 @@ class Registry:
                 f"variant id {variant.id!r} for op {variant.op!r} is registered twice: by plugin "
                 f"{first!r} and by plugin {plugin!r}"
             )
-        version = f"{variant.version}+{_source_hash(variant, plugin)}"
-        staged[key] = RegisteredVariant(variant, plugin, version)
+        staged[key] = self._registered(variant, plugin)
 
-    def variants(self, op: OpName | None = None) -> list[RegisteredVariant]:
-        if op is not None and op not in OPS:
-            raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    @staticmethod
+    def _registered(variant: Variant, plugin: str) -> RegisteredVariant:
+        return RegisteredVariant(variant, plugin, f"{variant.version}+{_source_hash(variant, plugin)}")
+
+    @property
+    def plugin_manager(self) -> pluggy.PluginManager:
+        return self._pm
+
+    def ops(self) -> list[OpSpec]:
+        """Every registered op spec, in registration order."""
+        return list(self._ops.values())
+
+    def op_plugin(self, name: str) -> str:
+        """The plugin that registered op ``name``."""
+        return self._op_plugin[name]
+
+    def spec(self, name: str) -> OpSpec:
+        """The op called ``name`` (or one of its aliases); ``ValueError`` listing the ops otherwise."""
+        spec = self._ops.get(name) or next((s for s in self._ops.values() if name in s.aliases), None)
+        if spec is None:
+            raise ValueError(f"op must be one of {', '.join(self._ops) or '(none registered)'}, got {name!r}")
+        return spec
+
+    def variants(self, op: str | None = None) -> list[RegisteredVariant]:
+        if op is not None and op not in self._ops:
+            raise ValueError(f"op must be one of {', '.join(self._ops)}, got {op!r}")
         return [rv for (o, _), rv in self._by_key.items() if op is None or o == op]
 
-    def get(self, op: OpName, variant_id: str) -> RegisteredVariant:
+    def get(self, op: str, variant_id: str) -> RegisteredVariant:
         try:
             return self._by_key[(op, variant_id)]
         except KeyError:

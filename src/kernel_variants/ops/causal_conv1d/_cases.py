@@ -8,44 +8,14 @@ the output, and every row it must not write is compared bit for bit afterwards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from kernel_variants.registry._models import OpName
+from kernel_variants.registry import Capabilities, Case
 
 PAD_SLOT_ID = -1
-
-
-@dataclass
-class Case:
-    op: OpName
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    state_arg: str  # "conv_states" (a kwarg) or "conv_state" (positional 1); "" when none
-    pool_base: torch.Tensor | None = None  # the allocation the state pool is a view of
-
-    def state(self) -> torch.Tensor | None:
-        if self.state_arg == "conv_state":
-            return self.args[1]
-        return self.kwargs.get("conv_states")
-
-    def fresh(self) -> Case:
-        """The same call with a fresh copy of the state pool, with the same strides and offset."""
-        pool = self.state()
-        if pool is None or self.pool_base is None:
-            return self
-        copy = self.pool_base.clone(memory_format=torch.contiguous_format)
-        view = copy.as_strided(pool.size(), pool.stride(), pool.storage_offset())
-        if self.state_arg == "conv_state":
-            return Case(self.op, (self.args[0], view, *self.args[2:]), dict(self.kwargs), self.state_arg, copy)
-        return Case(self.op, self.args, {**self.kwargs, "conv_states": view}, self.state_arg, copy)
-
-    def run(self, fn) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Call ``fn`` on a fresh copy; return (output, the whole pool allocation after the call)."""
-        case = self.fresh()
-        return fn(*case.args, **case.kwargs), case.pool_base
 
 
 def _lengths(gen: torch.Generator, batch: int, seqlen: int) -> list[int]:
@@ -63,7 +33,7 @@ def _lengths(gen: torch.Generator, batch: int, seqlen: int) -> list[int]:
 
 
 def make_case(
-    op: OpName,
+    op: str,
     batch: int,
     dim: int,
     seqlen: int,
@@ -93,6 +63,8 @@ def make_case(
     slot b (no index tensor); without ``initial_flags`` no has_initial_state is passed (prefill).
     """
     gen = torch.Generator().manual_seed(seed)
+    if activation == "none":  # the feature's name for no activation; the call's is None
+        activation = None
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
@@ -142,7 +114,7 @@ def make_case(
             nat = accepted.to(device=device, dtype=torch.int32)
         kwargs = dict(activation=activation, conv_state_indices=indices, num_accepted_tokens=nat,
                       pad_slot_id=PAD_SLOT_ID)
-        return Case(op, (x, pool, weight, b), kwargs, "conv_state", base)
+        return Case(_spec(op), (x, pool, weight, b), kwargs, {"conv_state": base})
     qsl = None
     if varlen:
         lengths = _lengths(gen, batch, seqlen)
@@ -169,4 +141,64 @@ def make_case(
         init = init.to(device) if initial_flags else None
     kwargs = dict(conv_states=pool, cache_indices=indices, has_initial_state=init,
                   query_start_loc=qsl, activation=activation, pad_slot_id=PAD_SLOT_ID)
-    return Case(op, (x, weight, b), kwargs, "conv_states" if states else "", base)
+    return Case(_spec(op), (x, weight, b), kwargs, {"conv_states": base} if states else {})
+
+
+def _spec(op: str):
+    from . import SPECS  # the specs are built from this module's functions
+
+    return SPECS[op]
+
+
+def spec_case(op: str):
+    """``make_case`` as an op spec takes it: the shape as a tuple over (B, D, L)."""
+    def case(shape: tuple[int, ...], **options: Any) -> Case:
+        batch, dim, seqlen = shape
+        return make_case(op, batch, dim, seqlen, **options)
+
+    return case
+
+
+# Named calls the conformance suite tries on every variant, at each width it claims.
+FN_CASES: dict[str, dict[str, Any]] = {
+    "L=1": dict(shape=(3, 64, 1)),
+    "L<W-1": dict(shape=(3, 33, 2), poison=True),
+    "odd-D": dict(shape=(2, 37, 9), poison=True),
+    "B=1-long": dict(shape=(1, 130, 67)),
+    "no-states": dict(shape=(2, 40, 7), states=False),
+    "no-bias-no-act": dict(shape=(2, 24, 6), bias=False, activation=None),
+    "pad": dict(shape=(4, 48, 5), pad=True, poison=True),
+    "noncontig": dict(shape=(3, 32, 6), noncontig=True, poison=True),
+    "extra-rows": dict(shape=(2, 16, 3), extra_rows=3, poison=True),
+    "varlen": dict(shape=(5, 40, 4), varlen=True, poison=True),
+    "varlen-pad-noncontig": dict(shape=(4, 24, 3), varlen=True, pad=True, noncontig=True, poison=True),
+    "slot-b": dict(shape=(3, 40, 5), slot_indices=False, poison=True),
+    "no-initial-flags": dict(shape=(3, 40, 5), initial_flags=False, poison=True),
+    "strided-inputs": dict(shape=(2, 48, 6), strided=True, noncontig=True, poison=True),
+    "varlen-strided": dict(shape=(3, 24, 4), varlen=True, strided=True, poison=True),
+}
+UPDATE_CASES: dict[str, dict[str, Any]] = {
+    "2d": dict(shape=(3, 64, 1)),
+    "L=4": dict(shape=(2, 37, 4)),
+    "B=1": dict(shape=(1, 130, 1)),
+    "extra-rows": dict(shape=(2, 24, 2), extra_rows=2),
+    "pad": dict(shape=(4, 32, 1), pad=True, poison=True),
+    "noncontig": dict(shape=(3, 40, 2), noncontig=True),
+    "no-bias-no-act": dict(shape=(2, 24, 1), bias=False, activation=None),
+    "spec": dict(shape=(3, 40, 4), spec=True, poison=True),
+    "spec-pad-noncontig": dict(shape=(4, 24, 3), spec=True, pad=True, noncontig=True, extra_rows=1, poison=True),
+    "slot-b": dict(shape=(3, 40, 2), slot_indices=False),
+    "strided-inputs": dict(shape=(3, 48, 2), strided=True, noncontig=True),
+    "spec-strided": dict(shape=(2, 32, 3), spec=True, strided=True, poison=True),
+}
+
+
+def conformance(named: dict[str, dict[str, Any]]):
+    """Each named call at every width the capabilities claim (up to 5)."""
+    def cases(caps: Capabilities) -> Iterator[tuple[str, dict[str, Any]]]:
+        lo, hi = caps.width
+        for name, options in named.items():
+            for width in range(max(lo, 1), min(hi if hi is not None else 5, 5) + 1):
+                yield f"{name} W={width}", {**options, "width": width}
+
+    return cases

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.registry import Variant, hookimpl
 
 from . import _build
 
@@ -69,11 +70,11 @@ _SOURCES = tuple(str(p) for p in _build.source_files())
 def kv_register_variants(register) -> None:
     register(Variant(
         id="cpu_native", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=30, **_NATIVE,
-        sources=_SOURCES, capabilities=Capabilities(varlen=True, **_CAPS),
+        sources=_SOURCES, capabilities=ConvCapabilities(varlen=True, **_CAPS),
         description="fused, vectorised, parallel C++ kernel (at::vec), sequence-chunked for small batches",
     ))
     register(Variant(
         id="cpu_native", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=30, **_NATIVE,
-        sources=_SOURCES, capabilities=Capabilities(num_accepted_tokens=True, **_CAPS),
+        sources=_SOURCES, capabilities=ConvCapabilities(num_accepted_tokens=True, **_CAPS),
         description="fused C++ decode step with in-place state shift",
     ))

@@ -1,4 +1,4 @@
-"""Input validation for the public ops: every malformed call fails here, before any kernel runs.
+"""Input validation for the conv ops: every malformed call fails here, before any kernel runs.
 
 Checks come in two kinds. Metadata checks (ndim, sizes, dtypes, devices) are pure Python on
 shapes. Value checks read the index tensors (slot ranges, duplicates, query_start_loc order,
@@ -8,70 +8,28 @@ num_accepted_tokens range); on an accelerator that costs a device sync, which is
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from kernel_variants._capture import capturing
+from kernel_variants._dtypes import dtype_name
+from kernel_variants._validate import floating, like_x, shape_str, tensor
+from kernel_variants.registry import Features
+from kernel_variants.registry._spec import KeyParts
 
-_DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-    torch.float64: "float64",
-}
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-class CallKey(NamedTuple):
-    """Everything about a call that decides which variants can run it and which is fastest."""
-
-    op: str
-    device: str
-    dtype: str
-    width: int
-    batch: int
-    dim: int
-    seqlen: int
-    bias: bool
-    activation: str
-    states: bool
-    varlen: bool
-    spec: bool
-    noncontig_states: bool
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def _shape(t: torch.Tensor) -> str:
-    return "[" + ", ".join(str(s) for s in t.shape) + "]"
-
-
-def _tensor(name: str, t: object, *, optional: bool = False) -> None:
-    if t is None and optional:
-        return
-    if not isinstance(t, torch.Tensor):
-        want = "a torch.Tensor or None" if optional else "a torch.Tensor"
-        raise TypeError(f"{name}: expected {want}, got {type(t).__name__}")
-
-
-def _like_x(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
-    if t.dtype != x.dtype:
-        raise TypeError(f"{name}: expected dtype {dtype_name(x.dtype)} (x's), got {dtype_name(t.dtype)}")
-    if t.device != x.device:
-        raise ValueError(f"{name}: expected device {x.device} (x's), got {t.device}")
+NONCONTIG_STATES = "noncontig_states"  # a CallKey extra: the state pool is a strided view
+_NONCONTIG = frozenset({NONCONTIG_STATES})
+_NONE: frozenset[str] = frozenset()
 
 
 def _index(name: str, t: torch.Tensor | None, length: int, x: torch.Tensor) -> None:
     if t is None:
         return
-    _tensor(name, t)
+    tensor(name, t)
     if t.dtype not in _INDEX_DTYPES:
         raise TypeError(f"{name}: expected dtype int32 or int64, got {dtype_name(t.dtype)}")
     if t.ndim != 1 or t.shape[0] != length:
-        raise ValueError(f"{name}: expected shape [{length}], got {_shape(t)}")
+        raise ValueError(f"{name}: expected shape [{length}], got {shape_str(t)}")
     if t.device != x.device:
         raise ValueError(f"{name}: expected device {x.device} (x's), got {t.device}")
 
@@ -90,37 +48,27 @@ def _activation(activation: object) -> str:
 
 
 def _weight_bias(x: torch.Tensor, weight: object, bias: object, dim: int) -> int:
-    _tensor("weight", weight)
+    tensor("weight", weight)
     assert isinstance(weight, torch.Tensor)
     if weight.ndim != 2 or weight.shape[0] != dim:
-        raise ValueError(f"weight: expected shape [D={dim}, W], got {_shape(weight)}")
+        raise ValueError(f"weight: expected shape [D={dim}, W], got {shape_str(weight)}")
     width = weight.shape[1]
     if width < 1:
         raise ValueError(f"weight: expected width W >= 1, got W={width}")
-    _like_x("weight", weight, x)
-    _tensor("bias", bias, optional=True)
+    like_x("weight", weight, x)
+    tensor("bias", bias, optional=True)
     if bias is not None:
         assert isinstance(bias, torch.Tensor)
         if bias.ndim != 1 or bias.shape[0] != dim:
-            raise ValueError(f"bias: expected shape [D={dim}], got {_shape(bias)}")
-        _like_x("bias", bias, x)
+            raise ValueError(f"bias: expected shape [D={dim}], got {shape_str(bias)}")
+        like_x("bias", bias, x)
     return width
-
-
-def _x(x: object) -> torch.Tensor:
-    _tensor("x", x)
-    assert isinstance(x, torch.Tensor)
-    if x.dtype not in _DTYPE_NAMES:
-        raise TypeError(
-            f"x: expected a floating dtype (float32, bfloat16, float16, float64), got {dtype_name(x.dtype)}"
-        )
-    return x
 
 
 def _state_pool(name: str, pool: torch.Tensor, x: torch.Tensor, dim: int, min_rows: int, why: str) -> None:
     if pool.ndim != 3 or pool.shape[2] != dim:
-        raise ValueError(f"{name}: expected shape [N, S, D={dim}], got {_shape(pool)}")
-    _like_x(name, pool, x)
+        raise ValueError(f"{name}: expected shape [N, S, D={dim}], got {shape_str(pool)}")
+    like_x(name, pool, x)
     if pool.shape[1] < min_rows:
         raise ValueError(f"{name}: expected S >= {min_rows} rows ({why}), got S={pool.shape[1]}")
 
@@ -152,36 +100,36 @@ def _slots(name: str, idx: torch.Tensor | None, batch: int, n_slots: int, pad_sl
         seen.add(s)
 
 
-def check_fn(x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc,
-             activation, pad_slot_id, values: bool) -> CallKey:
+def check_fn(features: type[Features], x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc,
+             activation, pad_slot_id, *, values: bool) -> KeyParts:
     """Validate a ``causal_conv1d_fn`` call; return its key."""
-    x = _x(x)
+    x = floating(x)
     varlen = query_start_loc is not None
     if varlen:
         if x.ndim != 2:
-            raise ValueError(f"x: expected shape [T, D] when query_start_loc is given, got {_shape(x)}")
+            raise ValueError(f"x: expected shape [T, D] when query_start_loc is given, got {shape_str(x)}")
         total, dim = x.shape
-        _tensor("query_start_loc", query_start_loc)
+        tensor("query_start_loc", query_start_loc)
         if query_start_loc.dtype not in _INDEX_DTYPES:
             raise TypeError(
                 f"query_start_loc: expected dtype int32 or int64, got {dtype_name(query_start_loc.dtype)}"
             )
         if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
-            raise ValueError(f"query_start_loc: expected shape [B+1] with B >= 1, got {_shape(query_start_loc)}")
+            raise ValueError(f"query_start_loc: expected shape [B+1] with B >= 1, got {shape_str(query_start_loc)}")
         if query_start_loc.device != x.device:
             raise ValueError(f"query_start_loc: expected device {x.device} (x's), got {query_start_loc.device}")
         batch = query_start_loc.shape[0] - 1
         seqlen = max(1, -(-total // batch))
     else:
         if x.ndim != 3:
-            raise ValueError(f"x: expected shape [B, L, D] (or [T, D] with query_start_loc), got {_shape(x)}")
+            raise ValueError(f"x: expected shape [B, L, D] (or [T, D] with query_start_loc), got {shape_str(x)}")
         batch, seqlen, dim = x.shape
         if batch < 1 or seqlen < 1:
-            raise ValueError(f"x: expected B >= 1 and L >= 1, got {_shape(x)}")
+            raise ValueError(f"x: expected B >= 1 and L >= 1, got {shape_str(x)}")
     width = _weight_bias(x, weight, bias, dim)
     act = _activation(activation)
     _pad_slot_id(pad_slot_id)
-    _tensor("conv_states", conv_states, optional=True)
+    tensor("conv_states", conv_states, optional=True)
     if conv_states is None:
         for name, t in (("cache_indices", cache_indices), ("has_initial_state", has_initial_state)):
             if t is not None:
@@ -191,41 +139,40 @@ def check_fn(x, weight, bias, conv_states, cache_indices, has_initial_state, que
         _enough_slots("cache_indices", cache_indices, batch, conv_states, "conv_states")
     _index("cache_indices", cache_indices, batch, x)
     if has_initial_state is not None:
-        _tensor("has_initial_state", has_initial_state)
+        tensor("has_initial_state", has_initial_state)
         if has_initial_state.dtype != torch.bool:
             raise TypeError(f"has_initial_state: expected dtype bool, got {dtype_name(has_initial_state.dtype)}")
         if has_initial_state.ndim != 1 or has_initial_state.shape[0] != batch:
-            raise ValueError(f"has_initial_state: expected shape [{batch}], got {_shape(has_initial_state)}")
+            raise ValueError(f"has_initial_state: expected shape [{batch}], got {shape_str(has_initial_state)}")
         if has_initial_state.device != x.device:
             raise ValueError(f"has_initial_state: expected device {x.device} (x's), got {has_initial_state.device}")
     if values:
         check_fn_values(x, conv_states, cache_indices, query_start_loc, pad_slot_id)
-    return CallKey(
-        "causal_conv1d_fn", x.device.type, dtype_name(x.dtype), width, batch, dim, seqlen,
-        bias is not None, act, conv_states is not None, varlen, False,
-        conv_states is not None and not conv_states.is_contiguous(),
-    )
+    noncontig = conv_states is not None and not conv_states.is_contiguous()
+    flags = features(width=width, bias=bias is not None, activation=act, states=conv_states is not None,
+                     varlen=varlen, spec=False)
+    return x.device.type, dtype_name(x.dtype), flags, (batch, dim, seqlen), _NONCONTIG if noncontig else _NONE
 
 
-def check_update(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
-                 pad_slot_id, values: bool) -> CallKey:
+def check_update(features: type[Features], x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
+                 pad_slot_id, *, values: bool) -> KeyParts:
     """Validate a ``causal_conv1d_update`` call; return its key."""
-    x = _x(x)
+    x = floating(x)
     if x.ndim == 2:
         batch, dim = x.shape
         seqlen = 1
     elif x.ndim == 3:
         batch, seqlen, dim = x.shape
     else:
-        raise ValueError(f"x: expected shape [B, D] or [B, L, D], got {_shape(x)}")
+        raise ValueError(f"x: expected shape [B, D] or [B, L, D], got {shape_str(x)}")
     if batch < 1 or seqlen < 1:
-        raise ValueError(f"x: expected B >= 1 and L >= 1, got {_shape(x)}")
+        raise ValueError(f"x: expected B >= 1 and L >= 1, got {shape_str(x)}")
     width = _weight_bias(x, weight, bias, dim)
     act = _activation(activation)
     _pad_slot_id(pad_slot_id)
-    _tensor("conv_state", conv_state)
-    spec = num_accepted_tokens is not None
-    if spec:
+    tensor("conv_state", conv_state)
+    spec_call = num_accepted_tokens is not None
+    if spec_call:
         _state_pool("conv_state", conv_state, x, dim, width - 1 + seqlen - 1,
                     f"W-1+L-1 rows for speculative decoding with W={width}, L={seqlen}")
     else:
@@ -235,10 +182,9 @@ def check_update(x, conv_state, weight, bias, activation, conv_state_indices, nu
     _index("num_accepted_tokens", num_accepted_tokens, batch, x)
     if values:
         check_update_values(x, conv_state, conv_state_indices, num_accepted_tokens, pad_slot_id)
-    return CallKey(
-        "causal_conv1d_update", x.device.type, dtype_name(x.dtype), width, batch, dim, seqlen,
-        bias is not None, act, True, False, spec, not conv_state.is_contiguous(),
-    )
+    flags = features(width=width, bias=bias is not None, activation=act, states=True, varlen=False, spec=spec_call)
+    return x.device.type, dtype_name(x.dtype), flags, (batch, dim, seqlen), (
+        _NONE if conv_state.is_contiguous() else _NONCONTIG)
 
 
 def check_fn_values(x, conv_states, cache_indices, query_start_loc, pad_slot_id) -> None:

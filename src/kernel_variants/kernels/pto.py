@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.registry import Variant, hookimpl
 
-from ._npu_common import LazyKernel, OpRef, Param, dist_version, prefill_rows0, schema_mismatch
+from ._adapters import LazyKernel, OpRef, Param, dist_version, prefill_rows0, schema_mismatch
 
 SCHEMA = (
     Param("x", "Tensor"),
@@ -93,8 +94,8 @@ def variants(adapter: PtoAdapter, *, vid: str = "pto", devices=frozenset({"npu"}
     version = f"1+{dist_version('sgl-kernel-npu')}"  # a new kernel package makes old timings stale
     return [
         Variant(id=vid, op="causal_conv1d_fn", version=version, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
-                priority=priority, sources=(str(Path(__file__).with_name("_npu_common.py")),),
-                capabilities=Capabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 64),
+                priority=priority, sources=(str(Path(__file__).with_name("_adapters.py")),),
+                capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 64),
                                           varlen=True, noncontiguous_states=True),
                 description=f"sgl-kernel-npu PTO-ISA causal_conv1d (PR #572) as {adapter.ref.qualname}"),
     ]

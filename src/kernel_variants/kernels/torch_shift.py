@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants._dtypes import acc_dtype
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.registry import Variant, hookimpl
 
-from ._common import acc_dtype, initial, resolve
+from ._common import initial, resolve
 
 
 def _taps(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
@@ -122,11 +124,11 @@ _CAPS = dict(
 def kv_register_variants(register) -> None:
     register(Variant(
         id="torch_shift", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=0,
-        capabilities=Capabilities(varlen=False, **_CAPS),
+        capabilities=ConvCapabilities(varlen=False, **_CAPS),
         description="batched shift-and-multiply-add in plain torch (dense input only)",
     ))
     register(Variant(
         id="torch_shift", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=0,
-        capabilities=Capabilities(num_accepted_tokens=True, **_CAPS),
+        capabilities=ConvCapabilities(num_accepted_tokens=True, **_CAPS),
         description="batched shift-and-multiply-add in plain torch",
     ))

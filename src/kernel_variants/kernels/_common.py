@@ -1,15 +1,10 @@
-"""What the built-in torch variants share: the accumulation dtype and slot bookkeeping."""
+"""What the built-in torch variants share: slot bookkeeping."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 accumulation for every input dtype but fp64, which keeps its precision."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class Slots(NamedTuple):

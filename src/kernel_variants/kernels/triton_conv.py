@@ -31,9 +31,10 @@ from types import SimpleNamespace
 
 import torch
 
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.registry import Variant, hookimpl
 
-from ._npu_common import dist_version
+from ._adapters import dist_version
 
 MAX_WIDTH = 8
 MIN_TRITON = (3, 4)
@@ -329,9 +330,9 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, c
     return out.squeeze(1) if x.ndim == 2 else out
 
 
-def _caps(**extra) -> Capabilities:
+def _caps(**extra) -> ConvCapabilities:
     devices = {"cuda", "cpu"} if interpreting() else {"cuda"}
-    return Capabilities(devices=devices, dtypes={"float32", "bfloat16", "float16"}, width=(1, MAX_WIDTH),
+    return ConvCapabilities(devices=devices, dtypes={"float32", "bfloat16", "float16"}, width=(1, MAX_WIDTH),
                         noncontiguous_states=True, **extra)
 
 

@@ -30,11 +30,12 @@ from typing import Any
 
 import torch
 
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.registry import Variant, hookimpl
 
-from ._npu_common import (
-    LazyKernel,
+from ._adapters import (
     FunctionRef,
+    LazyKernel,
     Slots,
     dist_version,
     gather_rows,
@@ -99,8 +100,8 @@ def variants(adapter: NpuTritonAdapter, *, vid: str = "npu_triton_update", devic
     version = f"1+{dist_version('sgl-kernel-npu')}"  # a new kernel package makes old timings stale
     return [
         Variant(id=vid, op="causal_conv1d_update", version=version, fn=adapter.causal_conv1d_update,
-                probe=adapter.probe, priority=priority, sources=(str(Path(__file__).with_name("_npu_common.py")),),
-                capabilities=Capabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 6),
+                probe=adapter.probe, priority=priority, sources=(str(Path(__file__).with_name("_adapters.py")),),
+                capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 6),
                                           num_accepted_tokens=True, noncontiguous_states=True),
                 description="sgl_kernel_npu causal_conv1d_update_v2 (Triton on Ascend)"),
     ]

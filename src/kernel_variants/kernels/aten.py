@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.registry import Variant, hookimpl
 
 from ._common import initial, resolve
 
@@ -40,7 +41,7 @@ def causal_conv1d_fn(
     cache_indices, has_initial_state: [B]. Returns [B, L, D]."""
     if query_start_loc is not None:
         raise ValueError("query_start_loc: aten supports dense [B, L, D] input only")
-    batch, _, dim = x.shape
+    batch = x.shape[0]
     keep = weight.shape[1] - 1
     xt = x.transpose(1, 2)  # [B, D, L] view
     if conv_states is None:
@@ -77,7 +78,7 @@ def causal_conv1d_update(
     """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place; weight: [D, W].
     Returns x's shape. (No num_accepted_tokens: declared in the capabilities.)"""
     x3 = x.unsqueeze(1) if x.ndim == 2 else x
-    batch, length, _ = x3.shape
+    batch = x3.shape[0]
     keep = weight.shape[1] - 1
     rows = conv_state.shape[1]
     slots, safe, live = resolve(conv_state_indices, batch, pad_slot_id, x.device)
@@ -104,11 +105,11 @@ _CAPS = dict(
 def kv_register_variants(register) -> None:
     register(Variant(
         id="aten", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=10,
-        capabilities=Capabilities(varlen=False, **_CAPS),
+        capabilities=ConvCapabilities(varlen=False, **_CAPS),
         description="depthwise F.conv1d (oneDNN / cuDNN) with layout changes around it",
     ))
     register(Variant(
         id="aten", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=10,
-        capabilities=Capabilities(num_accepted_tokens=False, **_CAPS),
+        capabilities=ConvCapabilities(num_accepted_tokens=False, **_CAPS),
         description="depthwise F.conv1d over the state window",
     ))

@@ -1,4 +1,4 @@
-"""The reference variant: the contract written as plain torch, one sequence at a time.
+"""The conv ops' reference: the contract written as plain torch, one sequence at a time.
 
 It is the oracle every other variant is checked against, so it favours being obviously right
 over being fast: each sequence is handled on its own, in fp32 (fp64 for fp64 inputs), and state
@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernel_variants.registry import Capabilities, Variant, hookimpl
-
-from ._common import acc_dtype
+from kernel_variants._dtypes import acc_dtype
 
 
 def _conv(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
@@ -122,26 +120,3 @@ def causal_conv1d_update(
     for slot, new_state in writes:
         conv_state[slot] = new_state.to(conv_state.dtype)
     return out.squeeze(1) if x.ndim == 2 else out
-
-
-_CAPS = dict(
-    devices={"cpu", "cuda", "npu"},
-    dtypes={"float32", "bfloat16", "float16", "float64"},
-    width=(1, None),
-    bias=True,
-    noncontiguous_states=True,
-)
-
-
-@hookimpl
-def kv_register_variants(register) -> None:
-    register(Variant(
-        id="reference", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=-100,
-        capabilities=Capabilities(varlen=True, **_CAPS),
-        description="the contract in plain torch, per sequence; the oracle for every other variant",
-    ))
-    register(Variant(
-        id="reference", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=-100,
-        capabilities=Capabilities(num_accepted_tokens=True, **_CAPS),
-        description="the contract in plain torch, per sequence; the oracle for every other variant",
-    ))

@@ -24,11 +24,10 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import threading
 
 import torch
 import torch.nn.functional as F

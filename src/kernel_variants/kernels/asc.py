@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.registry import Variant, hookimpl
 
-from ._npu_common import (
+from ._adapters import (
     LazyKernel,
     OpRef,
     Param,
@@ -138,14 +139,14 @@ def variants(adapter: AscAdapter, *, vid: str = "asc", devices=frozenset({"npu"}
     version = f"1+{dist_version('sgl-kernel-npu')}"  # a new kernel package makes old timings stale
     """The two variants of ``adapter``; tests build them on a CPU double with ``devices={"cpu"}``."""
     common = dict(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)
-    sources = (str(Path(__file__).with_name("_npu_common.py")),)
+    sources = (str(Path(__file__).with_name("_adapters.py")),)
     return [
         Variant(id=vid, op="causal_conv1d_fn", version=version, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
-                priority=priority, sources=sources, capabilities=Capabilities(varlen=True, **common),
+                priority=priority, sources=sources, capabilities=ConvCapabilities(varlen=True, **common),
                 description="sgl-kernel-npu Ascend C causal_conv1d (PR #592), run_mode=0"),
         Variant(id=vid, op="causal_conv1d_update", version=version, fn=adapter.causal_conv1d_update,
                 probe=adapter.probe, priority=priority, sources=sources,
-                capabilities=Capabilities(num_accepted_tokens=True, num_accepted_tokens_width=(SPEC_WIDTH, SPEC_WIDTH),
+                capabilities=ConvCapabilities(num_accepted_tokens=True, num_accepted_tokens_width=(SPEC_WIDTH, SPEC_WIDTH),
                                           **common),
                 description="sgl-kernel-npu Ascend C causal_conv1d (PR #592), run_mode=1"),
     ]

@@ -13,9 +13,9 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 
@@ -67,13 +67,9 @@ def _build_tag(torch_version: str) -> str:
 
 
 def _build_dir(tag: str) -> Path:
-    base = os.environ.get("KV_BUILD_DIR")
-    if base:
-        root = Path(base)
-    else:
-        cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        root = Path(cache) / "kernel_variants" / "build"
-    return root / tag
+    from kernel_variants._paths import build_dir
+
+    return build_dir() / tag
 
 
 @contextlib.contextmanager
@@ -103,7 +99,7 @@ def _log_summary(text: str) -> tuple[str, str]:
     lines = [ln.rstrip() for ln in text.strip().splitlines() if ln.strip()]
     errors = [ln for ln in lines if "error:" in ln and not ln.startswith("[")]
     first = errors[0].strip() if errors else ""
-    keep = errors[:_LOG_TAIL_LINES // 2] + ["..."] + lines[-_LOG_TAIL_LINES // 2 :]
+    keep = [*errors[:_LOG_TAIL_LINES // 2], "...", *lines[-_LOG_TAIL_LINES // 2 :]]
     return first, "\n".join(keep)
 
 

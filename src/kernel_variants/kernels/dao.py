@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.registry import Variant, hookimpl
 
-from ._npu_common import (
-    LazyKernel,
+from ._adapters import (
     FunctionRef,
+    LazyKernel,
     Slots,
     dist_version,
     gather_rows,
@@ -116,13 +117,13 @@ class DaoAdapter(LazyKernel):
 def variants(adapter: DaoAdapter, *, vid: str = "dao", devices=frozenset({"cuda"}), priority: int = 20) -> list[Variant]:
     version = f"1+{dist_version('causal-conv1d')}"  # a new kernel package makes old timings stale
     common = dict(devices=devices, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)
-    sources = (str(Path(__file__).with_name("_npu_common.py")),)
+    sources = (str(Path(__file__).with_name("_adapters.py")),)
     return [
         Variant(id=vid, op="causal_conv1d_fn", version=version, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
-                priority=priority, sources=sources, capabilities=Capabilities(varlen=False, **common),
+                priority=priority, sources=sources, capabilities=ConvCapabilities(varlen=False, **common),
                 description="causal-conv1d (Dao-AILab) CUDA prefill, channel-last through views"),
         Variant(id=vid, op="causal_conv1d_update", version=version, fn=adapter.causal_conv1d_update,
-                probe=adapter.probe, priority=priority, sources=sources, capabilities=Capabilities(**common),
+                probe=adapter.probe, priority=priority, sources=sources, capabilities=ConvCapabilities(**common),
                 description="causal-conv1d (Dao-AILab) CUDA decode on the caller's pool through a view"),
     ]
 

@@ -1,0 +1,22 @@
+"""The registration list: every built-in plugin, in load order (plugin name, module).
+
+Built-ins register through the same hooks as third parties. The op plugins come first and are
+essential: ``KV_DISABLE_PLUGINS`` cannot block them, since each brings its op's reference, the
+oracle every other variant is checked against.
+"""
+
+from __future__ import annotations
+
+ESSENTIAL_PLUGINS: tuple[str, ...] = ("causal_conv1d",)
+
+BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
+    ("causal_conv1d", "kernel_variants.ops.causal_conv1d"),
+    ("torch_shift", "kernel_variants.kernels.torch_shift"),
+    ("aten", "kernel_variants.kernels.aten"),
+    ("cpu_native", "kernel_variants.kernels.cpu_native"),
+    ("asc", "kernel_variants.kernels.asc"),
+    ("pto", "kernel_variants.kernels.pto"),
+    ("npu_triton", "kernel_variants.kernels.npu_triton"),
+    ("triton", "kernel_variants.kernels.triton_conv"),
+    ("dao", "kernel_variants.kernels.dao"),
+)

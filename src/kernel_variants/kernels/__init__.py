@@ -1,0 +1,1 @@
+"""The built-in implementations (variants) of the ops, one plugin module per provider family."""

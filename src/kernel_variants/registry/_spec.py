@@ -1,0 +1,323 @@
+"""An op, declared once: what the core needs to validate, key, dispatch, verify and calibrate it.
+
+Everything specific to an op family lives in its own module, which builds an :class:`OpSpec`
+per public op and registers it through the ``kv_register_ops`` hook. The registry, the
+dispatcher, the calibration table, ``kv`` and the conformance suite know no op by name: they
+work from these specs.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+from ._models import Capabilities, Variant, check_id
+
+if TYPE_CHECKING:
+    import torch
+
+Shape = tuple[int, ...]
+# What an op's check returns: (device type, dtype name, features, shape, extra); the core adds the spec.
+KeyParts = tuple[str, str, "Features", Shape, frozenset[str]]
+
+
+class Features(BaseModel):
+    """Base of an op's *group* flags: the parts of a call other than its shape that change which
+    variants can run it or how fast (a width, a bias, an activation). Timings are compared only
+    within a group. Field defaults are what a calibration measures unless told otherwise."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class CallKey(NamedTuple):
+    """Everything about a call that decides which variants can run it and which is fastest.
+
+    ``extra`` holds properties that decide whether a variant can run the call but not how fast
+    it is (so they do not split calibration groups), such as a strided state pool.
+    """
+
+    spec: OpSpec
+    device: str
+    dtype: str
+    features: Features
+    shape: Shape
+    extra: frozenset[str] = frozenset()
+
+    @property
+    def op(self) -> str:
+        return self.spec.name
+
+    def describe(self) -> str:
+        dims = ", ".join(f"{a}={v}" for a, v in zip(self.spec.axes, self.shape, strict=True))
+        flags = " ".join(f"{k}={v}" for k, v in self.features.model_dump().items())
+        more = "".join(f" {e}" for e in sorted(self.extra))
+        return f"{self.op} on {self.device} {self.dtype} ({dims}) {flags}{more}".rstrip()
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Named shapes of one op, measured with ``features`` (overrides of the feature defaults)."""
+
+    name: str
+    op: str
+    shapes: tuple[Shape, ...]
+    features: Mapping[str, Any] = field(default_factory=dict)
+    description: str = field(default="", compare=False)
+
+
+@dataclass
+class Case:
+    """One realistic call of an op, replayable on fresh copies of the tensors it mutates.
+
+    ``args``/``kwargs`` are the call as written; ``bases`` maps each mutated parameter to the
+    allocation its tensor is a view of, so a fresh copy keeps the view's strides and offset.
+    """
+
+    spec: OpSpec
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    bases: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def op(self) -> str:
+        return self.spec.name
+
+    def _where(self, name: str) -> int | None:
+        pos = self.spec.positional
+        return pos.index(name) if name in pos and pos.index(name) < len(self.args) else None
+
+    def get(self, name: str) -> Any:
+        """The argument ``name`` as the call passes it (``None`` when left to its default)."""
+        i = self._where(name)
+        return self.args[i] if i is not None else self.kwargs.get(name)
+
+    def fresh(self) -> Case:
+        """The same call with fresh copies of the mutated tensors, with the same strides and offset."""
+        if not self.bases:
+            return self
+        args, kwargs, bases = list(self.args), dict(self.kwargs), {}
+        for name, base in self.bases.items():
+            view = self.get(name)
+            bases[name] = copy = base.clone(memory_format=_contiguous())
+            new = copy.as_strided(view.size(), view.stride(), view.storage_offset())
+            i = self._where(name)
+            if i is not None:
+                args[i] = new
+            else:
+                kwargs[name] = new
+        return Case(self.spec, tuple(args), kwargs, bases)
+
+    def state(self) -> torch.Tensor | None:
+        """The (first) mutated tensor, as the call sees it."""
+        return next((self.get(n) for n in self.bases), None)
+
+    @property
+    def pool_base(self) -> torch.Tensor | None:
+        return next(iter(self.bases.values()), None)
+
+    def run(self, fn: Callable[..., Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+        """Call ``fn`` on a fresh copy; return (its result, each mutated allocation after the call)."""
+        case = self.fresh()
+        return fn(*case.args, **case.kwargs), case.bases
+
+
+def _contiguous():
+    import torch  # the registry itself imports no torch: plugins declare before anything runs
+
+    return torch.contiguous_format
+
+
+@dataclass(frozen=True, eq=False)
+class OpSpec:
+    """The declaration of one public op.
+
+    - ``signature``: a function whose parameters, defaults, annotations and docstring are the
+      op's (its body is never called). The public function, ``explain``'s binding, the memo
+      signature and the ``torch.library`` schema are all derived from it.
+    - ``axes``: names of the dispatch key's shape axes (``("B", "D", "L")``), ``check`` returns
+      them in this order. ``axis_aliases``: the CSV column names each axis may have, in order
+      of preference (default: the axis name).
+    - ``features``: the op's group flags (a :class:`Features` model). ``capabilities``: the
+      op's capabilities model (a :class:`Capabilities` subclass, or the base).
+    - ``check(*args, values)``: validate a call given in signature order and return its key's
+      parts (device type, dtype name, features, shape, extra); raise ``TypeError``/``ValueError``
+      naming the argument. With ``values`` it also reads index tensors (``check_values(*args)``
+      does only that, for memoised calls).
+    - ``normalize``: per non-tensor parameter, the value variants receive (``"swish"`` ->
+      ``"silu"``); applied once per memoised signature.
+    - ``reference``: the oracle, registered as the variant ``reference`` (never blockable).
+    - ``make_case(shape, *, dtype, device, seed, **options)``: a realistic call; ``options``
+      are feature fields and the op's own case variations. ``conformance(caps)`` yields
+      ``(label, options)`` for the suite to try (it keeps those ``caps`` cover).
+    - ``sweeps``: named shape lists; ``default_sweep`` is calibrated when none is named.
+    - ``mutates``: parameters written in place; ``outputs``: names of the returned tensors.
+    """
+
+    name: str
+    signature: Callable[..., Any]
+    axes: tuple[str, ...]
+    features: type[Features]
+    capabilities: type[Capabilities]
+    check: Callable[..., KeyParts]
+    check_values: Callable[..., None]
+    reference: Variant
+    make_case: Callable[..., Case]
+    conformance: Callable[[Capabilities], Iterable[tuple[str, dict[str, Any]]]]
+    sweeps: Mapping[str, Sweep] = field(default_factory=dict)
+    default_sweep: str | None = None
+    normalize: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    mutates: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ("out",)
+    axis_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        check_id(self.name, "op name")
+        sig = inspect.signature(self.signature)
+        object.__setattr__(self, "_sig", sig)
+        params = list(sig.parameters.values())
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            raise ValueError(f"op {self.name}: the signature must name every parameter (no *args/**kwargs)")
+        for name in (*self.mutates, *self.normalize):
+            if name not in sig.parameters:
+                raise ValueError(f"op {self.name}: {name!r} is not a parameter of its signature")
+        if self.reference.id != "reference" or self.reference.op != self.name:
+            raise ValueError(f"op {self.name}: the reference must be registered as variant 'reference' of this op")
+        if not isinstance(self.reference.capabilities, self.capabilities):
+            raise ValueError(f"op {self.name}: the reference's capabilities must be a {self.capabilities.__name__}")
+        for sweep in self.sweeps.values():
+            if sweep.op != self.name or any(len(s) != len(self.axes) for s in sweep.shapes):
+                raise ValueError(f"op {self.name}: sweep {sweep.name!r} has another op or shapes of another length")
+        if self.default_sweep is not None and self.default_sweep not in self.sweeps:
+            raise ValueError(f"op {self.name}: default_sweep {self.default_sweep!r} is not one of its sweeps")
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Every parameter name, in signature order."""
+        return tuple(self._sig.parameters)
+
+    @property
+    def positional(self) -> tuple[str, ...]:
+        """The parameters a call may pass by position (the rest are keyword-only)."""
+        return tuple(n for n, p in self._sig.parameters.items()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+    @property
+    def py_signature(self) -> inspect.Signature:
+        return self._sig
+
+    @functools.cached_property
+    def memo_key(self) -> Callable[[Sequence[Any], Any], tuple[Any, ...]]:
+        """``memo_key(args, pins)``: what a memoised decision and metadata check depend on: the
+        pins in force, each tensor's shape, dtype and device (and strides, for the tensors the op
+        mutates, whose layout decides which variants can write them), and every other argument
+        with its type (``1.0 == 1 == True`` would share an entry otherwise). Generated from the
+        signature's annotations, so a call builds it without a loop; a non-tensor passed where a
+        tensor is declared raises ``AttributeError``, and the call is then validated unmemoised."""
+        import torch
+
+        hints = typing.get_type_hints(self.signature)
+        parts = ["self"]
+        for i, name in enumerate(self.params):
+            hint = hints.get(name)
+            a = f"a[{i}]"
+            meta = f"{a}.shape, {a}.dtype, {a}.device" + (f", {a}.stride()" if name in self.mutates else "")
+            if hint is torch.Tensor:
+                parts.append(meta)
+            elif hint == torch.Tensor | None or hint == typing.Optional[torch.Tensor]:  # noqa: UP045
+                parts.append(f"None if {a} is None else ({meta})")
+            else:
+                parts.append(f"{a}, type({a})")
+        namespace: dict[str, Any] = {"self": self}
+        exec(f"def memo_key(a, pins):\n    return (pins, {', '.join(parts)})\n", namespace)  # noqa: S102 - from the signature
+        return namespace["memo_key"]
+
+    @functools.cached_property
+    def invoke(self) -> Callable[[Callable[..., Any], Sequence[Any]], Any]:
+        """``invoke(fn, args)``: call a variant with ``args`` (signature order) the way the
+        signature passes them: positional parameters by position, keyword-only ones by name."""
+        pos = set(self.positional)
+        call_args = ", ".join(f"a[{i}]" if n in pos else f"{n}=a[{i}]" for i, n in enumerate(self.params))
+        namespace: dict[str, Any] = {}
+        exec(f"def invoke(fn, a):\n    return fn({call_args})\n", namespace)  # noqa: S102 - from the signature
+        return namespace["invoke"]
+
+    def bind(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """A call as written -> every argument in signature order, defaults filled in."""
+        try:
+            bound = self._sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}: {exc}") from None
+        bound.apply_defaults()
+        return tuple(bound.arguments[n] for n in self.params)
+
+    def key(self, args: Sequence[Any], values: bool) -> CallKey:
+        """Validate a call given in signature order and return its key."""
+        return CallKey(self, *self.check(*args, values=values))
+
+    def key_of(self, *args: Any, values: bool = True, **kwargs: Any) -> CallKey:
+        """Validate a call given as it would be written and return its key."""
+        return self.key(self.bind(*args, **kwargs), values)
+
+    def key_of_case(self, case: Case) -> CallKey:
+        return self.key_of(*case.args, **case.kwargs)
+
+    def sweep_case(self, shape: Shape, features: Features, *, dtype: torch.dtype, device: str,
+                   seed: int = 0) -> Case:
+        """The call a calibration measures for ``shape`` with ``features``."""
+        return self.make_case(tuple(shape), dtype=dtype, device=device, seed=seed, **features.model_dump())
+
+
+def read_shapes(header: Sequence[str], rows: Sequence[Mapping[str, str | None]], axes: Sequence[str],
+                aliases: Mapping[str, tuple[str, ...]], where: str) -> tuple[list[str], list[Shape]]:
+    """(the columns used, the shapes) from CSV rows with a column per axis (named by one of its
+    ``aliases``, else by the axis); the first row that does not parse is the error."""
+    columns = []
+    for axis in axes:
+        names = aliases.get(axis, (axis,))
+        found = next((n for n in names if n in header), None)
+        if found is None:
+            raise ValueError(f"{where}: no column {' or '.join(names)} (columns: {', '.join(header)})")
+        columns.append(found)
+    shapes = []
+    for line, row in enumerate(rows, start=2):
+        try:
+            shape = tuple(int(row[c] or "") for c in columns)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}, line {line}: expected integer {', '.join(columns)}, "
+                             f"got {[row.get(c) for c in columns]}") from None
+        if min(shape) < 1:
+            raise ValueError(f"{where}, line {line}: expected positive sizes, got {shape}")
+        shapes.append(shape)
+    if not shapes:
+        raise ValueError(f"{where}: no rows below the header")
+    return columns, shapes
+
+
+def read_csv_rows(path: str | Path) -> tuple[list[str], list[dict[str, str | None]]]:
+    """(the header, every row as a dict) of a CSV file; one that is not readable UTF-8 CSV is one
+    ValueError."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            return list(reader.fieldnames or []), rows
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ValueError(f"{path}: not a CSV file ({exc})") from None
+
+
+def load_sweep_csv(path: str | Path, spec: OpSpec) -> Sweep:
+    header, rows = read_csv_rows(path)
+    _, shapes = read_shapes(header, rows, spec.axes, spec.axis_aliases, str(path))
+    return Sweep(Path(path).stem, spec.name, tuple(shapes))
