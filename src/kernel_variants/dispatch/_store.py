@@ -1,0 +1,174 @@
+"""The table's storage: diskcache when the directory works, a dict when it does not.
+
+Keys are text and values JSON text stored inline. Nothing is ever unpickled: a cache directory
+may be shared, and unpickling is code execution, so the disk class below refuses every row that
+is not raw text, and never deletes a file a row names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sqlite3
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import diskcache
+
+
+class CalibrationWarning(UserWarning):
+    """The table could not be used as it was (corrupt, unwritable, or entries out of date)."""
+
+
+class HostileRow(ValueError):
+    pass
+
+
+class JSONOnlyDisk(diskcache.Disk):
+    """Keys are text and values JSON text stored inline; any other row is refused, not read."""
+
+    def get(self, key, raw):
+        if not raw or not isinstance(key, str):
+            raise HostileRow("a non-text key")
+        return key
+
+    def store(self, value, read, key=diskcache.core.UNKNOWN):
+        if not isinstance(value, str):
+            raise TypeError(f"calibration table values are JSON text, got {type(value).__name__}")
+        return super().store(value, read, key=key)
+
+    def fetch(self, mode, filename, value, read):
+        if mode != diskcache.core.MODE_RAW or not isinstance(value, str):
+            raise HostileRow("a value that is not inline text")
+        return value
+
+    def remove(self, file_path):
+        # Values are always inline, so a row that names a file was planted: deleting what it
+        # names (diskcache joins it onto the directory, and an absolute path wins) would let a
+        # shared cache directory delete any file. Nothing is ever removed from disk.
+        return None
+
+
+def is_corrupt(exc: sqlite3.DatabaseError) -> bool:
+    """A damaged file, as opposed to one that is busy, read-only, on a full disk or unreadable.
+
+    Only the first is moved aside; the others keep the table in memory and leave the file be.
+    """
+    if not isinstance(exc, sqlite3.OperationalError):
+        return True  # "file is not a database", "database disk image is malformed"
+    text = str(exc).lower()
+    return "malformed" in text or "not a database" in text or "no such table" in text
+
+
+class Store:
+    """diskcache when the directory works, a dict when it does not; the same few methods."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.cache: diskcache.Cache | None = None
+        self.memory: dict[str, str] | None = None
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            self.cache = self._connect()
+        except sqlite3.DatabaseError as exc:
+            if is_corrupt(exc):
+                self.move_aside(exc)
+            else:
+                self.to_memory(exc)
+        except OSError as exc:
+            self.to_memory(exc)
+
+    def _connect(self) -> diskcache.Cache:
+        cache = diskcache.Cache(str(self.directory), disk=JSONOnlyDisk, disk_min_file_size=1 << 24,
+                                timeout=60, eviction_policy="none", size_limit=1 << 40)
+        len(cache)  # touches the database, so a corrupt file fails here rather than mid-call
+        return cache
+
+    def to_memory(self, exc: BaseException) -> None:
+        warnings.warn(
+            f"calibration table directory {self.directory} is not usable ({type(exc).__name__}: {exc}); "
+            "keeping the table in memory for this process (set KV_CACHE_DIR to a writable directory)",
+            CalibrationWarning, stacklevel=4,
+        )
+        self.cache, self.memory = None, {}
+
+    def move_aside(self, exc: BaseException) -> None:
+        """A corrupt table is kept for inspection under another name; a fresh one replaces it."""
+        if self.cache is not None:
+            with contextlib.suppress(Exception):
+                self.cache.close()
+        aside = self.directory.with_name(f"{self.directory.name}.corrupt-{int(time.time())}-{os.getpid()}")
+        try:
+            shutil.move(str(self.directory), str(aside))
+            where = f"moved to {aside}"
+        except OSError as move_exc:
+            where = f"could not be moved aside ({move_exc})"
+        warnings.warn(
+            f"calibration table in {self.directory} is corrupt ({type(exc).__name__}: {exc}); it was "
+            f"{where} and a fresh table started",
+            CalibrationWarning, stacklevel=4,
+        )
+        try:
+            self.cache = self._connect()
+        except (OSError, sqlite3.DatabaseError) as again:
+            self.to_memory(again)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        if self.cache is None:
+            yield
+            return
+        with self.cache.transact():
+            yield
+
+    def items(self) -> Iterator[tuple[str, str | None]]:
+        """Every (key, JSON) pair; a row that is not text gives (its key, None)."""
+        if self.cache is None:
+            yield from list(self.memory.items())
+            return
+        # Keys are listed straight from SQLite: diskcache's own key iterator would unpickle a
+        # non-raw key (and stop at the first one our disk refuses).
+        uri = (self.directory / "cache.db").resolve().as_uri() + "?mode=ro"  # '#', '?', '%' escaped
+        con = sqlite3.connect(uri, uri=True, timeout=60)
+        try:
+            rows = con.execute("SELECT key, raw = 1 AND typeof(key) = 'text' FROM Cache").fetchall()
+        finally:
+            con.close()
+        for key, text in rows:
+            if not text:
+                yield repr(key)[:40], None
+                continue
+            try:
+                yield key, self.cache.get(key)
+            except HostileRow:
+                yield key, None
+
+    def set(self, key: str, value: str) -> None:
+        if self.cache is None:
+            self.memory[key] = value
+        else:
+            self.cache.set(key, value)
+
+    def get(self, key: str) -> str | None:
+        if self.cache is None:
+            return self.memory.get(key)
+        try:
+            return self.cache.get(key)
+        except HostileRow:
+            return None
+
+    def delete(self, key: str) -> None:
+        if self.cache is None:
+            self.memory.pop(key, None)
+        else:
+            self.cache.delete(key)
+
+    def __len__(self) -> int:
+        return len(self.memory) if self.cache is None else len(self.cache)
+
+
