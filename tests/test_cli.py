@@ -69,9 +69,10 @@ def test_list_shows_every_variant_with_plugin_version_and_why_unavailable(capsys
     with_variants(_variant("unicorn", probe=lambda: "needs a unicorn accelerator"))
     rc, out, _ = run(capsys, "list", "--wide")
     assert rc == 0
-    lines = {line.split()[1]: line for line in out.splitlines()[2:] if line[:1].strip()}
-    assert "no: needs a unicorn accelerator" in lines["unicorn"]
-    assert lines["reference"].split()[2] == "causal_conv1d" and lines["reference"].endswith("yes")
+    lines = {tuple(line.split()[:2]): line for line in out.splitlines()[2:] if line[:1].strip()}
+    assert "no: needs a unicorn accelerator" in lines[(FN, "unicorn")]
+    ref = lines[(FN, "reference")]
+    assert ref.split()[2] == "causal_conv1d" and ref.endswith("yes")
     records = run_json(capsys, "list", "--op", "fn")
     by_id = {r["id"]: r for r in records}
     assert set(by_id) == {rv.id for rv in kv.variants(FN)}

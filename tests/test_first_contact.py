@@ -54,11 +54,13 @@ def test_listing_and_explaining_never_build(fresh_build_dir, capsys):
 def test_a_build_announces_itself_once_and_kv_build_reports_where(fresh_build_dir, capsys):
     assert main(["build"]) == 0
     out, err = capsys.readouterr()
-    assert len(fresh_build_dir) == 1, "one extension serves both ops: built once"
-    notice = [ln for ln in err.splitlines() if "building the cpu_native C++ kernel" in ln]
-    assert len(notice) == 1 and str(fresh_build_dir[0]) in notice[0] and "about a minute" in notice[0]
-    assert "build finished in" in err
-    assert "cpu_native" in out and "built" in out and str(fresh_build_dir[0]) in out
+    assert len(fresh_build_dir) == 2, "one extension per op family, each serving both of its ops: built once"
+    for ext, where in zip(("causal_conv1d", "gemma_rms_norm"), fresh_build_dir, strict=True):
+        notice = [ln for ln in err.splitlines() if f"building the cpu_native C++ kernel of {ext}" in ln]
+        assert len(notice) == 1 and str(where) in notice[0] and "about a minute" in notice[0]
+        assert f"cpu_native {ext} build finished in" in err
+        assert str(where) in out
+    assert "causal_conv1d_fn,causal_conv1d_update" in out and "gemma_rms_norm,add_gemma_rms_norm" in out
     _build.load_extension.cache_clear()
     assert main(["build"]) == 0
     assert "building" not in capsys.readouterr().err, "an existing build is loaded silently"

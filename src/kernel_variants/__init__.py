@@ -1,7 +1,8 @@
 """kernel_variants: several implementations of one kernel side by side, each call going to the
 variant measured fastest for its shape on this device.
 
-Public API: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`), inspection
+Public API: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`,
+:func:`gemma_rms_norm`, :func:`add_gemma_rms_norm`), inspection
 (:func:`variants`, :func:`explain`), pinning (:func:`force`), calibration (:func:`calibrate`,
 :func:`table`), and for plugin authors the :mod:`kernel_variants.registry` module.
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from kernel_variants.dispatch._calibrate import CalibrationResult, Progress
     from kernel_variants.dispatch._table import CalibrationWarning, Measurement
     from kernel_variants.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+    from kernel_variants.ops.gemma_rms_norm import add_gemma_rms_norm, gemma_rms_norm
     from kernel_variants.registry import Capabilities, OpSpec, Variant, hookimpl
     from kernel_variants.registry._registry import DuplicateVariantError, RegisteredVariant
 
@@ -40,6 +42,8 @@ _LAZY = {
     "Measurement": "kernel_variants.dispatch._table",
     "causal_conv1d_fn": "kernel_variants.ops.causal_conv1d",
     "causal_conv1d_update": "kernel_variants.ops.causal_conv1d",
+    "gemma_rms_norm": "kernel_variants.ops.gemma_rms_norm",
+    "add_gemma_rms_norm": "kernel_variants.ops.gemma_rms_norm",
     "explain": "kernel_variants.dispatch",
     "Capabilities": "kernel_variants.registry",
     "OpSpec": "kernel_variants.registry",
@@ -92,12 +96,14 @@ __all__ = [
     "Variant",
     "VariantFailed",
     "__version__",
+    "add_gemma_rms_norm",
     "calibrate",
     "causal_conv1d_fn",
     "causal_conv1d_update",
     "clear_table",
     "explain",
     "force",
+    "gemma_rms_norm",
     "hookimpl",
     "reload",
     "table",

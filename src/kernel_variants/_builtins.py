@@ -7,10 +7,11 @@ oracle every other variant is checked against.
 
 from __future__ import annotations
 
-ESSENTIAL_PLUGINS: tuple[str, ...] = ("causal_conv1d",)
+ESSENTIAL_PLUGINS: tuple[str, ...] = ("causal_conv1d", "gemma_rms_norm")
 
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("causal_conv1d", "kernel_variants.ops.causal_conv1d"),
+    ("gemma_rms_norm", "kernel_variants.ops.gemma_rms_norm"),
     ("torch_shift", "kernel_variants.kernels.torch_shift"),
     ("aten", "kernel_variants.kernels.aten"),
     ("cpu_native", "kernel_variants.kernels.cpu_native"),
@@ -19,4 +20,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("npu_triton", "kernel_variants.kernels.npu_triton"),
     ("triton", "kernel_variants.kernels.triton_conv"),
     ("dao", "kernel_variants.kernels.dao"),
+    ("rms_aten", "kernel_variants.kernels.rms_aten"),
+    ("npu_rms_norm", "kernel_variants.kernels.npu_rms_norm"),
+    ("triton_rms_norm", "kernel_variants.kernels.triton_rms_norm"),
 )

@@ -1,4 +1,4 @@
-"""``cpu_native``: a fused C++ kernel for both ops on the CPU.
+"""``cpu_native``: fused C++ kernels on the CPU, for the conv ops and the Gemma RMSNorm ops.
 
 One pass per (sequence, channel tile): history rows, the W taps, bias, activation and the
 state write-back, vectorised with ATen's ``at::vec`` (AVX2 / AVX-512 chosen at run time),
@@ -14,10 +14,12 @@ reason, and a failed build makes it unavailable with the compiler's first error.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.registry import Variant, hookimpl
+from kernel_variants.registry import Capabilities, Variant, hookimpl
 
 from . import _build
 
@@ -62,19 +64,59 @@ def causal_conv1d_update(
 
 
 _CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)
-_NATIVE = dict(probe=_build.toolchain_missing, build=_build.build, is_built=_build.is_built)
-_SOURCES = tuple(str(p) for p in _build.source_files())
+
+
+def _native(ext: _build.Extension) -> dict:
+    """How a variant of ``ext`` probes, builds and says it is built (one build per extension)."""
+    return dict(probe=_build.toolchain_missing, build=functools.partial(_build.build, ext),
+                is_built=functools.partial(_build.is_built, ext),
+                sources=tuple(str(p) for p in _build.source_files(ext)))
+
+
+_NATIVE = _native(_build.CONV)
+_NATIVE_RMS = _native(_build.RMS)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., D] as [T, D] with unit channel stride: a view when one exists (any row stride)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:  # leading dims that cannot be flattened without a copy
+        return t.reshape(-1, t.shape[-1])
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x: [..., D]; weight: [D] (any stride). Returns a new tensor of x's shape and dtype."""
+    return _build.load_extension(_build.RMS).gemma_rms_norm(_rows(x), weight, eps).view(x.shape)
+
+
+def add_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                       eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [..., D]; weight: [D]. Returns (out, x + residual), new tensors of x's shape."""
+    out, s = _build.load_extension(_build.RMS).add_gemma_rms_norm(_rows(x), weight, _rows(residual), eps)
+    return out.view(x.shape), s.view(x.shape)
 
 
 @hookimpl
 def kv_register_variants(register) -> None:
     register(Variant(
         id="cpu_native", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=30, **_NATIVE,
-        sources=_SOURCES, capabilities=ConvCapabilities(varlen=True, **_CAPS),
+        capabilities=ConvCapabilities(varlen=True, **_CAPS),
         description="fused, vectorised, parallel C++ kernel (at::vec), sequence-chunked for small batches",
     ))
     register(Variant(
         id="cpu_native", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=30, **_NATIVE,
-        sources=_SOURCES, capabilities=ConvCapabilities(num_accepted_tokens=True, **_CAPS),
+        capabilities=ConvCapabilities(num_accepted_tokens=True, **_CAPS),
         description="fused C++ decode step with in-place state shift",
+    ))
+    rms = Capabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"})
+    register(Variant(
+        id="cpu_native", op="gemma_rms_norm", version="1", fn=gemma_rms_norm, priority=30, **_NATIVE_RMS,
+        capabilities=rms, description="fused C++ row kernel (at::vec), fp32 sum of squares, parallel over rows",
+    ))
+    register(Variant(
+        id="cpu_native", op="add_gemma_rms_norm", version="1", fn=add_gemma_rms_norm, priority=30, **_NATIVE_RMS,
+        capabilities=rms, description="fused C++ residual add (rounded to x's dtype) and Gemma RMSNorm",
     ))

@@ -1,4 +1,5 @@
-"""Build / load the fused CPU causal-conv1d C++ extension.
+"""Build / load the fused CPU C++ extensions: one per op family (causal_conv1d,
+gemma_rms_norm), each its own shared object, so a failed build of one leaves the other usable.
 
 Only the standard library is imported at module level so that importing this
 file never fails; torch and the compiler are touched in `load_extension()`.
@@ -14,20 +15,31 @@ import platform
 import shutil
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 
-# The first source must stay first: its copies of shared inline functions
-# are the baseline-ISA ones the linker keeps (see causal_conv1d_cpu.cpp).
-_SOURCES = (
-    "causal_conv1d_cpu.cpp",
-    "causal_conv1d_avx2.cpp",
-    "causal_conv1d_avx512.cpp",
-    "causal_conv1d_avx512bf16.cpp",
-)
-_HEADERS = ("causal_conv1d_kernel.h", "causal_conv1d_params.h")
+
+@dataclass(frozen=True)
+class Extension:
+    """One extension: ``{name}_cpu.cpp`` first (its copies of shared inline functions are the
+    baseline-ISA ones the linker keeps), then one file per ISA, and the headers they share."""
+
+    name: str
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(f"{self.name}_{isa}.cpp" for isa in ("cpu", "avx2", "avx512", "avx512bf16"))
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return (f"{self.name}_kernel.h", f"{self.name}_params.h")
+
+
+CONV = Extension("causal_conv1d")
+RMS = Extension("gemma_rms_norm")
 
 # No -march=native: the cached .so must run on any x86-64 sharing the cache
 # dir, and AVX2 / AVX-512 code is compiled per file and chosen at runtime.
@@ -48,16 +60,16 @@ _CFLAGS: tuple[str, ...] = (
 _LOG_TAIL_LINES = 20
 
 
-def source_files() -> list[Path]:
+def source_files(ext: Extension = CONV) -> list[Path]:
     """Files whose content defines the kernel version."""
-    return [_CSRC / name for name in _SOURCES + _HEADERS]
+    return [_CSRC / name for name in ext.sources + ext.headers]
 
 
-def _build_tag(torch_version: str) -> str:
+def _build_tag(torch_version: str, ext: Extension) -> str:
     # The .so links against this torch build and this Python's ABI, so both
     # (plus compiler and flags) key the cache along with the sources.
     h = hashlib.sha256()
-    for path in source_files():
+    for path in source_files(ext):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     for part in (*_CFLAGS, os.environ.get("CXX", ""), torch_version,
@@ -103,11 +115,11 @@ def _log_summary(text: str) -> tuple[str, str]:
     return first, "\n".join(keep)
 
 
-def _name_and_dir() -> tuple[str, Path]:
+def _name_and_dir(ext: Extension = CONV) -> tuple[str, Path]:
     import torch
 
-    tag = _build_tag(str(torch.__version__))
-    return "kv_causal_conv1d_cpu_" + tag.rsplit("-", 1)[1][:12], _build_dir(tag)
+    tag = _build_tag(str(torch.__version__), ext)
+    return f"kv_{ext.name}_cpu_" + tag.rsplit("-", 1)[1][:12], _build_dir(tag)
 
 
 def toolchain_missing() -> str | None:
@@ -122,11 +134,9 @@ def toolchain_missing() -> str | None:
     return None
 
 
-def is_built() -> bool:
+def is_built(ext: Extension = CONV) -> bool:
     """Whether loading is quick: loaded already, or a build for these sources is on disk."""
-    if load_extension.cache_info().currsize:
-        return True
-    name, build_dir = _name_and_dir()
+    name, build_dir = _name_and_dir(ext)
     return (build_dir / f"{name}.so").exists()
 
 
@@ -148,21 +158,22 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _notice(build_dir: Path) -> Iterator[None]:
+def _notice(build_dir: Path, ext: Extension) -> Iterator[None]:
     """One line before a build and a heartbeat while it runs, on stderr: a first call that
     compiles for a minute must not look like a hung process."""
     import threading
     import time
 
     start = time.monotonic()
-    print(f"kernel_variants: building the cpu_native C++ kernel ({len(_SOURCES)} files) in {build_dir}; "
+    print(f"kernel_variants: building the cpu_native C++ kernel of {ext.name} ({len(ext.sources)} files) in "
+          f"{build_dir}; "
           "this takes about a minute, once per machine and torch version "
           "(`kv build` does it ahead of time)", file=sys.stderr, flush=True)
     done = threading.Event()
 
     def beat() -> None:
         while not done.wait(15):
-            print(f"kernel_variants: still building cpu_native ({time.monotonic() - start:.0f} s)",
+            print(f"kernel_variants: still building cpu_native {ext.name} ({time.monotonic() - start:.0f} s)",
                   file=sys.stderr, flush=True)
 
     ticker = threading.Thread(target=beat, name="kv-build-notice", daemon=True)
@@ -172,12 +183,12 @@ def _notice(build_dir: Path) -> Iterator[None]:
     finally:
         done.set()
         ticker.join()
-        print(f"kernel_variants: cpu_native build finished in {time.monotonic() - start:.0f} s",
+        print(f"kernel_variants: cpu_native {ext.name} build finished in {time.monotonic() - start:.0f} s",
               file=sys.stderr, flush=True)
 
 
 @functools.cache
-def load_extension() -> ModuleType:
+def load_extension(ext: Extension = CONV) -> ModuleType:
     """Compile (once per source/flags/torch version) and import the extension.
 
     Raises RuntimeError with a one-line reason (plus the build log tail) if
@@ -185,7 +196,7 @@ def load_extension() -> ModuleType:
     """
     from torch.utils import cpp_extension
 
-    name, build_dir = _name_and_dir()
+    name, build_dir = _name_and_dir(ext)
     with _compiler_env():
         try:
             cpp_extension.verify_ninja_availability()
@@ -194,11 +205,11 @@ def load_extension() -> ModuleType:
         build_dir.mkdir(parents=True, exist_ok=True)
         with _build_lock(build_dir):
             building = not (build_dir / f"{name}.so").exists()
-            with _notice(build_dir) if building else contextlib.nullcontext():
+            with _notice(build_dir, ext) if building else contextlib.nullcontext():
                 try:
                     return cpp_extension.load(
                         name=name,
-                        sources=[str(_CSRC / s) for s in _SOURCES],
+                        sources=[str(_CSRC / s) for s in ext.sources],
                         extra_cflags=list(_CFLAGS),
                         extra_include_paths=[str(_CSRC)],
                         build_directory=str(build_dir),
@@ -209,10 +220,10 @@ def load_extension() -> ModuleType:
                     head = str(exc).strip().splitlines()[:1]
                     reason = first or ": ".join([type(exc).__name__, *head])
                     raise RuntimeError(
-                        f"cpu_native causal_conv1d build failed ({reason}) [build dir {build_dir}]\n{log}"
+                        f"cpu_native {ext.name} build failed ({reason}) [build dir {build_dir}]\n{log}"
                     ) from exc
 
 
-def build() -> str:
+def build(ext: Extension = CONV) -> str:
     """Build (or load) the extension now; returns where it lives."""
-    return str(Path(load_extension().__file__).parent)
+    return str(Path(load_extension(ext).__file__).parent)

@@ -1,0 +1,260 @@
+// Fused CPU Gemma RMSNorm, plain and with a residual add (the semantics of
+// sgl-kernel-npu's gemma_rms_norm / add_gemma_rms_norm):
+//   s   = x                       (gemma_rms_norm)
+//   s   = round_to_dtype(x + residual), returned too (add_gemma_rms_norm)
+//   out = s * rsqrt(mean(s^2 over D) + eps) * (1 + weight), in fp32,
+//         returned in x's dtype.
+//
+// This TU holds the torch bindings, argument checks, the parallel split
+// over rows and the portable (baseline-ISA) kernel build; the AVX2 /
+// AVX-512 / AVX-512+BF16 builds (gemma_rms_norm_avx*.cpp) are chosen once
+// at run time. Like causal_conv1d_cpu.cpp it must come before the ISA files
+// in the source list of whatever extension it is linked into: for inline
+// functions emitted by several TUs the linker keeps the first copy, which
+// has to be the baseline-ISA one.
+//
+// Layout: x2d / residual2d are [T, D] with any row stride (stride(1) != 1
+// is made contiguous here); weight is [D] of any floating dtype and stride
+// (used as is when it is contiguous and of x's dtype or fp32, else
+// converted to fp32, exactly). Outputs are new contiguous [T, D] tensors.
+// Inputs are never written.
+//
+// Build: no extra flags beyond the conv kernel's (-O3 -fno-trapping-math
+// -fno-math-errno -Wno-psabi -fopenmp). Define KV_GRMS_NO_MODULE to link
+// these files into an extension that has its own PYBIND11_MODULE and call
+// kv_grms::bind(m) from it.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <string>
+#include <tuple>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "gemma_rms_norm_params.h"
+
+#define KV_GRMS_ISA_NS generic
+#include "gemma_rms_norm_kernel.h"
+#undef KV_GRMS_ISA_NS
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define KV_GRMS_X86_BUILDS 1
+namespace kv_grms {
+namespace avx2 {
+void norm_range(const Params& p, int64_t begin, int64_t end);
+}
+namespace avx512 {
+void norm_range(const Params& p, int64_t begin, int64_t end);
+}
+namespace avx512bf16 {  // bf16 data only
+void norm_range(const Params& p, int64_t begin, int64_t end);
+}
+}  // namespace kv_grms
+#else
+#define KV_GRMS_X86_BUILDS 0
+#endif
+
+namespace kv_grms {
+namespace {
+
+// Each thread gets at least this much work (elements, twice for the
+// residual version): below it the ~1 us of a parallel region costs more than
+// a second core saves. Measured crossover on a 2-core Zen 4: 16-32K elements
+// for gemma_rms_norm, 8-16K for add_gemma_rms_norm.
+#ifndef KV_GRMS_MIN_WORK
+#define KV_GRMS_MIN_WORK (int64_t{1} << 14)
+#endif
+constexpr int64_t kMinWork = KV_GRMS_MIN_WORK;
+
+struct Impl {
+  RangeFn fn[3];  // indexed by DType
+};
+
+// Honors ATEN_CPU_CAPABILITY (default / avx2 / avx512) as an upper bound,
+// like ATen's own kernels, so every build can be exercised on one machine.
+Impl select_impl() {
+  std::string want;
+  if (const char* e = std::getenv("ATEN_CPU_CAPABILITY")) want = e;
+  std::transform(want.begin(), want.end(), want.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
+  int cap = 3;
+  if (want == "default") cap = 0;
+  if (want == "avx2") cap = 1;
+  if (want == "avx512") cap = 2;
+  Impl k{};
+  auto set_all = [&k](RangeFn f) {
+    for (auto& s : k.fn) s = f;
+  };
+  set_all(generic::norm_range);
+#if KV_GRMS_X86_BUILDS
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512dq");
+  const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+  if (cap >= 1 && avx2) set_all(avx2::norm_range);
+  if (cap >= 2 && avx512) set_all(avx512::norm_range);
+  if (cap >= 3 && bf16) k.fn[static_cast<int>(DType::BF16)] = avx512bf16::norm_range;
+#else
+  (void)cap;
+#endif
+  return k;
+}
+
+const Impl& impl() {
+  static const Impl k = select_impl();
+  return k;
+}
+
+// Which build serves each dtype (for tests / diagnostics).
+std::string isa_name(RangeFn f) {
+#if KV_GRMS_X86_BUILDS
+  if (f == avx2::norm_range) return "avx2";
+  if (f == avx512::norm_range) return "avx512";
+  if (f == avx512bf16::norm_range) return "avx512bf16";
+#endif
+  return "default";
+}
+
+// Large outputs are fresh mmap'd memory faulted in page by page; ask for
+// transparent huge pages (a hint; errors ignored), as the conv kernel does.
+constexpr size_t kHugePage = size_t{1} << 21;
+constexpr size_t kHugeOutBytes = size_t{4} << 20;
+
+at::Tensor alloc_out(const at::Tensor& x) {
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const size_t bytes = static_cast<size_t>(out.numel()) * out.element_size();
+  if (bytes >= kHugeOutBytes) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(out.data_ptr());
+    const uintptr_t lo = (p + kHugePage - 1) & ~(kHugePage - 1);
+    const uintptr_t hi = (p + bytes) & ~(kHugePage - 1);
+    if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  }
+#endif
+  return out;
+}
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return DType::F32;
+    case at::kBFloat16:
+      return DType::BF16;
+    case at::kHalf:
+      return DType::F16;
+    default:
+      TORCH_CHECK(false, "x: unsupported dtype ", t, " (expected float32, bfloat16 or float16)");
+  }
+}
+
+at::Tensor rows_view(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D [T, D], got ", t.sizes());
+  if (t.stride(1) != 1 && t.size(1) > 1) return t.contiguous();
+  return t;
+}
+
+// Weight as the kernel takes it: contiguous, x's dtype or fp32.
+at::Tensor weight_view(const at::Tensor& w, const at::Tensor& x) {
+  const int64_t D = x.size(1);
+  TORCH_CHECK(w.device().is_cpu(), "weight must be a CPU tensor");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == D, "weight must be [D=", D, "], got ", w.sizes());
+  TORCH_CHECK(at::isFloatingType(w.scalar_type()), "weight must be floating point, got ",
+              w.scalar_type());
+  const bool ok_dtype = w.scalar_type() == x.scalar_type() || w.scalar_type() == at::kFloat;
+  if (!ok_dtype) return w.to(at::kFloat).contiguous();
+  if (w.stride(0) != 1 && D > 1) return w.contiguous();
+  return w;
+}
+
+void run(const Params& p, int64_t T) {
+  const RangeFn fn = impl().fn[static_cast<int>(p.dtype)];
+  const int64_t row_work = std::max<int64_t>(p.dim, 1) * (p.res ? 2 : 1);
+  const int64_t grain = std::max<int64_t>(1, kMinWork / row_work);
+  if (T <= grain || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    fn(p, 0, T);
+    return;
+  }
+  at::parallel_for(0, T, grain, [&](int64_t b, int64_t e) { fn(p, b, e); });
+}
+
+std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::Tensor& weight,
+                                             const at::Tensor* residual_in, double eps) {
+  const at::Tensor x = rows_view(x_in, "x");
+  const DType dt = to_dtype(x.scalar_type());
+  at::Tensor residual;
+  if (residual_in) {
+    residual = rows_view(*residual_in, "residual");
+    TORCH_CHECK(residual.sizes() == x.sizes(), "residual must be ", x.sizes(), ", got ",
+                residual.sizes());
+    TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "residual dtype ",
+                residual.scalar_type(), " must match x dtype ", x.scalar_type());
+  }
+  const at::Tensor w = weight_view(weight, x);
+  const int64_t T = x.size(0), D = x.size(1);
+
+  at::Tensor out = alloc_out(x);
+  at::Tensor sum = residual_in ? alloc_out(x) : at::Tensor();
+  if (T == 0 || D == 0) return {out, sum};
+
+  Params p{};
+  p.dtype = dt;
+  p.wdtype = w.scalar_type() == at::kFloat ? DType::F32 : dt;
+  p.dim = D;
+  p.eps = static_cast<float>(eps);
+  p.x = x.data_ptr();
+  p.x_rs = x.stride(0);
+  p.res = residual_in ? residual.data_ptr() : nullptr;
+  p.r_rs = residual_in ? residual.stride(0) : 0;
+  p.weight = w.data_ptr();
+  p.out = out.data_ptr();
+  p.sum = residual_in ? sum.data_ptr() : nullptr;
+  run(p, T);
+  return {out, sum};
+}
+
+}  // namespace
+
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(norm_impl(x, weight, nullptr, eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_gemma_rms_norm(const at::Tensor& x,
+                                                      const at::Tensor& weight,
+                                                      const at::Tensor& residual, double eps) {
+  return norm_impl(x, weight, &residual, eps);
+}
+
+// {dtype name: build} actually used, e.g. {"bfloat16": "avx512bf16", ...}.
+std::tuple<std::string, std::string, std::string> isa() {
+  const Impl& k = impl();
+  return {isa_name(k.fn[0]), isa_name(k.fn[1]), isa_name(k.fn[2])};
+}
+
+void bind(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("gemma_rms_norm", &gemma_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Gemma RMSNorm of x [T, D]: x * rsqrt(mean(x^2) + eps) * (1 + weight), in fp32; "
+        "returns a new [T, D] tensor of x's dtype.");
+  m.def("add_gemma_rms_norm", &add_gemma_rms_norm, py::arg("x"), py::arg("weight"),
+        py::arg("residual"), py::arg("eps"), py::call_guard<py::gil_scoped_release>(),
+        "s = x + residual (in x's dtype), then Gemma RMSNorm of s; returns (out, s).");
+  m.def("gemma_rms_norm_isa", &isa,
+        "Builds serving (float32, bfloat16, float16): default / avx2 / avx512 / avx512bf16.");
+}
+
+}  // namespace kv_grms
+
+#if !defined(KV_GRMS_NO_MODULE)
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { kv_grms::bind(m); }
+#endif

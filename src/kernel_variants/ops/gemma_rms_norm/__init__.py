@@ -1,0 +1,106 @@
+"""The Gemma RMSNorm op family, with the semantics of sgl-kernel-npu's functions of these names:
+:func:`gemma_rms_norm` and :func:`add_gemma_rms_norm` (the residual add fused in front).
+
+Gemma stores the norm's scale as ``weight`` with the effective scale ``1 + weight``; the sum, the
+mean of squares and the scaling are in fp32, the result in x's dtype. The dispatch key is
+``(T, D)``: T rows (the product of x's leading dims) of D channels. Everything specific to the
+two ops is in this package (``_spec``); the core knows them only through the specs below.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernel_variants.dispatch import make_op
+from kernel_variants.registry import Capabilities, OpSpec, Variant, hookimpl
+
+from . import _spec
+from ._spec import ADD, FN, RmsFeatures
+
+
+def _fn_signature(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Gemma RMSNorm: ``x * rsqrt(mean(x^2, -1) + eps) * (1 + weight)``, in fp32.
+
+    Args:
+        x: ``[..., D]``, float32, bfloat16 or float16 (T = the product of the leading dims; T = 0
+            gives an empty result).
+        weight: ``[D]``, x's dtype and device.
+        eps: a non-negative float.
+
+    Returns:
+        A new tensor of x's shape and dtype. x and weight are not written.
+    """
+    raise NotImplementedError  # a signature: the dispatched function is made from it
+
+
+def _add_signature(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                   eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and Gemma RMSNorm in one: ``s = x + residual`` (summed in x's dtype), then
+    ``out = s * rsqrt(mean(s^2, -1) + eps) * (1 + weight)`` in fp32.
+
+    Args:
+        x: ``[..., D]``, float32, bfloat16 or float16. residual: x's shape, dtype and device.
+        weight: ``[D]``, x's dtype and device. eps: a non-negative float.
+
+    Returns:
+        ``(out, residual_sum)``: new tensors of x's shape and dtype, ``residual_sum`` being ``s``.
+        No input is written.
+    """
+    raise NotImplementedError  # a signature: the dispatched function is made from it
+
+
+_ANY = dict(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"})
+_ORACLE = "the contract in plain torch, fp32; the oracle for every other variant"
+
+FN_SPEC = OpSpec(
+    name=FN,
+    signature=_fn_signature,
+    axes=("T", "D"),
+    features=RmsFeatures,
+    capabilities=Capabilities,
+    check=_spec.check_fn,
+    check_values=_spec.no_values,
+    reference=Variant(id="reference", op=FN, version="1", fn=_spec.reference_fn, priority=-100,
+                      capabilities=Capabilities(**_ANY), description=_ORACLE),
+    make_case=_spec.spec_case(FN),
+    conformance=_spec.conformance,
+    sweeps=_spec.sweeps(FN),
+    default_sweep="rms-smoke",
+    normalize={"eps": float},
+    aliases=("rms",),
+    description="Gemma RMSNorm (scale 1 + weight)",
+)
+
+ADD_SPEC = OpSpec(
+    name=ADD,
+    signature=_add_signature,
+    axes=("T", "D"),
+    features=RmsFeatures,
+    capabilities=Capabilities,
+    check=_spec.check_add,
+    check_values=_spec.no_values,
+    reference=Variant(id="reference", op=ADD, version="1", fn=_spec.reference_add, priority=-100,
+                      capabilities=Capabilities(**_ANY), description=_ORACLE),
+    make_case=_spec.spec_case(ADD),
+    conformance=_spec.conformance,
+    sweeps=_spec.sweeps(ADD),
+    default_sweep="add-rms-smoke",
+    normalize={"eps": float},
+    outputs=("out", "residual_sum"),
+    aliases=("add_rms",),
+    description="residual add, then Gemma RMSNorm; returns (out, residual_sum)",
+)
+
+SPECS = {FN: FN_SPEC, ADD: ADD_SPEC}
+
+gemma_rms_norm = make_op(FN_SPEC)
+add_gemma_rms_norm = make_op(ADD_SPEC)
+
+
+@hookimpl
+def kv_register_ops(register) -> None:
+    register(FN_SPEC)
+    register(ADD_SPEC)
+
+
+__all__ = ["add_gemma_rms_norm", "gemma_rms_norm"]

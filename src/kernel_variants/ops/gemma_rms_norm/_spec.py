@@ -1,0 +1,168 @@
+"""Validation, reference, cases and sweeps of the Gemma RMSNorm ops (sgl-kernel-npu's
+``gemma_rms_norm`` and ``add_gemma_rms_norm``).
+
+``s = x`` (or ``x + residual``, summed in x's dtype: that sum is ``residual_sum``);
+``out = s * rsqrt(mean(s^2 over the last dim) + eps) * (1 + weight)``, computed in fp32 and
+returned in x's dtype. Inputs are never written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from kernel_variants._dtypes import dtype_name
+from kernel_variants._validate import like_x, shape_str, tensor
+from kernel_variants.registry import Capabilities, Case, Features, Sweep
+from kernel_variants.registry._spec import KeyParts
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FN, ADD = "gemma_rms_norm", "add_gemma_rms_norm"
+
+
+class RmsFeatures(Features):
+    """Nothing but the shape and dtype changes which variant is fastest: no flags."""
+
+
+def _x(x: object) -> torch.Tensor:
+    tensor("x", x)
+    assert isinstance(x, torch.Tensor)
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x: expected dtype float32, bfloat16 or float16, got {dtype_name(x.dtype)}")
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x: expected shape [..., D] with D >= 1, got {shape_str(x)}")
+    return x
+
+
+def _weight(weight: object, x: torch.Tensor) -> None:
+    tensor("weight", weight)
+    assert isinstance(weight, torch.Tensor)
+    if weight.ndim != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight: expected shape [D={x.shape[-1]}], got {shape_str(weight)}")
+    like_x("weight", weight, x)
+
+
+def _eps(eps: object) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, int | float):
+        raise TypeError(f"eps: expected a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+
+
+def _key(x: torch.Tensor) -> KeyParts:
+    dim = x.shape[-1]
+    return x.device.type, dtype_name(x.dtype), RmsFeatures(), (x.numel() // dim, dim), frozenset()
+
+
+def check_fn(x: object, weight: object, eps: object, *, values: bool) -> KeyParts:
+    """Validate a ``gemma_rms_norm`` call; return its key parts (T, D)."""
+    x = _x(x)
+    _weight(weight, x)
+    _eps(eps)
+    return _key(x)
+
+
+def check_add(x: object, weight: object, residual: object, eps: object, *, values: bool) -> KeyParts:
+    """Validate an ``add_gemma_rms_norm`` call; return its key parts (T, D)."""
+    x = _x(x)
+    _weight(weight, x)
+    tensor("residual", residual)
+    assert isinstance(residual, torch.Tensor)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual: expected shape {shape_str(x)} (x's), got {shape_str(residual)}")
+    like_x("residual", residual, x)
+    _eps(eps)
+    return _key(x)
+
+
+def no_values(*args: object) -> None:
+    """No index tensors: nothing to check beyond the metadata."""
+
+
+def _normalize(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """s: [..., D] in x's dtype; the normalisation in fp32, returned in s's dtype."""
+    f = s.float()
+    rms = torch.rsqrt(f.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (f * rms * (1.0 + weight.float())).to(s.dtype)
+
+
+def reference_fn(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x: [..., D]; weight: [D]. Returns a new tensor of x's shape and dtype."""
+    return _normalize(x, weight, eps)
+
+
+def reference_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [..., D]; weight: [D]. Returns (out, residual_sum), both of x's shape and dtype."""
+    s = x + residual  # in x's dtype, rounded: that is the residual stream the caller continues with
+    return _normalize(s, weight, eps), s
+
+
+def make_case(op: str, shape: tuple[int, ...], *, dtype: torch.dtype, device: str | torch.device = "cpu",
+              seed: int = 0, batched: bool = False, strided: bool = False, eps: float = 1e-6) -> Case:
+    """A call on (T, D): x [T, D] (or [2, T/2, D] when ``batched``), a Gemma-like weight near 0
+    (the scale is 1 + weight), and for the add op a residual; ``strided`` makes x a view with a
+    row stride of 2D (and the weight a stride-2 view)."""
+    from . import SPECS  # the specs are built from this module's functions
+
+    tokens, dim = shape
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen) * scale).to(dtype=dtype, device=device)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        if strided:
+            t = torch.cat([t, torch.full_like(t, float("nan"))], dim=-1)[..., :dim]  # NaN between rows
+        if batched and tokens % 2 == 0:
+            t = t.reshape(2, tokens // 2, *t.shape[1:]) if not strided else t.unflatten(0, (2, tokens // 2))
+        return t
+
+    x = rows(randn(tokens, dim, scale=3.0))
+    weight = randn(dim, scale=0.5)
+    if strided:
+        weight = torch.stack([weight, torch.full_like(weight, float("nan"))], dim=1)[:, 0]
+    if op == FN:
+        return Case(SPECS[op], (x, weight), {"eps": eps})
+    return Case(SPECS[op], (x, weight, rows(randn(tokens, dim))), {"eps": eps})
+
+
+def spec_case(op: str):
+    def case(shape: tuple[int, ...], **options: Any) -> Case:
+        return make_case(op, shape, **options)
+
+    return case
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "T=1": dict(shape=(1, 64)),
+    "odd-D": dict(shape=(7, 33)),
+    "D=1000": dict(shape=(5, 1000)),
+    "batched": dict(shape=(6, 96), batched=True),
+    "strided": dict(shape=(4, 48), strided=True),
+    "strided-batched": dict(shape=(4, 40), strided=True, batched=True),
+    "T=0": dict(shape=(0, 16)),
+    "eps=0.1": dict(shape=(3, 24), eps=0.1),
+    "wide": dict(shape=(2, 8200)),
+}
+
+
+def conformance(caps: Capabilities) -> Iterator[tuple[str, dict[str, Any]]]:
+    yield from CASES.items()
+
+
+def sweeps(op: str) -> dict[str, Sweep]:
+    """Decode-like T 1..256 and prefill T up to 16k, D 1024..8192; and a few small shapes."""
+    prefix = "" if op == FN else "add-"
+    dims = (1024, 2048, 4096, 8192)
+    decode = tuple((t, d) for t in (1, 8, 64, 256) for d in dims)
+    prefill = tuple((t, d) for t in (1024, 4096, 16384) for d in dims)
+    return {
+        f"{prefix}rms": Sweep(f"{prefix}rms", op, decode + prefill,
+                              description="decode-like T 1..256 and prefill T 1k..16k, D 1024..8192"),
+        f"{prefix}rms-smoke": Sweep(f"{prefix}rms-smoke", op, ((1, 256), (16, 1024), (128, 2048)),
+                                    description="a few small shapes, seconds to calibrate"),
+    }
