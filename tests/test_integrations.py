@@ -1,0 +1,622 @@
+"""The engine drop-ins (kernel_variants.integrations), on the CPU, without vLLM or sglang.
+
+Every input is built the way the engine builds it: vLLM's ``(dim, tokens)`` transpose of its
+activations, its pool as ``cache.transpose(-1, -2)`` of an ``[N, S, dim]`` allocation, sglang's
+channel-first ``[N, dim, W-1]`` pool, the Ascend window-major pool and ``[W, dim]`` weight. The
+oracle is the reference variant run on plain channel-last copies, so what is checked is the
+adapters: layouts, which state rows, which slots are skipped, what comes back, and that the
+ops receive the engine's own storage.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import kernel_variants
+from kernel_variants.integrations import _common
+from kernel_variants.integrations import sglang as kv_sglang
+from kernel_variants.integrations import vllm as kv_vllm
+
+D, W = 8, 4
+N_SLOTS = 6
+
+
+def _oracle() -> Any:
+    from kernel_variants.ops.causal_conv1d import _reference
+
+    return _reference
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, *, exact: bool = False) -> None:
+    from kernel_variants._tolerances import mismatch
+
+    why = mismatch(actual, expected, what, exact=exact)
+    assert why is None, why
+
+
+@pytest.fixture(autouse=True)
+def _reference_variant():
+    """Run the ops on the reference variant: fast, and the same on every machine."""
+    with kernel_variants.force(causal_conv1d_fn="reference", causal_conv1d_update="reference"):
+        yield
+
+
+def _ints(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _qsl(lengths: list[int]) -> torch.Tensor:
+    return _ints([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+
+def _weight() -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv1d weight ``[D, 1, W]``, the ``(dim, width)`` view engines pass)."""
+    full = torch.randn(D, 1, W)
+    return full, full.view(D, W)
+
+
+class Spy:
+    """Wraps the two public ops to record what the adapters hand them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[dict[str, Any]] = []
+        real_fn = kernel_variants.causal_conv1d_fn
+        real_update = kernel_variants.causal_conv1d_update
+
+        def fn(x, weight, bias=None, **kw):
+            self.calls.append({"op": "fn", "x": x, "weight": weight, "pool": kw.get("conv_states")})
+            return real_fn(x, weight, bias, **kw)
+
+        def update(x, conv_state, weight, bias=None, **kw):
+            self.calls.append({"op": "update", "x": x, "weight": weight, "pool": conv_state})
+            return real_update(x, conv_state, weight, bias, **kw)
+
+        monkeypatch.setattr(kernel_variants, "causal_conv1d_fn", fn)
+        monkeypatch.setattr(kernel_variants, "causal_conv1d_update", update)
+
+    def assert_views(self, x: torch.Tensor, pool: torch.Tensor, weight: torch.Tensor) -> None:
+        assert self.calls, "the adapter never called the op"
+        for call in self.calls:
+            for name, engine_tensor in (("x", x), ("pool", pool), ("weight", weight)):
+                got = call[name]
+                assert got is not None
+                ptr = engine_tensor.untyped_storage().data_ptr()
+                why = f"{call['op']}: {name} is a copy, not a view of the engine's tensor"
+                assert got.untyped_storage().data_ptr() == ptr, why
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM
+# --------------------------------------------------------------------------------------------
+
+
+def _vllm_prefill(extra_rows: int = 0):
+    lengths = [5, 3, 2, 6]
+    hidden = torch.randn(sum(lengths), D)  # vLLM's [tokens, dim] activations
+    cache = torch.randn(N_SLOTS, W - 1 + extra_rows, D)  # its [N, S, dim] allocation
+    _, weight = _weight()
+    return dict(
+        hidden=hidden, cache=cache, weight=weight, bias=torch.randn(D), lengths=lengths,
+        qsl=_qsl(lengths), slots=_ints([3, 0, 1, 4]),  # slot 0: vLLM's null block (padding)
+        init=torch.tensor([True, True, False, True]),
+    )
+
+
+@pytest.mark.parametrize("extra_rows", [0, 2])
+def test_vllm_prefill_matches_reference(extra_rows):
+    c = _vllm_prefill(extra_rows)
+    ref_pool = c["cache"][:, : W - 1].clone()  # vLLM's history: the first W-1 rows of a slot
+    expected = _oracle().causal_conv1d_fn(
+        c["hidden"], c["weight"], c["bias"], conv_states=ref_pool, cache_indices=c["slots"],
+        has_initial_state=c["init"], query_start_loc=c["qsl"], activation="silu", pad_slot_id=0,
+    )
+    before = c["cache"].clone()
+    x = c["hidden"].transpose(0, 1)
+    out = kv_vllm.causal_conv1d_fn(
+        x, c["weight"], c["bias"], c["cache"].transpose(-1, -2), c["qsl"],
+        cache_indices=c["slots"], has_initial_state=c["init"], activation="silu",
+    )
+    assert out.shape == (D, sum(c["lengths"])) and out.stride() == x.stride()
+    _close(out.transpose(0, 1), expected, "output")
+    _close(c["cache"][:, : W - 1], ref_pool, "state rows 0..W-2", exact=True)
+    _close(c["cache"][:, W - 1 :], before[:, W - 1 :], "rows past W-1 untouched", exact=True)
+    _close(c["cache"][0], before[0], "null block untouched", exact=True)
+    assert out[:, 5:8].abs().sum() == 0  # the null-block sequence: zero rows
+
+
+def test_vllm_legacy_signature_skips_pad_slot_not_slot_0():
+    c = _vllm_prefill()
+    slots = _ints([3, -1, 0, 4])
+    ref_pool = c["cache"].clone()
+    expected = _oracle().causal_conv1d_fn(
+        c["hidden"], c["weight"], c["bias"], conv_states=ref_pool, cache_indices=slots,
+        has_initial_state=c["init"], query_start_loc=c["qsl"], activation="silu", pad_slot_id=-1,
+    )
+    out = kv_vllm.causal_conv1d_fn_legacy(
+        c["hidden"].transpose(0, 1), c["weight"], c["bias"], c["cache"].transpose(-1, -2),
+        c["qsl"], slots, c["init"], True, -1,
+    )
+    _close(out.transpose(0, 1), expected, "output")
+    _close(c["cache"], ref_pool, "state", exact=True)
+
+
+def test_vllm_prefill_empty_sequence_writes_no_state():
+    lengths = [4, 0, 3]
+    hidden = torch.randn(7, D)
+    cache = torch.randn(N_SLOTS, W - 1, D)
+    _, weight = _weight()
+    before = cache.clone()
+    kv_vllm.causal_conv1d_fn(
+        hidden.transpose(0, 1), weight, None, cache.transpose(-1, -2), _qsl(lengths),
+        cache_indices=_ints([1, 2, 3]), has_initial_state=torch.tensor([False, False, False]),
+    )
+    _close(cache[2], before[2], "empty sequence's slot", exact=True)
+    assert not torch.equal(cache[1], before[1]) and not torch.equal(cache[3], before[3])
+
+
+def test_vllm_decode_single_token():
+    batch = 4
+    hidden = torch.randn(batch, D)
+    cache = torch.randn(N_SLOTS, W - 1, D)
+    _, weight = _weight()
+    bias = torch.randn(D)
+    slots = _ints([5, 0, 2, 1])
+    ref_pool = cache.clone()
+    expected = _oracle().causal_conv1d_update(
+        hidden, ref_pool, weight, bias, activation="silu", conv_state_indices=slots, pad_slot_id=0,
+    )
+    out = kv_vllm.causal_conv1d_update(
+        hidden, cache.transpose(-1, -2), weight, bias, "silu", conv_state_indices=slots,
+    )
+    _close(out, expected, "output")
+    _close(cache, ref_pool, "state", exact=True)
+
+
+def test_vllm_spec_verify_channel_first_x():
+    batch, length = 3, 3
+    rows = W - 1 + length - 1
+    hidden = torch.randn(batch, length, D)
+    cache = torch.randn(N_SLOTS, rows + 1, D)  # one spare row the kernel must not touch
+    _, weight = _weight()
+    slots, accepted = _ints([2, 4, 1]), _ints([1, 3, 2])
+    ref_pool = cache[:, :rows].clone()
+    expected = _oracle().causal_conv1d_update(
+        hidden, ref_pool, weight, None, activation=None, conv_state_indices=slots,
+        num_accepted_tokens=accepted, pad_slot_id=0,
+    )
+    before = cache.clone()
+    x = hidden.transpose(1, 2)  # (batch, dim, seqlen)
+    out = kv_vllm.causal_conv1d_update(
+        x, cache.transpose(-1, -2), weight, conv_state_indices=slots, num_accepted_tokens=accepted,
+    )
+    assert out.shape == x.shape and out.stride() == x.stride()
+    _close(out.transpose(1, 2), expected, "output")
+    _close(cache[:, :rows], ref_pool, "state", exact=True)
+    _close(cache[:, rows:], before[:, rows:], "spare row", exact=True)
+
+
+def test_vllm_contract_worked_example():
+    """CONTRACT.md's numbers: W=4, L=3, S=5, n=2, all weights 1."""
+    cache = torch.tensor([2.0, 3, 4, 5, 6]).view(1, 5, 1)
+    x = torch.tensor([7.0, 8, 9]).view(1, 3, 1).transpose(1, 2)
+    out = kv_vllm.causal_conv1d_update(
+        x, cache.transpose(-1, -2), torch.ones(1, 4), conv_state_indices=_ints([0]),
+        num_accepted_tokens=_ints([2]), null_block_id=None,
+    )
+    assert out.flatten().tolist() == [19.0, 24.0, 29.0]
+    assert cache.flatten().tolist() == [4.0, 5.0, 7.0, 8.0, 9.0]
+
+
+@pytest.mark.parametrize("lengths", [[3, 3, 3], [3, 0, 2]])
+def test_vllm_packed_spec_verify(lengths):
+    max_len = 3
+    hidden = torch.randn(sum(lengths), D)
+    cache = torch.randn(N_SLOTS, W - 1 + max_len - 1, D)
+    _, weight = _weight()
+    slots, accepted = _ints([4, 0, 2]), _ints([2, 1, 1])
+    ref_pool = cache.clone()
+    expected = torch.zeros_like(hidden)
+    start = 0
+    for b, n in enumerate(lengths):  # vLLM: sequence b uses W-1+n-1 state rows
+        if n and int(slots[b]) != 0:
+            expected[start : start + n] = _oracle().causal_conv1d_update(
+                hidden[start : start + n].unsqueeze(0), ref_pool[:, : W - 2 + n], weight, None,
+                activation="silu", conv_state_indices=slots[b : b + 1],
+                num_accepted_tokens=accepted[b : b + 1], pad_slot_id=0,
+            )[0]
+        start += n
+    out = kv_vllm.causal_conv1d_update(
+        hidden, cache.transpose(-1, -2), weight, None, True, slots, accepted,
+        query_start_loc=_qsl(lengths), max_query_len=max_len,
+    )
+    _close(out, expected, "output")
+    _close(cache, ref_pool, "state", exact=True)
+
+
+def test_vllm_refusals(monkeypatch):
+    c = _vllm_prefill()
+    args = (c["hidden"].transpose(0, 1), c["weight"], None, c["cache"].transpose(-1, -2), c["qsl"])
+    with pytest.raises(NotImplementedError, match="block_idx_last_scheduled_token"):
+        kv_vllm.causal_conv1d_fn(*args, block_idx_last_scheduled_token=_ints([0, 0, 0, 0]))
+    with pytest.raises(NotImplementedError, match="initial_state_idx"):
+        kv_vllm.causal_conv1d_fn(*args, initial_state_idx=_ints([0, 0, 0, 0]))
+    with pytest.raises(NotImplementedError, match=r"conv state is torch\.float64"):
+        kv_vllm.causal_conv1d_fn(*args[:3], c["cache"].double().transpose(-1, -2), c["qsl"])
+    pool = torch.zeros(N_SLOTS, W - 1 + 2, D).transpose(-1, -2)
+    with pytest.raises(NotImplementedError, match="retrieve_parent_token"):
+        kv_vllm.causal_conv1d_update(torch.randn(2, D, 3), pool, c["weight"],
+                                     retrieve_parent_token=_ints([0, 0]))
+    hidden = torch.randn(4, D)
+    with pytest.raises(NotImplementedError, match="shorter than max_query_len"):
+        kv_vllm.causal_conv1d_update(hidden, pool, c["weight"], conv_state_indices=_ints([1, 2]),
+                                     query_start_loc=_qsl([3, 1]), max_query_len=3)
+    monkeypatch.setattr(_common, "capturing", lambda device: True)
+    with pytest.raises(NotImplementedError, match="graph capture"):
+        kv_vllm.causal_conv1d_update(hidden, pool, c["weight"], conv_state_indices=_ints([1, 2]),
+                                     num_accepted_tokens=_ints([1, 1]),
+                                     query_start_loc=_qsl([3, 1]), max_query_len=3)
+
+
+def test_vllm_passes_views_not_copies(monkeypatch):
+    spy = Spy(monkeypatch)
+    c = _vllm_prefill(extra_rows=1)
+    x = c["hidden"].transpose(0, 1)
+    pool = c["cache"].transpose(-1, -2)
+    kv_vllm.causal_conv1d_fn(x, c["weight"], c["bias"], pool, c["qsl"], c["slots"], c["init"])
+    spy.assert_views(x, pool, c["weight"])
+    spy.calls.clear()
+    xd = torch.randn(3, 2, D).transpose(1, 2)
+    kv_vllm.causal_conv1d_update(xd, pool, c["weight"], conv_state_indices=_ints([1, 2, 0]),
+                                 num_accepted_tokens=_ints([1, 2, 1]))
+    spy.assert_views(xd, pool, c["weight"])
+    spy.calls.clear()
+    packed = torch.randn(3, D)
+    kv_vllm.causal_conv1d_update(packed, pool, c["weight"], conv_state_indices=_ints([1, 2]),
+                                 num_accepted_tokens=_ints([1, 2]), query_start_loc=_qsl([1, 2]),
+                                 max_query_len=2)
+    assert len(spy.calls) == 2  # unequal lengths: one call per sequence, each a view
+    spy.assert_views(packed, pool, c["weight"])
+
+
+# --------------------------------------------------------------------------------------------
+# sglang (CUDA paths)
+# --------------------------------------------------------------------------------------------
+
+
+def test_sglang_triton_prefill_with_padded_tokens():
+    lengths = [4, 2, 5]
+    hidden = torch.randn(sum(lengths) + 3, D)  # 3 padding tokens past query_start_loc[-1]
+    pool_cf = torch.randn(N_SLOTS, D, W - 1)  # sglang's channel-first pool, contiguous
+    _, weight = _weight()
+    bias = torch.randn(D)
+    slots, init = _ints([2, -1, 5]), torch.tensor([True, False, False])
+    ref_pool = pool_cf.transpose(1, 2).contiguous()
+    expected = _oracle().causal_conv1d_fn(
+        hidden[: sum(lengths)], weight, bias, conv_states=ref_pool, cache_indices=slots,
+        has_initial_state=init, query_start_loc=_qsl(lengths), activation="silu",
+    )
+    out = kv_sglang.causal_conv1d_fn(
+        hidden.transpose(0, 1), weight, bias, pool_cf, _qsl(lengths), lengths,
+        cache_indices=slots, has_initial_state=init, activation="silu",
+    )
+    assert out.shape == (D, hidden.shape[0])
+    _close(out.transpose(0, 1)[: sum(lengths)], expected, "output")
+    assert out[:, sum(lengths) :].abs().sum() == 0
+    _close(pool_cf.transpose(1, 2), ref_pool, "state", exact=True)
+
+
+def test_sglang_cuda_wrapper_prefill_batched_x():
+    batch, length = 2, 5
+    hidden = torch.randn(batch, length, D)
+    pool_cf = torch.randn(N_SLOTS, D, W - 1)
+    _, weight = _weight()
+    slots, init = _ints([4, 1]), torch.tensor([True, False])
+    ref_pool = pool_cf.transpose(1, 2).contiguous()
+    expected = _oracle().causal_conv1d_fn(hidden, weight, None, conv_states=ref_pool,
+                                          cache_indices=slots, has_initial_state=init)
+    out = kv_sglang.causal_conv1d_fn_cuda(
+        hidden.transpose(1, 2), weight, None, cache_indices=slots, has_initial_state=init,
+        conv_states=pool_cf, activation=None,
+    )
+    _close(out.transpose(1, 2), expected, "output")
+    _close(pool_cf.transpose(1, 2), ref_pool, "state", exact=True)
+
+
+def test_sglang_decode_and_spec_update():
+    _, weight = _weight()
+    pool_cf = torch.randn(N_SLOTS, D, W - 1)  # sglang's channel-first pool
+    hidden = torch.randn(3, D)
+    slots = _ints([1, -1, 3])
+    ref_pool = pool_cf.transpose(1, 2).contiguous()
+    expected = _oracle().causal_conv1d_update(hidden, ref_pool, weight, None, activation="silu",
+                                              conv_state_indices=slots)
+    out = kv_sglang.causal_conv1d_update(hidden, pool_cf, weight, None, "silu",
+                                         conv_state_indices=slots)
+    _close(out, expected, "decode output")
+    _close(pool_cf.transpose(1, 2), ref_pool, "decode state", exact=True)
+
+    out = kv_sglang.causal_conv1d_update_cuda(hidden, pool_cf, weight, None, True, None, slots)
+    expected = _oracle().causal_conv1d_update(hidden, ref_pool, weight, None, activation="silu",
+                                              conv_state_indices=slots)
+    _close(out, expected, "sgl_kernel wrapper output")
+    _close(pool_cf.transpose(1, 2), ref_pool, "sgl_kernel wrapper state", exact=True)
+
+    length = 2
+    spec_cf = torch.randn(N_SLOTS, D, W - 1 + length - 1)
+    hidden = torch.randn(2, length, D)
+    slots, accepted = _ints([0, 2]), _ints([2, 1])
+    ref_pool = spec_cf.transpose(1, 2).contiguous()
+    expected = _oracle().causal_conv1d_update(hidden, ref_pool, weight, None, activation=None,
+                                              conv_state_indices=slots,
+                                              num_accepted_tokens=accepted)
+    x = hidden.transpose(1, 2)  # sglang: mixed_qkv.view(B, L, -1).transpose(1, 2)
+    out = kv_sglang.causal_conv1d_update(x, spec_cf, weight, conv_state_indices=slots,
+                                         num_accepted_tokens=accepted)
+    assert out.shape == x.shape and out.stride() == x.stride()
+    _close(out.transpose(1, 2), expected, "verify output")
+    _close(spec_cf.transpose(1, 2), ref_pool, "verify state", exact=True)
+
+
+def test_sglang_refuses_its_own_speculative_machinery():
+    _, weight = _weight()
+    x = torch.randn(2, D, 3)
+    pool = torch.zeros(N_SLOTS, D, W - 1)
+    for name in ("intermediate_conv_window", "retrieve_next_token", "cache_seqlens"):
+        with pytest.raises(NotImplementedError, match=name):
+            kv_sglang.causal_conv1d_update(x, pool, weight, **{name: torch.zeros(2, 3)})
+
+
+def test_sglang_passes_views_not_copies(monkeypatch):
+    spy = Spy(monkeypatch)
+    _, weight = _weight()
+    pool_cf = torch.randn(N_SLOTS, D, W - 1)
+    x = torch.randn(6, D).transpose(0, 1)
+    kv_sglang.causal_conv1d_fn(x, weight, None, pool_cf, _qsl([4, 2]), [4, 2],
+                               cache_indices=_ints([1, 2]))
+    spy.assert_views(x, pool_cf, weight)
+    spy.calls.clear()
+    xd = torch.randn(2, 1, D).transpose(1, 2)
+    kv_sglang.causal_conv1d_update(xd, pool_cf, weight, conv_state_indices=_ints([3, 4]))
+    spy.assert_views(xd, pool_cf, weight)
+
+
+# --------------------------------------------------------------------------------------------
+# sglang on Ascend (sgl_kernel_npu's call forms)
+# --------------------------------------------------------------------------------------------
+
+
+def test_sglang_npu_prefill_as_the_ascend_backend_calls_it():
+    lengths = [3, 5]
+    _, weight = _weight()
+    pool = torch.randn(N_SLOTS, W - 1, D)  # Ascend: [N, window, dim]
+    hidden = torch.randn(sum(lengths), D)
+    slots, init = _ints([2, 3]), torch.tensor([True, False])
+    ref_pool = pool.clone()
+    expected = _oracle().causal_conv1d_fn(hidden, weight, None, conv_states=ref_pool,
+                                          cache_indices=slots, has_initial_state=init,
+                                          query_start_loc=_qsl(lengths), activation="silu")
+    tmp = pool[:, -(W - 1) :, :].transpose(1, 2).contiguous()  # sglang's own staging copy
+    out = kv_sglang.causal_conv1d_fn_npu(
+        hidden.transpose(0, 1), weight, None, activation="silu", conv_states=tmp,
+        has_initial_state=init, cache_indices=slots, query_start_loc=_qsl(lengths),
+        seq_lens_cpu=lengths,
+    ).transpose(0, 1)
+    pool[:, -(W - 1) :, :] = tmp.transpose(1, 2)
+    _close(out, expected, "output")
+    _close(pool, ref_pool, "state", exact=True)
+    with pytest.raises(NotImplementedError, match="exactly W-1"):
+        kv_sglang.causal_conv1d_fn_npu(hidden.transpose(0, 1), weight, conv_states=torch.zeros(
+            N_SLOTS, D, W), cache_indices=slots, query_start_loc=_qsl(lengths))
+
+
+def test_sglang_npu_update_v2_channel_last():
+    batch, length = 3, 2
+    rows = W - 1 + length - 1
+    _, weight = _weight()
+    weight_wd = weight.transpose(0, 1).contiguous()  # what sglang passes: [W, dim]
+    pool = torch.randn(N_SLOTS, rows, D)
+    hidden = torch.randn(batch, length, D)
+    slots, accepted = _ints([1, -1, 4]), _ints([2, 1, 1])
+    ref_pool = pool.clone()
+    expected = _oracle().causal_conv1d_update(hidden, ref_pool, weight, None, activation="silu",
+                                              conv_state_indices=slots,
+                                              num_accepted_tokens=accepted)
+    out = kv_sglang.causal_conv1d_update_v2(
+        x=hidden, conv_state=pool, weight=weight_wd, bias=None, activation="silu",
+        conv_state_indices=slots, num_accepted_tokens=accepted, pad_slot_id=-1,
+    )
+    _close(out, expected, "output")
+    _close(pool, ref_pool, "state", exact=True)
+
+
+def test_sglang_npu_update_npu_channel_first():
+    _, weight = _weight()
+    bias = torch.randn(D)
+    pool_cf = torch.randn(N_SLOTS, D, W - 1)
+    hidden = torch.randn(2, D)
+    ref_pool = pool_cf.transpose(1, 2).contiguous()
+    expected = _oracle().causal_conv1d_update(hidden, ref_pool, weight, bias, activation="silu",
+                                              conv_state_indices=_ints([5, 0]))
+    out = kv_sglang.causal_conv1d_update_npu(hidden, pool_cf, weight, bias, "silu",
+                                             conv_state_indices=_ints([5, 0]))
+    _close(out, expected, "output")  # the bias counts (sgl_kernel_npu's torch path drops it)
+    _close(pool_cf.transpose(1, 2), ref_pool, "state", exact=True)
+
+
+@pytest.mark.parametrize("in_capture", [False, True])
+def test_sglang_ascend_op_form(monkeypatch, in_capture):
+    spy = Spy(monkeypatch)
+    _, weight = _weight()
+    weight_wd = weight.transpose(0, 1).contiguous()
+    lengths = [2, 4]
+    pool = torch.randn(N_SLOTS, W - 1, D)
+    hidden = torch.randn(sum(lengths), D)
+    slots, init = _ints([1, 2]), torch.tensor([False, True])
+    ref_pool = pool.clone()
+    expected = _oracle().causal_conv1d_fn(hidden, weight, None, conv_states=ref_pool,
+                                          cache_indices=slots, has_initial_state=init,
+                                          query_start_loc=_qsl(lengths), activation="silu")
+    out = kv_sglang.npu_causal_conv1d(hidden, weight_wd, conv_states=pool, bias=None,
+                                      query_start_loc=_qsl(lengths), cache_indices=slots,
+                                      has_initial_state=init, activation_mode=1, run_mode=0)
+    _close(out, expected, "prefill output")
+    _close(pool, ref_pool, "prefill state", exact=True)
+    spy.assert_views(hidden, pool, weight_wd)
+
+    # verify: dense query_start_loc with step draft_token_num, pool of W-1+L-1 rows
+    draft = 3
+    spec_pool = torch.randn(N_SLOTS, W - 1 + draft - 1, D)
+    tokens = torch.randn(2 * draft, D)
+    accepted = _ints([3, 1])
+    ref_pool = spec_pool.clone()
+    expected = _oracle().causal_conv1d_update(tokens.view(2, draft, D), ref_pool, weight, None,
+                                              activation="silu", conv_state_indices=slots,
+                                              num_accepted_tokens=accepted).view(-1, D)
+    monkeypatch.setattr(_common, "capturing", lambda device: in_capture)
+    out = kv_sglang.npu_causal_conv1d(tokens, weight_wd, conv_states=spec_pool,
+                                      query_start_loc=_ints([0, draft, 2 * draft]),
+                                      cache_indices=slots, num_accepted_tokens=accepted,
+                                      activation_mode=1, pad_slot_id=-1, run_mode=1)
+    _close(out, expected, "verify output")
+    _close(spec_pool, ref_pool, "verify state", exact=True)
+
+
+# --------------------------------------------------------------------------------------------
+# patch()
+# --------------------------------------------------------------------------------------------
+
+
+def _module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> types.ModuleType:
+    module = types.ModuleType(name)
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+def test_vllm_patch_replaces_every_binding_and_undoes(monkeypatch):
+    def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices=None,
+                         has_initial_state=None, activation="silu", pad_slot_id=-1,
+                         null_block_id=0):
+        raise AssertionError("the engine's kernel ran")
+
+    def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None,
+                             conv_state_indices=None, num_accepted_tokens=None,
+                             query_start_loc=None, max_query_len=-1, null_block_id=0):
+        raise AssertionError("the engine's kernel ran")
+
+    ops = _module(monkeypatch, kv_vllm.MODULE, causal_conv1d_fn=causal_conv1d_fn,
+                  causal_conv1d_update=causal_conv1d_update, PAD_SLOT_ID=-1)
+    mixer = _module(monkeypatch, "vllm.model_executor.layers.mamba.mamba_mixer2",
+                    causal_conv1d_fn=causal_conv1d_fn, causal_conv1d_update=causal_conv1d_update)
+    plugin = _module(monkeypatch, "some_vllm_plugin.gdn", conv_update=causal_conv1d_update,
+                     unrelated=print)
+
+    handle = kv_vllm.patch()
+    assert ops.causal_conv1d_fn is kv_vllm.causal_conv1d_fn
+    assert mixer.causal_conv1d_update is kv_vllm.causal_conv1d_update
+    assert plugin.conv_update is kv_vllm.causal_conv1d_update and plugin.unrelated is print
+    assert f"{kv_vllm.MODULE}.causal_conv1d_fn" in handle.replaced
+    assert "some_vllm_plugin.gdn.conv_update" in handle.replaced
+    with pytest.raises(RuntimeError, match="already patched"):
+        kv_vllm.patch()
+
+    # the patched binding runs kernel_variants, with vLLM's layouts
+    cache = torch.zeros(N_SLOTS, W - 1, D)
+    out = mixer.causal_conv1d_update(torch.randn(2, D), cache.transpose(-1, -2), torch.randn(D, W),
+                                     conv_state_indices=_ints([0, 3]))
+    assert out[0].abs().sum() == 0 and cache[3].abs().sum() > 0  # slot 0: the null block
+
+    handle.undo()
+    assert ops.causal_conv1d_fn is causal_conv1d_fn
+    assert mixer.causal_conv1d_update is causal_conv1d_update
+    assert plugin.conv_update is causal_conv1d_update
+    handle.undo()  # harmless twice
+    with kv_vllm.patch() as again:
+        assert again.active and mixer.causal_conv1d_fn is kv_vllm.causal_conv1d_fn
+    assert mixer.causal_conv1d_fn is causal_conv1d_fn and not again.active
+
+
+def test_vllm_patch_picks_the_legacy_rule_for_an_old_vllm(monkeypatch):
+    def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices=None,
+                         has_initial_state=None, activation="silu", pad_slot_id=-1):
+        raise AssertionError("the engine's kernel ran")
+
+    def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None,
+                             conv_state_indices=None, num_accepted_tokens=None,
+                             query_start_loc=None, max_query_len=-1, pad_slot_id=-1):
+        raise AssertionError("the engine's kernel ran")
+
+    _module(monkeypatch, kv_vllm.MODULE, causal_conv1d_fn=causal_conv1d_fn,
+            causal_conv1d_update=causal_conv1d_update)
+    user = _module(monkeypatch, "old_vllm_user", update=causal_conv1d_update)
+    with kv_vllm.patch():
+        assert user.update is kv_vllm.causal_conv1d_update_legacy
+        cache = torch.zeros(N_SLOTS, W - 1, D)
+        user.update(torch.randn(2, D), cache.transpose(-1, -2), torch.randn(D, W),
+                    conv_state_indices=_ints([0, -1]))
+        assert cache[0].abs().sum() > 0  # before the null block, slot 0 is a slot
+
+
+def test_patch_without_the_engine_raises(monkeypatch):
+    engine_modules = (kv_vllm.MODULE, kv_sglang.TRITON_MODULE, kv_sglang.CUDA_MODULE,
+                      kv_sglang.NPU_MODULE)
+    for name in engine_modules:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(RuntimeError, match="import vllm"):
+        kv_vllm.patch()
+    with pytest.raises(RuntimeError, match="import sglang"):
+        kv_sglang.patch()
+
+
+def test_sglang_patch_leaves_sgl_kernel_npu_alone(monkeypatch):
+    def causal_conv1d_fn_npu(*args, **kwargs):
+        raise AssertionError("the engine's kernel ran")
+
+    def causal_conv1d_update_v2(*args, **kwargs):
+        raise AssertionError("the engine's kernel ran")
+
+    def causal_conv1d_fn(*args, **kwargs):
+        raise AssertionError("the engine's kernel ran")
+
+    npu = _module(monkeypatch, kv_sglang.NPU_MODULE, causal_conv1d_fn_npu=causal_conv1d_fn_npu,
+                  causal_conv1d_update_v2=causal_conv1d_update_v2)
+    triton_mod = _module(monkeypatch, kv_sglang.TRITON_MODULE, causal_conv1d_fn=causal_conv1d_fn)
+    backend = _module(monkeypatch, "sglang.srt.hardware_backend.npu.attention.ascend_gdn_backend",
+                      causal_conv1d_fn=causal_conv1d_fn_npu,  # the backend's alias
+                      causal_conv1d_update_v2=causal_conv1d_update_v2)
+    gdn = _module(monkeypatch, "sglang.srt.layers.attention.linear.gdn_backend",
+                  causal_conv1d_fn=causal_conv1d_fn)
+    handle = kv_sglang.patch()
+    try:
+        assert backend.causal_conv1d_fn is kv_sglang.causal_conv1d_fn_npu
+        assert backend.causal_conv1d_update_v2 is kv_sglang.causal_conv1d_update_v2
+        assert gdn.causal_conv1d_fn is kv_sglang.causal_conv1d_fn
+        assert triton_mod.causal_conv1d_fn is kv_sglang.causal_conv1d_fn
+        assert npu.causal_conv1d_fn_npu is causal_conv1d_fn_npu  # kernel_variants calls these
+        assert npu.causal_conv1d_update_v2 is causal_conv1d_update_v2
+    finally:
+        handle.undo()
+    assert backend.causal_conv1d_fn is causal_conv1d_fn_npu
+    assert gdn.causal_conv1d_fn is causal_conv1d_fn
+
+
+def test_integrations_never_import_an_engine():
+    engines = {"vllm", "sglang", "sgl_kernel_npu", "sgl_kernel", "torch_npu"}
+    folder = Path(kv_vllm.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            assert not {n.split(".")[0] for n in names} & engines, f"{path.name} imports {names}"
