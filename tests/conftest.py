@@ -68,3 +68,14 @@ def with_variants():
                                                   extra_plugins=[("test", TestPlugin())])))
 
     return install
+
+
+@pytest.fixture
+def reference_only(monkeypatch):
+    """Only the ops' references among the built-ins (test plugins come on top): a table of the
+    variants a test measures, with no unmeasured built-in ranked above them."""
+    from kernel_variants._builtins import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS
+
+    blocked = [name for name, _ in BUILTIN_PLUGINS if name not in ESSENTIAL_PLUGINS]
+    monkeypatch.setenv("KV_DISABLE_PLUGINS", ",".join(blocked))
+    kernel_variants.reload()

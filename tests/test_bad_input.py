@@ -99,9 +99,22 @@ def test_explain_validates_like_the_op(name):
         kernel_variants.explain(op, **call)
 
 
-def test_value_checks_can_be_turned_off_for_trusted_schedulers(monkeypatch):
+def test_value_checks_are_off_only_off_the_cpu(monkeypatch):
+    """KV_CHECK_VALUES=0 spares accelerators a device sync per call; on the CPU reading an index
+    tensor costs nothing, so the checks stay on there and a bad slot never reaches a variant
+    (finding 7 of the reliability issue: the reference used to half-write the pool)."""
+    from kernel_variants.dispatch import _op
+
     monkeypatch.setenv("KV_CHECK_VALUES", "0")
     kernel_variants.reload()
+    for slots in ([2, 0, 2], [2, 0, 9], [-2, 0, 1]):
+        call = {**_fn_call(), "cache_indices": torch.tensor(slots, dtype=torch.int32)}
+        pool = call["conv_states"].clone()
+        for vid in ("reference", "torch_shift", "aten", "cpu_native"):
+            with kernel_variants.force(causal_conv1d_fn=vid), pytest.raises(ValueError, match="cache_indices"):
+                kernel_variants.causal_conv1d_fn(**call)
+            assert torch.equal(call["conv_states"], pool), f"{vid} wrote the pool before the error"
+    monkeypatch.setattr(_op, "_on_cpu", lambda spec, args: False)  # as on an accelerator
     call = {**_fn_call(), "cache_indices": torch.tensor([2, 0, 2], dtype=torch.int32)}
     kernel_variants.explain(FN, **call)  # metadata is still checked, values are not
     with pytest.raises(ValueError, match="weight"):

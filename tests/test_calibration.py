@@ -46,7 +46,7 @@ def _call(b=2, d=32, seq=16):
         conv_states=torch.randn(b, 3, d), activation="silu")
 
 
-def test_calibration_records_figures_and_dispatch_follows_the_table(with_variants):
+def test_calibration_records_figures_and_dispatch_follows_the_table(reference_only, with_variants):
     with_variants(_variant("sleepy", _slow(0.002), priority=100))
     result = kv.calibrate(FN, SHAPES, variants=["reference", "sleepy"], **QUICK)
     by = {(m.shape, m.variant): m for m in result.measurements}
@@ -63,7 +63,7 @@ def test_calibration_records_figures_and_dispatch_follows_the_table(with_variant
     assert [r.shape for r in rows] == SHAPES and rows[0].winner == "reference" and rows[0].margin > 1
 
 
-def test_unseen_shape_uses_the_nearest_calibrated_shape_in_log_space(with_variants):
+def test_unseen_shape_uses_the_nearest_calibrated_shape_in_log_space(reference_only, with_variants):
     with_variants(_variant("sleepy", _slow(0.002), priority=100))
     kv.calibrate(FN, [(1, 16, 8), (8, 128, 64)], variants=["reference", "sleepy"], **QUICK | {"iters": 1})
     args, kw = _call(b=2, d=32, seq=16)
@@ -86,7 +86,7 @@ def test_without_any_measurement_priority_decides():
             x, w, b, conv_states=None if conv_states is None else conv_states.clone(), **k), "state pool"),
     ],
 )
-def test_a_wrong_variant_is_rejected_with_its_reason_and_never_chosen(with_variants, name, fn, reason):
+def test_a_wrong_variant_is_rejected_with_its_reason_and_never_chosen(reference_only, with_variants, name, fn, reason):
     with_variants(_variant(name, fn, priority=100))
     result = kv.calibrate(FN, SHAPES[:1], **QUICK)
     rejected = {m.variant: m.reason for m in result.rejected()}
@@ -330,7 +330,7 @@ def _counting(vid, fn, priority):
     return _variant(vid, counted, priority=priority), calls
 
 
-def test_real_calls_follow_the_table_after_calibrate_and_clear(with_variants):
+def test_real_calls_follow_the_table_after_calibrate_and_clear(reference_only, with_variants):
     """Through the memo, not explain(): calibrating and clearing must change what a call runs."""
     slow, slow_calls = _counting("slow_but_preferred", _slow(0.003), priority=1000)
     fast, fast_calls = _counting("fast", reference.causal_conv1d_fn, priority=0)
@@ -431,3 +431,54 @@ def test_a_table_written_by_the_previous_release_is_migrated_not_mixed():
     keys = [k for k, _ in dispatcher().table.store.items() if k.startswith("m|")]
     assert keys == [key], "the old row was rewritten under the new key, and only once"
     assert json.loads(dispatcher().table.store.get(key))["schema_version"] == 2
+
+
+def test_a_read_only_table_is_read_and_new_measurements_stay_in_memory(monkeypatch):
+    """Finding 5 of the reliability issue: a table shipped read-only (an image, a shared mount)
+    used to be ignored entirely. (Tests run as root, whom file modes do not stop, so the
+    refused write is simulated where diskcache would meet it.)"""
+    from kernel_variants.dispatch._store import Store
+
+    kv.calibrate(FN, SHAPES, **QUICK)
+    winner = {r.shape: r.winner for r in kv.table(FN)}[SHAPES[0]]
+
+    def refuse(self):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    monkeypatch.setattr(Store, "_connect", refuse)
+    kv.reload()
+    with pytest.warns(CalibrationWarning, match="not usable.*read-only") as caught:
+        with kv.force(causal_conv1d_fn="reference"):
+            pass
+        rows = kv.table(FN)
+    assert len(caught) == 1
+    assert {r.shape for r in rows} == set(SHAPES) and dispatcher().table.store.read_only
+    x = torch.randn(*SHAPES[0][:1], SHAPES[0][2], SHAPES[0][1])
+    decision = kv.explain(FN, x, torch.randn(SHAPES[0][1], 4), torch.randn(SHAPES[0][1]),
+                          conv_states=torch.zeros(3, 3, SHAPES[0][1]), activation="silu")
+    assert decision.source == "table" and decision.chosen.id == winner
+    kv.calibrate(FN, [(3, 8, 4)], variants=["reference"], **QUICK)  # writes go to memory, no error
+    assert (3, 8, 4) in {r.shape for r in kv.table(FN)}
+
+
+def test_decisions_read_one_snapshot_row_which_any_write_makes_out_of_date(reference_only, monkeypatch):
+    """Finding 8 (scale): a fresh process's first decision reads the snapshot the calibration
+    left, not every row; a write renews the table's token, so a stale or planted snapshot is
+    rebuilt from the rows, never trusted. (tools/bench_table_scale.py times it at 5000 shapes.)"""
+    from kernel_variants.dispatch._fastindex import SNAPSHOT_PREFIX
+
+    kv.calibrate(FN, SHAPES, **QUICK)
+    args, kw = _call(*SHAPES[1])
+    expected = kv.explain(FN, *args, **kw)
+    scans = []
+    real_scan = CalibrationTable._scan
+    monkeypatch.setattr(CalibrationTable, "_scan", lambda self, fp: scans.append(fp) or real_scan(self, fp))
+    kv.reload()
+    again = kv.explain(FN, *args, **kw)
+    assert again.chosen.id == expected.chosen.id and again.source == "table" and scans == []
+    snapshot_key = next(k for k, _ in dispatcher().table.store.items() if k.startswith(SNAPSHOT_PREFIX))
+    kv.calibrate(FN, [(3, 8, 4)], **QUICK)  # a write: the token changes, calibration leaves a new snapshot
+    kv.reload()
+    dispatcher().table.store.set(snapshot_key, '{"format": 2, "token": "forged", "groups": {}}')
+    decision = kv.explain(FN, *args, **kw)
+    assert decision.source == "table" and len(scans) >= 1, "a snapshot of another token was trusted"

@@ -87,11 +87,18 @@ def test_list_with_a_shape_gives_the_decision_trace(capsys):
     assert rc == 0
     assert out.startswith(f"{FN} on cpu float32 (B=2, D=32, L=16) width=4")
     assert "(by priority; no measurements for this key)" in out
-    calibrate(capsys)
+    calibrate(capsys)  # reference and torch_shift only: an incomplete row
+    got = run_json(capsys, "list", "--shape", "2,32,16", "--dtype", "fp32")
+    assert (got["source"], got["chosen"]) == ("priority", "cpu_native") and "incomplete row" in got["note"]
+    assert {t["variant"] for t in got["trace"]} >= {"reference", "torch_shift"}
+    table = run_json(capsys, "table")
+    assert "cpu_native" in {r["shape"][0]: r for r in table}[2]["missing"]
+    rc, _, err = run(capsys, "calibrate", *SHAPES, *QUICK, "--missing", "-q")
+    assert rc == 0, err
     got = run_json(capsys, "list", "--shape", "2,32,16", "--dtype", "fp32")
     assert got["source"] == "table"
     assert got["chosen"] == {r.shape: r.winner for r in kv.table(FN)}[(2, 32, 16)]
-    assert {t["variant"] for t in got["trace"]} >= {"reference", "torch_shift"}
+    assert all(not r["missing"] for r in run_json(capsys, "table"))
 
 
 def test_list_feature_flags_shape_the_call(capsys):

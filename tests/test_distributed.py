@@ -79,6 +79,8 @@ def _entries(directory):
     """Every measurement and winner stored in a table directory, by storage key."""
     out = {}
     for key, raw in CalibrationTable(directory).store.items():
+        if not key.startswith(("m|", "w|")):  # the write token and snapshots beside the rows
+            continue
         model = Measurement if key.startswith("m|") else Winner
         out[key] = model.model_validate_json(raw)
     return out

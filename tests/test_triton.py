@@ -73,7 +73,13 @@ def test_the_interpreter_never_outranks_a_native_cpu_variant(interpreter):
     assert any(r.variant == "triton" for r in decision.trace)
 
 
-def test_the_calibrator_picks_among_block_configurations(interpreter):
+def test_the_calibrator_picks_among_block_configurations(monkeypatch, interpreter):
+    from kernel_variants._builtins import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS
+
+    # Only the Triton configurations beside the references: no unmeasured native variant ranked above them.
+    others = [n for n, _ in BUILTIN_PLUGINS if n not in ESSENTIAL_PLUGINS and n != "triton"]
+    monkeypatch.setenv("KV_DISABLE_PLUGINS", ",".join(others))
+    kernel_variants.reload()
     ids = ["triton"] + [c.id for c in triton_conv.UPDATE_CONFIGS]
     result = kernel_variants.calibrate("causal_conv1d_update", [(2, 64, 1)], dtype="float32", device="cpu",
                                        variants=ids, warmup=1, windows=1, iters=2)

@@ -13,6 +13,8 @@ for importing torch until something needs it.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from kernel_variants._version import __version__
@@ -26,6 +28,26 @@ if TYPE_CHECKING:
     from kernel_variants.ops.gemma_rms_norm import add_gemma_rms_norm, gemma_rms_norm
     from kernel_variants.registry import Capabilities, OpSpec, Variant, hookimpl
     from kernel_variants.registry._registry import DuplicateVariantError, RegisteredVariant
+
+def _one_thread_after_fork() -> None:
+    """In a forked child: GNU OpenMP's thread pool does not survive fork(), so a child whose
+    parent ran a parallel region (any multi-threaded torch op, or cpu_native) hangs in its first
+    one. One intra-op thread in the child never enters the pool; this is what PyTorch's own
+    DataLoader workers do. Other OpenMP runtimes (LLVM's, Intel's) survive fork: left alone."""
+    torch = sys.modules.get("torch")
+    if torch is None or torch.get_num_threads() == 1:
+        return
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            gnu = "libgomp" in maps.read()
+    except OSError:
+        return
+    if gnu:
+        torch.set_num_threads(1)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_one_thread_after_fork)
 
 _LAZY = {
     "Decision": "kernel_variants.dispatch",

@@ -15,7 +15,7 @@ import sys
 
 import kernel_variants as kv
 from kernel_variants.dispatch._calibrate import CalibrationResult
-from kernel_variants.dispatch._table import DEFAULT_MARGIN, check_margin
+from kernel_variants.dispatch._table import DEFAULT_MARGIN, Group, check_margin
 
 from . import _options as opt
 from ._output import ProgressBar, percent, print_json, render_table, us
@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_dtype(p)
     opt.add_device(p)
     p.add_argument("--variants", help="comma-separated ids to measure (default: every available one)")
+    p.add_argument("--missing", action="store_true",
+                   help="per shape, measure only the variants the table has no current figure for")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                    help=f"a challenger must be this much faster to take a shape (default {DEFAULT_MARGIN})")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
@@ -54,6 +56,18 @@ def summary(result: CalibrationResult, shapes, device: str) -> list[dict]:
     return out
 
 
+def _missing(work: opt.Work, dtype: str, device: str, variants: list[str]) -> dict[tuple, list[str]]:
+    """(shape,) -> the variants without a current figure there (all of them for a new shape)."""
+    group = Group(op=work.op, dtype=dtype, features=work.features.model_dump())
+    rows = {r.shape: r for r in kv.table(work.op, device=device) if r.group == group}
+    out = {}
+    for shape in work.shapes:
+        row = rows.get(tuple(shape))
+        have = set(row.times_us) | set(row.rejected) if row is not None else set()
+        out[(tuple(shape),)] = [v for v in variants if v not in have]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     work = opt.work(args)
     features = work.features
@@ -67,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         variants = [rv.id for rv in kv.variants(work.op) if rv.unavailable_reason() is None]
     check_margin(args.margin)
     common = dict(dtype=dtype, timing=timing, variants=variants, rotate=args.rotate, margin=args.margin)
+    if args.distributed and args.missing:
+        raise ValueError("--missing: not with --distributed (each rank would see another part of the table)")
     if args.distributed:
         from kernel_variants.dispatch._distributed import calibrate_distributed, torchrun_env
 
@@ -86,10 +102,17 @@ def run(args: argparse.Namespace) -> int:
         result, device = dres.result, dres.result.device
     else:
         bar = None if args.quiet else ProgressBar(axes=work.spec.axes)
+        todo = _missing(work, dtype, device, variants) if args.missing else {tuple(work.shapes): variants}
+        result = CalibrationResult(work.op, device, dtype)
         try:
-            result = kv.calibrate(work.op, work.shapes, device=device, warmup=timing.warmup, windows=timing.windows,
-                                  iters=timing.iters, rotate=args.rotate, margin=args.margin, dtype=dtype,
-                                  variants=variants, progress=bar, **features.model_dump())
+            for shapes, ids in todo.items():
+                if not ids:
+                    continue
+                part = kv.calibrate(work.op, shapes, device=device, warmup=timing.warmup, windows=timing.windows,
+                                    iters=timing.iters, rotate=args.rotate, margin=args.margin, dtype=dtype,
+                                    variants=ids, progress=bar, **features.model_dump())
+                result.measurements += part.measurements
+                result.winners.update(part.winners)
         finally:
             if bar is not None:
                 bar.close()

@@ -27,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
         "fingerprint": fp,
         "cache_dir": str(table.directory),
         "in_memory": table.in_memory,
+        "read_only": table.store.read_only,
         "table_entries": len(table),
         "plugins": d.registry.plugins(),
         "broken_plugins": d.registry.broken,
@@ -40,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     rows = [["kernel_variants", __version__], ["fingerprint id", facts["fingerprint_id"]]]
     rows += [[f"  {k}", v] for k, v in fp.items()]
-    where = facts["cache_dir"] + (" (unusable: in memory for this process)" if table.in_memory else "")
+    where = facts["cache_dir"] + (" (read-only: its entries are used, new ones stay in memory)"
+                                  if facts["read_only"] else
+                                  " (unusable: in memory for this process)" if table.in_memory else "")
     rows += [["cache", where], ["table entries", len(table)], ["plugins", ", ".join(facts["plugins"])]]
     rows += [[f"broken plugin {name}", why] for name, why in d.registry.broken.items()]
     for op, ids in facts["variants"].items():

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     if fmt == "json":
         print_json([{"op": r.group.op, "group": r.group.model_dump(mode="json"), "features": r.group.slug(),
                      "shape": list(r.shape), "winner": r.winner, "margin": r.margin, "times_us": r.times_us,
-                     "rejected": r.rejected} for r in rows])
+                     "rejected": r.rejected, "missing": list(r.missing)} for r in rows])
         return 0
     if not rows:
         print("kv table: no calibrated shapes on this device yet (run kv calibrate)", file=sys.stderr)
@@ -40,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
         for r in group_rows:
             cells = [us(r.times_us[v]) if v in r.times_us else "rejected" if v in r.rejected else None
                      for v in variants]
-            body.append([r.group.slug(), *r.shape, r.winner, *cells, percent(r.margin)])
+            body.append([r.group.slug(), *r.shape, r.winner, *cells, percent(r.margin), ",".join(r.missing) or None])
         if i:
             print()
-        print(render_table(["features", *axes, "winner", *(f"{v} µs" for v in variants), "margin"], body,
-                           fmt=fmt, right=[False, *[True] * len(axes), False, *[True] * len(variants), True]))
+        print(render_table(["features", *axes, "winner", *(f"{v} µs" for v in variants), "margin", "not measured"],
+                           body, fmt=fmt, right=[False, *[True] * len(axes), False, *[True] * len(variants), True, False]))
     return 0

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernel_variants.registry import CallKey
 from kernel_variants.registry._spec import Shape
 
 from ._calibrate import CalibrationResult, Progress, run_calibration
@@ -73,6 +74,9 @@ class TableRow:
     times_us: dict[str, float]
     rejected: dict[str, str]
     winner: str | None
+    # Variants that could run this shape here but have no current figure: an incomplete row
+    # (the dispatcher then lets priority decide between them and the measured winner).
+    missing: tuple[str, ...] = ()
 
     @property
     def margin(self) -> float | None:
@@ -95,8 +99,20 @@ def table(op: str | None = None, *, device: str = "cpu") -> list[TableRow]:
         w = winners.get((group, shape))
         times = {v: m.best_us for v, m in by_v.items() if m.status == "ok" and m.best_us is not None}
         out.append(TableRow(group, shape, times, {v: m.reason for v, m in by_v.items() if m.status == "rejected"},
-                            w.variant if w is not None and w.variant in times else None))
+                            w.variant if w is not None and w.variant in times else None,
+                            missing_variants(group, shape, set(by_v), device)))
     return sorted(out, key=lambda r: (r.group.slug(), r.shape))
+
+
+def missing_variants(group: Group, shape: Shape, measured: set[str], device: str = "cpu") -> tuple[str, ...]:
+    """Variants of ``group``'s op that can run ``shape`` on ``device`` but have no figure there."""
+    d = dispatcher()
+    try:
+        spec = d.registry.spec(group.op)
+        key = CallKey(spec, torch.device(device).type, group.dtype, spec.features(**group.flags()), tuple(shape))
+    except ValueError:  # an op or features this release does not know: nothing to say
+        return ()
+    return tuple(rv.id for rv in d.registry.variants(spec.name) if rv.id not in measured and rv.why_not(key) is None)
 
 
 def clear_table(op: str | None = None, variant: str | None = None) -> int:

@@ -165,4 +165,6 @@ def run_calibration(
         if table is not None and ms:
             result.winners[tuple(shape)] = table.decide_winner(ms[0].fingerprint_id, ms[0].group, tuple(shape),
                                                                versions, margin)
+    if table is not None and result.measurements:
+        table.prepare(versions, result.measurements[0].fingerprint_id)
     return result

@@ -98,8 +98,9 @@ class Dispatcher:
             found = self.table.lookup(key, fpid, runnable, self.versions())
         if found is None:
             return select(entries, key)
-        timings, winner, source, at = found
-        return select(entries, key, timings=timings, winner=winner, timings_source=source, measured_key=at)
+        timings, winner, source, at, rejected = found
+        return select(entries, key, timings=timings, winner=winner, timings_source=source, measured_key=at,
+                      rejected=rejected)
 
     def _tune(self, key: CallKey) -> None:
         """KV_TUNE=1: measure an unseen key on first sight, as PyTorch TunableOp's online tuning."""

@@ -285,6 +285,8 @@ def import_document(doc: TableDocument, *, force: bool = False, device: str = "c
     table.forget()
     for group, shape in dict.fromkeys((m.group, m.shape) for m in ms):
         table.decide_winner(ours_id, group, shape, versions, DEFAULT_MARGIN)
+    if ms:
+        table.prepare(versions, ours_id)
     d.invalidate()
     return report
 

@@ -24,19 +24,61 @@ from ._select import Decision
 _compiling = torch.compiler.is_compiling
 
 
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, past the last byte] that ``t``'s elements can occupy."""
+    start = t.data_ptr()
+    span = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + (span + 1) * t.element_size()
+
+
+def guard_writes(spec: OpSpec, args: tuple[Any, ...]) -> None:
+    """Before anything runs: no argument may share memory with a tensor the op writes (the
+    answer would depend on the order a variant reads and writes in), and an inference tensor
+    cannot be written outside inference mode. One behaviour whichever variant runs."""
+    tensors = spec.tensor_indices
+    for mi in spec.mutated_indices:
+        m = args[mi]
+        if m is None or m.numel() == 0:
+            continue
+        if m.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(f"{spec.params[mi]}: an inference tensor (made under torch.inference_mode) cannot be "
+                             "updated outside inference mode; allocate it outside, or call inside inference_mode")
+        storage = m.untyped_storage().data_ptr()
+        lo = hi = None
+        for i in tensors:
+            a = args[i]
+            if i == mi or a is None or a.numel() == 0 or a.untyped_storage().data_ptr() != storage:
+                continue
+            if lo is None:
+                lo, hi = _extent(m)
+            a_lo, a_hi = _extent(a)
+            if a_lo < hi and lo < a_hi:
+                raise ValueError(f"{spec.params[i]}: expected memory apart from {spec.params[mi]}, which the op "
+                                 f"writes, got a view that overlaps it; pass a copy")
+
+
+def _on_cpu(spec: OpSpec, args: tuple[Any, ...]) -> bool:
+    # Value checks read index tensors: free on the CPU, so always on there; a device sync
+    # elsewhere, where KV_CHECK_VALUES decides.
+    return getattr(args[spec.tensor_indices[0]], "is_cpu", True)
+
+
 def call(spec: OpSpec, args: tuple[Any, ...]) -> Any:
     """Validate, decide (memoised) and run one call of ``spec``; ``args`` in signature order."""
     d = dispatcher()
+    values = d.check_values or _on_cpu(spec, args)
     try:
         sig = spec.memo_key(args, pins_in_context())
         hit = d.memo.get(sig)
     except (AttributeError, TypeError):  # not a tensor, or unhashable: validation says what is wrong
         sig = hit = None
     if hit is None:
-        key = spec.key(args, d.check_values)
+        key = spec.key(args, values)
         hit = d.resolve(sig, key, args)
-    elif d.check_values:
+    elif values:
         spec.check_values(*args)
+    if spec.mutated_indices:
+        guard_writes(spec, args)
     vid, fn, invoke, subs = hit
     if subs:
         args = list(args)
@@ -106,7 +148,8 @@ def explain(op_name: str, *args: object, **kwargs: object) -> Decision:
     """
     d = dispatcher()
     spec = d.registry.spec(op_name)
-    key = spec.key_of(*args, values=d.check_values, **kwargs)
+    bound = spec.bind(*args, **kwargs)
+    key = spec.key(bound, d.check_values or _on_cpu(spec, bound))
     return d.decide(key, d.pinned(spec.name), tune=False)
 
 

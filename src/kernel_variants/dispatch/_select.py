@@ -62,12 +62,14 @@ def select(
     timings_source: str = "table",
     measured_key: tuple[int, ...] | None = None,
     winner: str | None = None,
+    rejected: set[str] | frozenset[str] = frozenset(),
 ) -> Decision:
     """Pick the variant for ``key`` among ``entries``.
 
     ``timings`` maps variant id to measured microseconds for this call's key (or the nearest
     calibrated one); ``winner`` is the table's recorded winner there, which keeps its place
-    unless it cannot run this call. Without timings, the highest priority wins.
+    unless it cannot run this call; ``rejected`` failed verification there and are never
+    chosen over a measured variant. Without timings, the highest priority wins.
     """
     rows: list[TraceRow] = []
     ok: list[RegisteredVariant] = []
@@ -97,15 +99,31 @@ def select(
         else:
             best = min(timed, key=timed.__getitem__)
             note = "fastest measured"
+        measured = next(rv for rv in ok if rv.id == best)
+        # An incomplete row (a partial calibration, one killed mid-shape, a variant added later)
+        # must not make things worse than no row: a runnable variant without a figure here that
+        # the priorities rank above the measured winner is not beaten by that winner's figure.
+        unmeasured = [rv for rv in ok if rv.id not in timed and rv.id not in rejected
+                      and rv.variant.priority > measured.variant.priority]
+        chosen = max(unmeasured, key=lambda rv: rv.variant.priority) if unmeasured else measured
         for rv in ok:
             t = timed.get(rv.id)
-            if rv.id == best:
-                rows.append(TraceRow(rv.id, True, note, t))
+            if rv is chosen and chosen is not measured:
+                rows.append(TraceRow(rv.id, True, f"not measured here, priority {rv.variant.priority} above the "
+                                                  f"measured winner {best}'s {measured.variant.priority}", None))
+            elif rv.id == best:
+                rows.append(TraceRow(rv.id, chosen is measured, note if chosen is measured else
+                                     f"{note}, but ranked below an unmeasured variant", t))
+            elif rv.id in rejected:
+                rows.append(TraceRow(rv.id, False, "rejected by calibration here (differs from the reference)", None))
             elif t is None:
                 rows.append(TraceRow(rv.id, False, "not measured for this key", None))
             else:
                 rows.append(TraceRow(rv.id, False, f"{t / timed[best]:.2f}x the winner", t))
-        chosen = next(rv for rv in ok if rv.id == best)
+        if chosen is not measured:
+            missing = ", ".join(rv.id for rv in unmeasured)
+            return Decision(key, chosen, "priority", tuple(rows), measured_key=measured_key,
+                            note=f"incomplete row: {missing} not measured (kv calibrate --missing completes it)")
         return Decision(key, chosen, timings_source, tuple(rows), measured_key=measured_key)
     ranked = sorted(ok, key=lambda rv: -rv.variant.priority)
     for i, rv in enumerate(ranked):

@@ -8,15 +8,19 @@ is not raw text, and never deletes a file a row names.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import sqlite3
 import time
+import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import diskcache
+
+TOKEN_KEY = "t|token"  # renewed by every write of a measurement or winner row
 
 
 class CalibrationWarning(UserWarning):
@@ -70,6 +74,7 @@ class Store:
         self.directory = directory
         self.cache: diskcache.Cache | None = None
         self.memory: dict[str, str] | None = None
+        self.read_only = False  # in memory, seeded from a table file that cannot be written
         self._open()
 
     def _open(self) -> None:
@@ -90,12 +95,37 @@ class Store:
         return cache
 
     def to_memory(self, exc: BaseException) -> None:
+        """Keep the table in memory for this process, starting from what the file holds when it
+        can still be read: a table shipped read-only (an image, a shared mount) is used as is."""
+        rows = self._read_only_rows()
+        if rows is None:
+            what = "keeping the table in memory for this process (set KV_CACHE_DIR to a writable directory)"
+        else:
+            what = (f"using its {len(rows)} entries read-only; measurements taken by this process stay in "
+                    "memory (set KV_CACHE_DIR to a writable directory to keep them)")
         warnings.warn(
-            f"calibration table directory {self.directory} is not usable ({type(exc).__name__}: {exc}); "
-            "keeping the table in memory for this process (set KV_CACHE_DIR to a writable directory)",
+            f"calibration table directory {self.directory} is not usable ({type(exc).__name__}: {exc}); {what}",
             CalibrationWarning, stacklevel=4,
         )
-        self.cache, self.memory = None, {}
+        self.cache, self.memory = None, rows or {}
+        self.read_only = rows is not None
+
+    def _read_only_rows(self) -> dict[str, str] | None:
+        """Every JSON row of the table file, opened read-only; None when there is none to read."""
+        path = self.directory / "cache.db"
+        if not path.is_file():
+            return None
+        try:
+            con = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=5)
+            try:
+                found = con.execute("SELECT key, mode, value FROM Cache WHERE raw = 1 AND typeof(key) = 'text'")
+                # Only inline text rows: anything else is refused here as the disk class refuses it.
+                return {k: v for k, mode, v in found.fetchall()
+                        if mode == diskcache.core.MODE_RAW and isinstance(v, str)}
+            finally:
+                con.close()
+        except (sqlite3.Error, OSError):
+            return None
 
     def move_aside(self, exc: BaseException) -> None:
         """A corrupt table is kept for inspection under another name; a fresh one replaces it."""
@@ -153,6 +183,17 @@ class Store:
             self.memory[key] = value
         else:
             self.cache.set(key, value)
+        self._touched(key)
+
+    def _touched(self, key: str) -> None:
+        """A measurement or winner changed: renew the write token, which makes every snapshot
+        of the table's rows out of date (see _fastindex)."""
+        if key.startswith(("m|", "w|")):
+            token = json.dumps({"token": uuid.uuid4().hex})  # JSON, as every value in the table
+            if self.cache is None:
+                self.memory[TOKEN_KEY] = token
+            else:
+                self.cache.set(TOKEN_KEY, token)
 
     def get(self, key: str) -> str | None:
         if self.cache is None:
@@ -167,8 +208,22 @@ class Store:
             self.memory.pop(key, None)
         else:
             self.cache.delete(key)
+        self._touched(key)
 
     def __len__(self) -> int:
-        return len(self.memory) if self.cache is None else len(self.cache)
+        """Rows of measurements and winners (not the write token and snapshots kept beside them)."""
+        n = len(self.memory) if self.cache is None else len(self.cache)
+        return n - sum(1 for k in self._bookkeeping_keys())
+
+    def _bookkeeping_keys(self) -> list[str]:
+        if self.cache is None:
+            return [k for k in self.memory if k.startswith(("t|", "i|"))]
+        uri = (self.directory / "cache.db").resolve().as_uri() + "?mode=ro"
+        con = sqlite3.connect(uri, uri=True, timeout=60)
+        try:
+            return [k for (k,) in con.execute("SELECT key FROM Cache WHERE key >= 'i|' AND key < 'u'")
+                    if isinstance(k, str) and k.startswith(("t|", "i|"))]
+        finally:
+            con.close()
 
 

@@ -8,7 +8,6 @@ and unpickling is code execution, so the disk class below refuses every non-raw 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sqlite3
 import threading
@@ -25,6 +24,7 @@ from kernel_variants.registry import CallKey
 from kernel_variants.registry._models import DTypeName
 from kernel_variants.registry._spec import Shape
 
+from ._fastindex import SNAPSHOT_PREFIX, TOKEN_KEY, FastIndex, decode, document, encode, index_from
 from ._store import CalibrationWarning, HostileRow, JSONOnlyDisk, Store, is_corrupt
 
 __all__ = ["CalibrationTable", "CalibrationWarning", "Group", "HostileRow", "JSONOnlyDisk", "Measurement",
@@ -154,6 +154,8 @@ class CalibrationTable:
         self._lock = threading.RLock()
         self._store: Store | None = None
         self._index: dict[str, _Index] = {}  # per device fingerprint
+        self._fast: dict[str, FastIndex] = {}  # per device fingerprint
+        self._warned: set[str] = set()  # fingerprints whose ignored entries this load has named
         self._versions: dict[tuple[str, str], str] = {}
 
     @property
@@ -185,19 +187,24 @@ class CalibrationTable:
     def load(self, versions: dict[tuple[str, str], str], fingerprint_id: str) -> _Index:
         with self._lock:
             if versions != self._versions:
-                self._index.clear()
+                self.forget()
                 self._versions = dict(versions)
             index = self._index.get(fingerprint_id)
             if index is None:
                 index = self._index[fingerprint_id] = self._guard(self._build_index, fingerprint_id)
             return index
 
-    def _build_index(self, fingerprint_id: str) -> _Index:
-        index = _Index()
-        bad, other_fp, stale = 0, 0, {}
+    def _scan(self, fingerprint_id: str) -> tuple[list[Measurement], list[Winner], dict[str, int]]:
+        """Every readable measurement and winner of ``fingerprint_id`` (any version), and how many
+        rows were of other fingerprints or unreadable."""
+        ms: list[Measurement] = []
+        ws: list[Winner] = []
+        counts = {"other_fp": 0, "bad": 0}
         for key, raw in self.store.items():
+            if key.startswith((TOKEN_KEY, SNAPSHOT_PREFIX)):
+                continue
             if raw is None:
-                bad += 1
+                counts["bad"] += 1
                 continue
             try:
                 if key.startswith(("m|", "w|")) and '"schema_version":1' in raw.replace(" ", ""):
@@ -205,33 +212,83 @@ class CalibrationTable:
                 if key.startswith("m|"):
                     m = Measurement.model_validate_json(raw)
                     if m.fingerprint_id != fingerprint_id:
-                        other_fp += 1
-                        continue
-                    current = self._versions.get((m.group.op, m.variant))
-                    if current is None:
-                        continue  # a plugin not loaded now: its timings stay for when it is
-                    if current != m.version:
-                        stale[m.variant] = (m.version, current)
-                        continue
-                    index.shapes.setdefault((fingerprint_id, m.group), {}).setdefault(m.shape, {})[m.variant] = m
+                        counts["other_fp"] += 1
+                    else:
+                        ms.append(m)
                 elif key.startswith("w|"):
                     w = Winner.model_validate_json(raw)
                     if w.fingerprint_id == fingerprint_id:
-                        index.winners[(w.fingerprint_id, w.group, w.shape)] = w
+                        ws.append(w)
                 else:
-                    bad += 1
+                    counts["bad"] += 1
             except (ValidationError, ValueError):
-                bad += 1
+                counts["bad"] += 1
+        return ms, ws, counts
+
+    def _warn_once(self, fingerprint_id: str, counts: dict[str, int], stale: dict[str, tuple[str, str]]) -> None:
+        """One warning per load naming what is ignored, whichever path (full or fast) loaded."""
+        if fingerprint_id in self._warned:
+            return
+        self._warned.add(fingerprint_id)
         reasons = []
-        if other_fp:
-            reasons.append(f"{other_fp} measured on another device or software stack (fingerprint differs)")
+        if counts.get("other_fp"):
+            reasons.append(f"{counts['other_fp']} measured on another device or software stack (fingerprint differs)")
         for vid, (old, new) in sorted(stale.items()):
             reasons.append(f"variant {vid!r} changed since it was measured (version {old} -> {new}); recalibrate it")
-        if bad:
-            reasons.append(f"{bad} entries unreadable or malformed")
+        if counts.get("bad"):
+            reasons.append(f"{counts['bad']} entries unreadable or malformed")
         if reasons:
-            warnings.warn("calibration table: ignoring entries: " + "; ".join(reasons), CalibrationWarning, stacklevel=3)
+            warnings.warn("calibration table: ignoring entries: " + "; ".join(reasons), CalibrationWarning, stacklevel=4)
+
+    def _build_index(self, fingerprint_id: str) -> _Index:
+        index = _Index()
+        ms, ws, counts = self._scan(fingerprint_id)
+        stale: dict[str, tuple[str, str]] = {}
+        for m in ms:
+            current = self._versions.get((m.group.op, m.variant))
+            if current is None:
+                continue  # a plugin not loaded now: its timings stay for when it is
+            if current != m.version:
+                stale[m.variant] = (m.version, current)
+                continue
+            index.shapes.setdefault((fingerprint_id, m.group), {}).setdefault(m.shape, {})[m.variant] = m
+        for w in ws:
+            index.winners[(w.fingerprint_id, w.group, w.shape)] = w
+        self._warn_once(fingerprint_id, counts, stale)
         return index
+
+    def _fast_index(self, versions: dict[tuple[str, str], str], fingerprint_id: str) -> FastIndex:
+        """The decision-time view of this device's rows: from the snapshot row when it is current,
+        else from a full scan, which then stores a fresh snapshot for the next process."""
+        with self._lock:
+            if versions != self._versions:
+                self.forget()
+                self._versions = dict(versions)
+            fast = self._fast.get(fingerprint_id)
+            if fast is None:
+                fast = self._fast[fingerprint_id] = self._guard(self._load_fast, fingerprint_id)
+            return fast
+
+    def prepare(self, versions: dict[tuple[str, str], str], fingerprint_id: str) -> None:
+        """Store a current snapshot now (after a calibration or an import), so that the next
+        process's first call reads one row instead of every row."""
+        self.forget()
+        self._fast_index(versions, fingerprint_id)
+
+    def _load_fast(self, fingerprint_id: str) -> FastIndex:
+        token = self.store.get(TOKEN_KEY)
+        doc = decode(self.store.get(SNAPSHOT_PREFIX + fingerprint_id), token)
+        fast = index_from(doc, self._versions) if doc is not None else None
+        if fast is None:  # no snapshot, an old one, or a damaged one: from the rows, then stored
+            ms, ws, counts = self._scan(fingerprint_id)
+            doc = document(ms, ws, counts)
+            if token is not None:  # a table that was never written has nothing worth a snapshot
+                with contextlib.suppress(OSError, sqlite3.Error):
+                    self.store.set(SNAPSHOT_PREFIX + fingerprint_id, encode(token, doc))
+            fast = index_from(doc, self._versions)
+            assert fast is not None, "a snapshot made here must read back"
+        self._warn_once(fingerprint_id, fast.counts, fast.stale)
+        return fast
 
     def _migrate_row(self, key: str, raw: str) -> tuple[str, str]:
         """A schema-1 row, rewritten under its schema-2 key (the group's slug changed); the old
@@ -249,37 +306,22 @@ class CalibrationTable:
         return new_key, new_raw
 
     def lookup(self, key: CallKey, fingerprint_id: str, candidates: Iterable[str], versions: dict[tuple[str, str], str]):
-        """Timings for ``key`` among ``candidates``: at its own shape, else the nearest calibrated
-        shape (log space) of the same group where a candidate was measured. None when none."""
-        index = self.load(versions, fingerprint_id)
-        group = Group.of(key)
-        shapes = index.shapes.get((fingerprint_id, group))
-        if not shapes:
+        """(timings, winner, source, shape, rejected) for ``key`` among ``candidates``: at its own
+        shape, else the nearest calibrated shape (log space) of the same group where a candidate
+        was measured; ``rejected`` are the candidates that failed verification at that shape.
+        None when no candidate has a figure."""
+        group = self._fast_index(versions, fingerprint_id).groups.get(Group.of(key).slug())
+        if group is None:
             return None
         allowed = set(candidates)
-        want: Shape = key.shape
-
-        def usable(at: Shape) -> dict[str, float]:
-            return {v: m.best_us for v, m in shapes[at].items()
-                    if v in allowed and m.status == "ok" and m.best_us is not None}
-
-        found = usable(want) if want in shapes else {}
-        source, at = "table", want
+        source, at = "table", key.shape
+        found = {v: t for v, t in group.times.get(at, {}).items() if v in allowed}
         if not found:
-            logs = [math.log(max(s, 1)) for s in want]
-            best_d = math.inf
-            for shape in shapes:
-                timings = usable(shape)
-                if not timings:
-                    continue
-                d = sum((math.log(max(s, 1)) - w) ** 2 for s, w in zip(shape, logs, strict=True))
-                if d < best_d:
-                    best_d, found, at = d, timings, shape
-            source = "nearest"
-            if not found:
+            source, at = "nearest", group.nearest(key.shape, allowed)
+            if at is None:
                 return None
-        winner = index.winners.get((fingerprint_id, group, at))
-        return found, (winner.variant if winner else None), source, at
+            found = {v: t for v, t in group.times[at].items() if v in allowed}
+        return found, group.winners.get(at), source, at, group.rejected.get(at, set()) & allowed
 
     def measurements(self, versions: dict[tuple[str, str], str], fingerprint_id: str):
         """Every current measurement and winner of this device: ((group, shape) -> {id: m}, winners)."""
@@ -373,6 +415,8 @@ class CalibrationTable:
     def forget(self) -> None:
         """Drop the in-memory index: the next read sees what other processes or imports wrote."""
         self._index.clear()
+        self._fast.clear()
+        self._warned.clear()
 
     def __len__(self) -> int:
         return len(self.store)

@@ -58,7 +58,7 @@ def causal_conv1d_fn(
         tail = h[:, :, h.shape[2] - keep :].transpose(1, 2)
         if live is not None:
             slots, tail = slots[live], tail[live]
-        conv_states[slots, rows - keep :] = tail
+        conv_states[slots, rows - keep :] = tail.detach()  # states never join a graph
     if live is not None:
         out[~live] = 0
     return out
@@ -89,11 +89,12 @@ def causal_conv1d_update(
     if live is not None:
         out[~live] = 0
         slots, new_state = slots[live], new_state[live]
-    conv_state[slots] = new_state
+    conv_state[slots] = new_state.detach()  # states never join a graph
     return out.squeeze(1) if x.ndim == 2 else out
 
 
 _CAPS = dict(
+    autograd=True,  # plain torch ops; the state writes are detached
     devices={"cpu", "cuda"},
     dtypes={"float32", "bfloat16", "float16", "float64"},
     width=(1, None),

@@ -22,7 +22,7 @@ def add_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
     return F.rms_norm(s, (s.shape[-1],), 1 + weight, eps), s
 
 
-_CAPS = Capabilities(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"})
+_CAPS = Capabilities(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"}, autograd=True)
 _WHAT = "F.rms_norm(x, (D,), 1 + weight, eps)"
 
 

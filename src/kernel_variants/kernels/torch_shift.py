@@ -66,7 +66,7 @@ def causal_conv1d_fn(
         if keep > 0:
             # index_put_ on the caller's view writes through to its storage, also when the
             # pool is a non-contiguous slice.
-            conv_states[slots, rows - keep :] = tail
+            conv_states[slots, rows - keep :] = tail.detach()  # states never join a graph
     return out
 
 
@@ -108,11 +108,12 @@ def causal_conv1d_update(
     if live is not None:
         out[~live] = 0
         slots, new_state = slots[live], new_state[live]
-    conv_state[slots] = new_state
+    conv_state[slots] = new_state.detach()  # states never join a graph
     return out.squeeze(1) if x.ndim == 2 else out
 
 
 _CAPS = dict(
+    autograd=True,  # plain torch ops; the state writes are detached
     devices={"cpu", "cuda", "npu"},
     dtypes={"float32", "bfloat16", "float16", "float64"},
     width=(1, None),

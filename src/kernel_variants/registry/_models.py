@@ -68,6 +68,9 @@ class Capabilities(BaseModel):
     devices: frozenset[DeviceType]
     dtypes: frozenset[DTypeName]
     limits: Mapping[str, Range] = Field(default_factory=dict)
+    # Its outputs carry correct gradients (to every differentiable input) when inputs require
+    # grad. A call that needs grad goes only to variants that say so, never to a detached output.
+    autograd: bool = False
 
     @field_validator("limits")
     @classmethod
@@ -82,6 +85,8 @@ class Capabilities(BaseModel):
             return f"device {key.device} not in {sorted(self.devices)}"
         if key.dtype not in self.dtypes:
             return f"dtype {key.dtype} not in {sorted(self.dtypes)}"
+        if "autograd" in key.extra and not self.autograd:
+            return "no autograd support (an input requires grad)"
         for axis, value in zip(key.spec.axes, key.shape, strict=True):
             bounds = self.limits.get(axis)
             if bounds is not None and not in_range(value, bounds):

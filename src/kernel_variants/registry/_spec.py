@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 Shape = tuple[int, ...]
+AUTOGRAD = frozenset({"autograd"})  # a CallKey extra: some input requires grad, and grad mode is on
 # What an op's check returns: (device type, dtype name, features, shape, extra); the core adds the spec.
 KeyParts = tuple[str, str, "Features", Shape, frozenset[str]]
 
@@ -216,30 +217,60 @@ class OpSpec:
         return self._sig
 
     @functools.cached_property
-    def memo_key(self) -> Callable[[Sequence[Any], Any], tuple[Any, ...]]:
-        """``memo_key(args, pins)``: what a memoised decision and metadata check depend on: the
-        pins in force, each tensor's shape, dtype and device (and strides, for the tensors the op
-        mutates, whose layout decides which variants can write them), and every other argument
-        with its type (``1.0 == 1 == True`` would share an entry otherwise). Generated from the
-        signature's annotations, so a call builds it without a loop; a non-tensor passed where a
-        tensor is declared raises ``AttributeError``, and the call is then validated unmemoised."""
+    def _tensor_params(self) -> tuple[tuple[int, bool], ...]:
+        """(index, optional) of each parameter annotated as a tensor."""
         import torch
 
         hints = typing.get_type_hints(self.signature)
-        parts = ["self"]
+        out = []
         for i, name in enumerate(self.params):
             hint = hints.get(name)
+            if hint is torch.Tensor:
+                out.append((i, False))
+            elif hint == torch.Tensor | None or hint == typing.Optional[torch.Tensor]:  # noqa: UP045
+                out.append((i, True))
+        return tuple(out)
+
+    @functools.cached_property
+    def tensor_indices(self) -> tuple[int, ...]:
+        return tuple(i for i, _ in self._tensor_params)
+
+    @functools.cached_property
+    def mutated_indices(self) -> tuple[int, ...]:
+        return tuple(self.params.index(n) for n in self.mutates)
+
+    @functools.cached_property
+    def memo_key(self) -> Callable[[Sequence[Any], Any], tuple[Any, ...]]:
+        """``memo_key(args, pins)``: what a memoised decision and metadata check depend on: the
+        pins in force, each tensor's shape, dtype and device (and strides, for the tensors the op
+        mutates, whose layout decides which variants can write them), whether the call needs
+        autograd, and every other argument with its type (``1.0 == 1 == True`` would share an
+        entry otherwise). Generated from the signature's annotations, so a call builds it without
+        a loop; a non-tensor passed where a tensor is declared raises ``AttributeError``, and the
+        call is then validated unmemoised."""
+        tensors = dict(self._tensor_params)
+        parts = ["self", "_needs_grad(a)"]
+        for i, name in enumerate(self.params):
             a = f"a[{i}]"
             meta = f"{a}.shape, {a}.dtype, {a}.device" + (f", {a}.stride()" if name in self.mutates else "")
-            if hint is torch.Tensor:
-                parts.append(meta)
-            elif hint == torch.Tensor | None or hint == typing.Optional[torch.Tensor]:  # noqa: UP045
+            if i not in tensors:
+                parts.append(f"{a}, type({a})")
+            elif tensors[i]:
                 parts.append(f"None if {a} is None else ({meta})")
             else:
-                parts.append(f"{a}, type({a})")
-        namespace: dict[str, Any] = {"self": self}
+                parts.append(meta)
+        namespace: dict[str, Any] = {"self": self, "_needs_grad": self.needs_grad}
         exec(f"def memo_key(a, pins):\n    return (pins, {', '.join(parts)})\n", namespace)  # noqa: S102 - from the signature
         return namespace["memo_key"]
+
+    def needs_grad(self, args: Sequence[Any]) -> bool:
+        """Whether the call must give a differentiable output: grad mode on and a tensor argument
+        that requires grad."""
+        import torch
+
+        if not torch.is_grad_enabled():
+            return False
+        return any(args[i] is not None and args[i].requires_grad for i in self.tensor_indices)
 
     @functools.cached_property
     def invoke(self) -> Callable[[Callable[..., Any], Sequence[Any]], Any]:
@@ -261,8 +292,12 @@ class OpSpec:
         return tuple(bound.arguments[n] for n in self.params)
 
     def key(self, args: Sequence[Any], values: bool) -> CallKey:
-        """Validate a call given in signature order and return its key."""
-        return CallKey(self, *self.check(*args, values=values))
+        """Validate a call given in signature order and return its key (``extra`` gains
+        ``"autograd"`` when the output must be differentiable)."""
+        device, dtype, features, shape, extra = self.check(*args, values=values)
+        if self.needs_grad(args):
+            extra = extra | AUTOGRAD
+        return CallKey(self, device, dtype, features, shape, extra)
 
     def key_of(self, *args: Any, values: bool = True, **kwargs: Any) -> CallKey:
         """Validate a call given as it would be written and return its key."""

@@ -39,7 +39,7 @@ def causal_conv1d_fn(
     """x: [B, L, D] or [T, D] with query_start_loc [B+1]; weight: [D, W]; bias: [D];
     conv_states: [N, S, D] updated in place (any strides). Returns x's shape."""
     if x.stride(-1) != 1:  # the kernel vectorises along D; weight, bias and state take any strides
-        x = x.contiguous()
+        x = _dense(x)
     return _build.load_extension().fwd(x, weight, bias, conv_states, cache_indices, has_initial_state,
                                        query_start_loc, activation is not None, pad_slot_id)
 
@@ -58,7 +58,7 @@ def causal_conv1d_update(
     """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place (any strides);
     weight: [D, W]; conv_state_indices, num_accepted_tokens: [B]. Returns x's shape."""
     if x.stride(-1) != 1:
-        x = x.contiguous()
+        x = _dense(x)
     return _build.load_extension().update(x, conv_state, weight, bias, activation is not None,
                                           conv_state_indices, num_accepted_tokens, pad_slot_id)
 
@@ -77,10 +77,16 @@ _NATIVE = _native(_build.CONV)
 _NATIVE_RMS = _native(_build.RMS)
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    # Not .contiguous(): an empty tensor counts as contiguous whatever its strides, and the
+    # kernels check the channel stride of empty inputs too.
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """[..., D] as [T, D] with unit channel stride: a view when one exists (any row stride)."""
     if t.stride(-1) != 1:
-        t = t.contiguous()
+        t = _dense(t)
     try:
         return t.view(-1, t.shape[-1])
     except RuntimeError:  # leading dims that cannot be flattened without a copy

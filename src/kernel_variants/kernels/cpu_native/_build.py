@@ -72,8 +72,10 @@ def _build_tag(torch_version: str, ext: Extension) -> str:
     for path in source_files(ext):
         h.update(path.name.encode())
         h.update(path.read_bytes())
+    # The source directory too: ninja's build file names the sources by path, so a second
+    # install (another virtualenv) sharing the cache would otherwise recompile in silence.
     for part in (*_CFLAGS, os.environ.get("CXX", ""), torch_version,
-                 sys.implementation.cache_tag or "", platform.machine()):
+                 sys.implementation.cache_tag or "", platform.machine(), str(_CSRC)):
         h.update(part.encode() + b"\0")
     return f"{torch_version.split('+')[0]}-{h.hexdigest()[:16]}"
 

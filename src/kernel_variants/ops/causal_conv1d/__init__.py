@@ -175,7 +175,7 @@ def _update_signature(
 
 
 _REFERENCE_CAPS = dict(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16", "float64"},
-                       width=(1, None), noncontiguous_states=True)
+                       width=(1, None), noncontiguous_states=True, autograd=True)
 _ORACLE = "the contract in plain torch, per sequence; the oracle for every other variant"
 _SWEEPS = _sweeps.sweeps()
 

@@ -13,6 +13,14 @@ import torch.nn.functional as F
 from kernel_variants._dtypes import acc_dtype
 
 
+def _in_pool(slots: list[int], n_slots: int, pad: int | None, name: str) -> None:
+    """Every slot (but the pad) inside the pool, checked before anything is written: an index
+    out of range must not half-write the pool, nor a negative one write another slot."""
+    for b, s in enumerate(slots):
+        if s != pad and not 0 <= s < n_slots:
+            raise ValueError(f"{name}: expected slot indices in [0, {n_slots}), got {s} at position {b}")
+
+
 def _conv(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     """h: [W-1+L, D] history then tokens; weight: [D, W]; returns [L, D] in h's dtype."""
     width = weight.shape[1]
@@ -51,6 +59,8 @@ def causal_conv1d_fn(
         starts = query_start_loc.tolist()
         bounds = [(b, starts[b], starts[b + 1]) for b in range(len(starts) - 1)]
     slots = cache_indices.tolist() if cache_indices is not None else list(range(len(bounds)))
+    if conv_states is not None:
+        _in_pool(slots, conv_states.shape[0], pad_slot_id if cache_indices is not None else None, "cache_indices")
     init = has_initial_state.tolist() if has_initial_state is not None else [False] * len(bounds)
     out = torch.zeros_like(x)
     writes: list[tuple[int, torch.Tensor]] = []
@@ -70,7 +80,7 @@ def causal_conv1d_fn(
         else:
             out[start:end] = y.to(x.dtype)
         if conv_states is not None and keep > 0:
-            writes.append((slot, h[h.shape[0] - keep :]))
+            writes.append((slot, h[h.shape[0] - keep :].detach()))  # states never join a graph
     for slot, rows in writes:
         conv_states[slot, conv_states.shape[1] - keep :] = rows.to(conv_states.dtype)
     return out
@@ -98,6 +108,8 @@ def causal_conv1d_update(
     batch, length, _ = x3.shape
     rows = conv_state.shape[1]
     slots = conv_state_indices.tolist() if conv_state_indices is not None else list(range(batch))
+    _in_pool(slots, conv_state.shape[0], pad_slot_id if conv_state_indices is not None else None,
+             "conv_state_indices")
     accepted = num_accepted_tokens.tolist() if num_accepted_tokens is not None else None
     out = torch.zeros_like(x3)
     writes: list[tuple[int, torch.Tensor]] = []
@@ -116,7 +128,7 @@ def causal_conv1d_update(
             stream = torch.cat([state[n : n + max(rows - length, 0)], xb])
         new_state = stream[stream.shape[0] - rows :]
         out[b] = _conv(torch.cat([hist, xb]), weight, bias, silu).to(x.dtype)
-        writes.append((slot, new_state))
+        writes.append((slot, new_state.detach()))  # states never join a graph
     for slot, new_state in writes:
         conv_state[slot] = new_state.to(conv_state.dtype)
     return out.squeeze(1) if x.ndim == 2 else out

@@ -49,7 +49,7 @@ def _add_signature(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
     raise NotImplementedError  # a signature: the dispatched function is made from it
 
 
-_ANY = dict(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"})
+_ANY = dict(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"}, autograd=True)
 _ORACLE = "the contract in plain torch, fp32; the oracle for every other variant"
 
 FN_SPEC = OpSpec(

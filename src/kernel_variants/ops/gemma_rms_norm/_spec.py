@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kernel_variants._dtypes import dtype_name
+from kernel_variants._dtypes import acc_dtype, dtype_name
 from kernel_variants._validate import like_x, shape_str, tensor
 from kernel_variants.registry import Capabilities, Case, Features, Sweep
 from kernel_variants.registry._spec import KeyParts
@@ -83,10 +83,12 @@ def no_values(*args: object) -> None:
 
 
 def _normalize(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """s: [..., D] in x's dtype; the normalisation in fp32, returned in s's dtype."""
-    f = s.float()
+    """s: [..., D] in x's dtype; the normalisation in fp32 (fp64 for fp64, for gradcheck),
+    returned in s's dtype."""
+    acc = acc_dtype(s.dtype)
+    f = s.to(acc)
     rms = torch.rsqrt(f.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (f * rms * (1.0 + weight.float())).to(s.dtype)
+    return (f * rms * (1.0 + weight.to(acc))).to(s.dtype)
 
 
 def reference_fn(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
