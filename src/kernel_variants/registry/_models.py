@@ -71,6 +71,10 @@ class Capabilities(BaseModel):
     # Its outputs carry correct gradients (to every differentiable input) when inputs require
     # grad. A call that needs grad goes only to variants that say so, never to a detached output.
     autograd: bool = False
+    # Safe inside a CUDA/NPU graph capture: no host synchronisation (no .item(), .tolist(),
+    # nonzero() or boolean-mask indexing), no allocation a replay would not repeat. Under
+    # capture the dispatcher chooses only among variants that say so.
+    graph_safe: bool = False
 
     @field_validator("limits")
     @classmethod
@@ -87,6 +91,8 @@ class Capabilities(BaseModel):
             return f"dtype {key.dtype} not in {sorted(self.dtypes)}"
         if "autograd" in key.extra and not self.autograd:
             return "no autograd support (an input requires grad)"
+        if "capture" in key.extra and not self.graph_safe:
+            return "not declared graph_safe (a CUDA/NPU graph is being captured)"
         for axis, value in zip(key.spec.axes, key.shape, strict=True):
             bounds = self.limits.get(axis)
             if bounds is not None and not in_range(value, bounds):

@@ -26,6 +26,22 @@ if TYPE_CHECKING:
 
 Shape = tuple[int, ...]
 AUTOGRAD = frozenset({"autograd"})  # a CallKey extra: some input requires grad, and grad mode is on
+CAPTURE = frozenset({"capture"})  # a CallKey extra: a CUDA/NPU graph is being captured
+
+
+def _capture_of(t: Any) -> bool:
+    """Whether a graph is being captured on ``t``'s device (never for the CPU: no lookup)."""
+    if t.is_cpu:
+        return False
+    from kernel_variants._capture import capturing
+
+    return capturing(t.device.type)
+
+
+def _compiling() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
 # What an op's check returns: (device type, dtype name, features, shape, extra); the core adds the spec.
 KeyParts = tuple[str, str, "Features", Shape, frozenset[str]]
 
@@ -249,7 +265,7 @@ class OpSpec:
         a loop; a non-tensor passed where a tensor is declared raises ``AttributeError``, and the
         call is then validated unmemoised."""
         tensors = dict(self._tensor_params)
-        parts = ["self", "_needs_grad(a)"]
+        parts = ["self", "_needs_grad(a)", f"_capturing(a[{self.tensor_indices[0]}])"]
         for i, name in enumerate(self.params):
             a = f"a[{i}]"
             meta = f"{a}.shape, {a}.dtype, {a}.device" + (f", {a}.stride()" if name in self.mutates else "")
@@ -259,7 +275,7 @@ class OpSpec:
                 parts.append(f"None if {a} is None else ({meta})")
             else:
                 parts.append(meta)
-        namespace: dict[str, Any] = {"self": self, "_needs_grad": self.needs_grad}
+        namespace: dict[str, Any] = {"self": self, "_needs_grad": self.needs_grad, "_capturing": _capture_of}
         exec(f"def memo_key(a, pins):\n    return (pins, {', '.join(parts)})\n", namespace)  # noqa: S102 - from the signature
         return namespace["memo_key"]
 
@@ -297,6 +313,11 @@ class OpSpec:
         device, dtype, features, shape, extra = self.check(*args, values=values)
         if self.needs_grad(args):
             extra = extra | AUTOGRAD
+        if device != "cpu":
+            from kernel_variants._capture import capturing
+
+            if capturing(device) and not _compiling():
+                extra = extra | CAPTURE
         return CallKey(self, device, dtype, features, shape, extra)
 
     def key_of(self, *args: Any, values: bool = True, **kwargs: Any) -> CallKey:
