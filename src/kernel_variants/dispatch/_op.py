@@ -34,8 +34,9 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 def guard_writes(spec: OpSpec, args: tuple[Any, ...]) -> None:
     """Before anything runs: no argument may share memory with a tensor the op writes (the
     answer would depend on the order a variant reads and writes in), and an inference tensor
-    cannot be written outside inference mode. One behaviour whichever variant runs."""
-    tensors = spec.tensor_indices
+    cannot be written outside inference mode. One behaviour whichever variant runs. Only
+    tensors of the written tensor's dtype are compared (index tensors cannot alias a float pool
+    but by a deliberate reinterpretation), each by its storage first: a pointer compare."""
     for mi in spec.mutated_indices:
         m = args[mi]
         if m is None or m.numel() == 0:
@@ -43,11 +44,14 @@ def guard_writes(spec: OpSpec, args: tuple[Any, ...]) -> None:
         if m.is_inference() and not torch.is_inference_mode_enabled():
             raise ValueError(f"{spec.params[mi]}: an inference tensor (made under torch.inference_mode) cannot be "
                              "updated outside inference mode; allocate it outside, or call inside inference_mode")
+        dtype = m.dtype
         storage = m.untyped_storage().data_ptr()
         lo = hi = None
-        for i in tensors:
+        for i in spec.tensor_indices:
             a = args[i]
-            if i == mi or a is None or a.numel() == 0 or a.untyped_storage().data_ptr() != storage:
+            if i == mi or a is None or a.dtype != dtype or a.untyped_storage().data_ptr() != storage:
+                continue
+            if a.numel() == 0:
                 continue
             if lo is None:
                 lo, hi = _extent(m)

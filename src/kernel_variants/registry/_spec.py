@@ -264,8 +264,13 @@ class OpSpec:
         entry otherwise). Generated from the signature's annotations, so a call builds it without
         a loop; a non-tensor passed where a tensor is declared raises ``AttributeError``, and the
         call is then validated unmemoised."""
+        import torch
+
         tensors = dict(self._tensor_params)
-        parts = ["self", "_needs_grad(a)", f"_capturing(a[{self.tensor_indices[0]}])"]
+        # Inline, short-circuiting on grad mode: serving runs under no_grad/inference_mode.
+        grads = " or ".join(f"({'a[%d] is not None and ' % i if opt else ''}a[{i}].requires_grad)"
+                            for i, opt in self._tensor_params)
+        parts = ["self", f"(_grad_enabled() and ({grads}))", f"_capturing(a[{self.tensor_indices[0]}])"]
         for i, name in enumerate(self.params):
             a = f"a[{i}]"
             meta = f"{a}.shape, {a}.dtype, {a}.device" + (f", {a}.stride()" if name in self.mutates else "")
@@ -275,7 +280,7 @@ class OpSpec:
                 parts.append(f"None if {a} is None else ({meta})")
             else:
                 parts.append(meta)
-        namespace: dict[str, Any] = {"self": self, "_needs_grad": self.needs_grad, "_capturing": _capture_of}
+        namespace: dict[str, Any] = {"self": self, "_grad_enabled": torch.is_grad_enabled, "_capturing": _capture_of}
         exec(f"def memo_key(a, pins):\n    return (pins, {', '.join(parts)})\n", namespace)  # noqa: S102 - from the signature
         return namespace["memo_key"]
 
