@@ -35,7 +35,7 @@ class Extension:
 
     @property
     def headers(self) -> tuple[str, ...]:
-        return (f"{self.name}_kernel.h", f"{self.name}_params.h")
+        return (f"{self.name}_kernel.h", f"{self.name}_params.h", "cpu_common.h")
 
 
 CONV = Extension("causal_conv1d")

@@ -31,8 +31,9 @@
 #include "causal_conv1d_kernel.h"
 #undef KV_ISA_NS
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define KV_X86_BUILDS 1
+#include "cpu_common.h"
+
+#if KV_X86_BUILDS
 namespace kv_cconv {
 namespace avx2 {
 void fwd_range(const Params& p, int64_t begin, int64_t end);
@@ -47,8 +48,6 @@ void fwd_range(const Params& p, int64_t begin, int64_t end);
 void update_range(const Params& p, int64_t begin, int64_t end);
 }  // namespace avx512bf16
 }  // namespace kv_cconv
-#else
-#define KV_X86_BUILDS 0
 #endif
 
 namespace kv_cconv {
@@ -66,17 +65,8 @@ struct Impl {
   RangeFn upd[3];
 };
 
-// Honors ATEN_CPU_CAPABILITY (default / avx2 / avx512) as an upper bound,
-// like ATen's own kernels, so every build can be exercised on one machine.
 Impl select_impl() {
-  std::string want;
-  if (const char* e = std::getenv("ATEN_CPU_CAPABILITY")) want = e;
-  std::transform(want.begin(), want.end(), want.begin(),
-                 [](unsigned char c) { return std::tolower(c); });
-  int cap = 3;
-  if (want == "default") cap = 0;
-  if (want == "avx2") cap = 1;
-  if (want == "avx512") cap = 2;
+  const int level = kv_cpu::isa_level();
   Impl k{};
   auto set_all = [&k](RangeFn f, RangeFn u) {
     for (int i = 0; i < 3; ++i) {
@@ -86,24 +76,15 @@ Impl select_impl() {
   };
   set_all(generic::fwd_range, generic::update_range);
 #if KV_X86_BUILDS
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") &&
-                    __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
-                      __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") &&
-                      __builtin_cpu_supports("avx512dq");
-  const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
-  if (cap >= 1 && avx2) set_all(avx2::fwd_range, avx2::update_range);
-  if (cap >= 2 && avx512) set_all(avx512::fwd_range, avx512::update_range);
-  if (cap >= 3 && bf16) {
+  if (level >= 1) set_all(avx2::fwd_range, avx2::update_range);
+  if (level >= 2) set_all(avx512::fwd_range, avx512::update_range);
+  if (level >= 3) {
     const int i = static_cast<int>(DType::BF16);
     k.fwd[i] = avx512bf16::fwd_range;
     k.upd[i] = avx512bf16::update_range;
   }
 #else
-  (void)cap;
+  (void)level;
 #endif
   return k;
 }
@@ -111,26 +92,6 @@ Impl select_impl() {
 const Impl& impl() {
   static const Impl k = select_impl();
   return k;
-}
-
-// Large outputs are fresh mmap'd memory that the kernel faults in page by
-// page; asking for transparent huge pages first (only a hint, errors are
-// ignored) cuts that cost by ~2x for multi-hundred-MB prefill outputs.
-constexpr size_t kHugePage = size_t{1} << 21;
-constexpr size_t kHugeOutBytes = size_t{4} << 20;
-
-at::Tensor alloc_out(const at::Tensor& x) {
-  at::Tensor out = at::empty(x.sizes(), x.options());
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  const size_t bytes = static_cast<size_t>(out.numel()) * out.element_size();
-  if (bytes >= kHugeOutBytes) {
-    const uintptr_t p = reinterpret_cast<uintptr_t>(out.data_ptr());
-    const uintptr_t lo = (p + kHugePage - 1) & ~(kHugePage - 1);
-    const uintptr_t hi = (p + bytes) & ~(kHugePage - 1);
-    if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-  }
-#endif
-  return out;
 }
 
 DType to_dtype(const at::Tensor& t, const char* name) {
@@ -282,7 +243,7 @@ at::Tensor fwd(const at::Tensor& x, const at::Tensor& weight,
   p.silu = silu;
   p.dim = D;
 
-  at::Tensor out = alloc_out(x);
+  at::Tensor out = kv_cpu::alloc_out(x);
   p.x = x.data_ptr();
   p.out = out.data_ptr();
   p.x_rs = x.stride(-2);
@@ -397,7 +358,7 @@ at::Tensor update(const at::Tensor& x, const at::Tensor& conv_state,
   const int64_t S = p.st_rows;
   const int64_t n_slots = conv_state.size(0);
 
-  at::Tensor out = alloc_out(x);
+  at::Tensor out = kv_cpu::alloc_out(x);
   p.x = x.data_ptr();
   p.out = out.data_ptr();
   p.x_rs = x.dim() == 3 ? x.stride(1) : 0;

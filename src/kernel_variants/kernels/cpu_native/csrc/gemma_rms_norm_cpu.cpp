@@ -42,8 +42,9 @@
 #include "gemma_rms_norm_kernel.h"
 #undef KV_GRMS_ISA_NS
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define KV_GRMS_X86_BUILDS 1
+#include "cpu_common.h"
+
+#if KV_X86_BUILDS
 namespace kv_grms {
 namespace avx2 {
 void norm_range(const Params& p, int64_t begin, int64_t end);
@@ -55,8 +56,6 @@ namespace avx512bf16 {  // bf16 data only
 void norm_range(const Params& p, int64_t begin, int64_t end);
 }
 }  // namespace kv_grms
-#else
-#define KV_GRMS_X86_BUILDS 0
 #endif
 
 namespace kv_grms {
@@ -75,36 +74,19 @@ struct Impl {
   RangeFn fn[3];  // indexed by DType
 };
 
-// Honors ATEN_CPU_CAPABILITY (default / avx2 / avx512) as an upper bound,
-// like ATen's own kernels, so every build can be exercised on one machine.
 Impl select_impl() {
-  std::string want;
-  if (const char* e = std::getenv("ATEN_CPU_CAPABILITY")) want = e;
-  std::transform(want.begin(), want.end(), want.begin(),
-                 [](unsigned char c) { return std::tolower(c); });
-  int cap = 3;
-  if (want == "default") cap = 0;
-  if (want == "avx2") cap = 1;
-  if (want == "avx512") cap = 2;
+  const int level = kv_cpu::isa_level();
   Impl k{};
   auto set_all = [&k](RangeFn f) {
     for (auto& s : k.fn) s = f;
   };
   set_all(generic::norm_range);
-#if KV_GRMS_X86_BUILDS
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
-                      __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") &&
-                      __builtin_cpu_supports("avx512dq");
-  const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
-  if (cap >= 1 && avx2) set_all(avx2::norm_range);
-  if (cap >= 2 && avx512) set_all(avx512::norm_range);
-  if (cap >= 3 && bf16) k.fn[static_cast<int>(DType::BF16)] = avx512bf16::norm_range;
+#if KV_X86_BUILDS
+  if (level >= 1) set_all(avx2::norm_range);
+  if (level >= 2) set_all(avx512::norm_range);
+  if (level >= 3) k.fn[static_cast<int>(DType::BF16)] = avx512bf16::norm_range;
 #else
-  (void)cap;
+  (void)level;
 #endif
   return k;
 }
@@ -116,7 +98,7 @@ const Impl& impl() {
 
 // Which build serves each dtype (for tests / diagnostics).
 std::string isa_name(RangeFn f) {
-#if KV_GRMS_X86_BUILDS
+#if KV_X86_BUILDS
   if (f == avx2::norm_range) return "avx2";
   if (f == avx512::norm_range) return "avx512";
   if (f == avx512bf16::norm_range) return "avx512bf16";
@@ -124,24 +106,6 @@ std::string isa_name(RangeFn f) {
   return "default";
 }
 
-// Large outputs are fresh mmap'd memory faulted in page by page; ask for
-// transparent huge pages (a hint; errors ignored), as the conv kernel does.
-constexpr size_t kHugePage = size_t{1} << 21;
-constexpr size_t kHugeOutBytes = size_t{4} << 20;
-
-at::Tensor alloc_out(const at::Tensor& x) {
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  const size_t bytes = static_cast<size_t>(out.numel()) * out.element_size();
-  if (bytes >= kHugeOutBytes) {
-    const uintptr_t p = reinterpret_cast<uintptr_t>(out.data_ptr());
-    const uintptr_t lo = (p + kHugePage - 1) & ~(kHugePage - 1);
-    const uintptr_t hi = (p + bytes) & ~(kHugePage - 1);
-    if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-  }
-#endif
-  return out;
-}
 
 DType to_dtype(at::ScalarType t) {
   switch (t) {
@@ -202,8 +166,8 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::T
   const at::Tensor w = weight_view(weight, x);
   const int64_t T = x.size(0), D = x.size(1);
 
-  at::Tensor out = alloc_out(x);
-  at::Tensor sum = residual_in ? alloc_out(x) : at::Tensor();
+  at::Tensor out = kv_cpu::alloc_out(x);
+  at::Tensor sum = residual_in ? kv_cpu::alloc_out(x) : at::Tensor();
   if (T == 0 || D == 0) return {out, sum};
 
   Params p{};

@@ -1,0 +1,69 @@
+// What every cpu_native extension shares: which ISA build to run, and how outputs are allocated.
+// Included by each extension's first (baseline-ISA) translation unit only.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define KV_X86_BUILDS 1
+#else
+#define KV_X86_BUILDS 0
+#endif
+
+namespace kv_cpu {
+
+// 0: portable, 1: AVX2 (+FMA, F16C), 2: AVX-512 (F, BW, VL, DQ), 3: AVX-512 with BF16. What the
+// CPU supports, capped by ATEN_CPU_CAPABILITY (default / avx2 / avx512) like ATen's own kernels,
+// so every build can be exercised on one machine.
+inline int isa_level() {
+  std::string want;
+  if (const char* e = std::getenv("ATEN_CPU_CAPABILITY")) want = e;
+  std::transform(want.begin(), want.end(), want.begin(), [](unsigned char c) { return std::tolower(c); });
+  int cap = 3;
+  if (want == "default") cap = 0;
+  if (want == "avx2") cap = 1;
+  if (want == "avx512") cap = 2;
+#if KV_X86_BUILDS
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+  return std::min(cap, bf16 ? 3 : avx512 ? 2 : avx2 ? 1 : 0);
+#else
+  (void)cap;
+  return 0;
+#endif
+}
+
+// Large outputs are fresh mmap'd memory that the kernel faults in page by page; asking for
+// transparent huge pages first (only a hint, errors are ignored) cuts that cost by ~2x for
+// multi-hundred-MB outputs.
+inline at::Tensor alloc_out(const at::Tensor& x) {
+  constexpr size_t kHugePage = size_t{1} << 21;
+  constexpr size_t kHugeOutBytes = size_t{4} << 20;
+  at::Tensor out = at::empty(x.sizes(), x.options());
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const size_t bytes = static_cast<size_t>(out.numel()) * out.element_size();
+  if (bytes >= kHugeOutBytes) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(out.data_ptr());
+    const uintptr_t lo = (p + kHugePage - 1) & ~(kHugePage - 1);
+    const uintptr_t hi = (p + bytes) & ~(kHugePage - 1);
+    if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  }
+#endif
+  return out;
+}
+
+}  // namespace kv_cpu
