@@ -17,7 +17,7 @@ from kernel_variants.ops.causal_conv1d import _reference as reference
 from kernel_variants.ops.causal_conv1d._cases import make_case
 
 NPU = [("causal_conv1d_fn", "asc"), ("causal_conv1d_update", "asc"), ("causal_conv1d_fn", "pto"),
-       ("causal_conv1d_update", "npu_triton_update")]
+       ("causal_conv1d_update", "npu_triton_update"), ("causal_conv1d_update", "npu_conv_update")]
 CUDA = [("causal_conv1d_fn", "triton"), ("causal_conv1d_update", "triton"), ("causal_conv1d_fn", "dao"),
         ("causal_conv1d_update", "dao")]
 

@@ -18,6 +18,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("asc", "kernel_variants.kernels.asc"),
     ("pto", "kernel_variants.kernels.pto"),
     ("npu_triton", "kernel_variants.kernels.npu_triton"),
+    ("npu_conv_update", "kernel_variants.kernels.npu_conv_update"),
     ("triton", "kernel_variants.kernels.triton_conv"),
     ("dao", "kernel_variants.kernels.dao"),
     ("rms_aten", "kernel_variants.kernels.rms_aten"),

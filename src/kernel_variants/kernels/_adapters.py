@@ -8,14 +8,21 @@ kernel with its own schema and quirks. What they share lives here:
   registers it; :class:`FunctionRef` names a Python function. Both are recognised by what they
   are (the op's registered schema, the function's signature), never by version numbers, and say
   precisely why they cannot be used. Tests point them at CPU doubles of the real kernels.
-- Slots: slot ids as int32 for a kernel, a "safe" int64 copy for gathers, and which sequences
-  are live (not ``pad_slot_id``).
+- Slots: slot ids as int32 for a kernel, a "safe" int64 copy for gathers, which sequences are
+  live (not ``pad_slot_id``), and compact ids into a gathered buffer. Every kernel skips *any*
+  index equal to the pad id it is handed, so a pad id inside ``[0, B)`` (``pad_slot_id=0`` is
+  legal) would also skip the live sequence renumbered to it: compact ids always travel with
+  the negative marker :data:`COMPACT_PAD` instead, which no compact id can equal.
 - State pools. A kernel that needs a contiguous pool, or keeps its history elsewhere in a slot,
   gets a contiguous buffer gathered from the used slots; the rows it wrote are then scattered
   back into the caller's pool *in place*, through the caller's own tensor, so the update lands
   also when that pool is a non-contiguous view. Never ``pool.contiguous()``: for a strided pool
   that is a copy, and every state write into it is lost (the bug of SGLang's adoption of
   ``causal_conv1d_update_v2``).
+- No host synchronisation: nothing here reads a device tensor's values (no ``nonzero()``, no
+  boolean-mask indexing, no ``.item()``), so the adapters can run inside a CUDA/NPU graph
+  capture. Writing only the live sequences' rows back uses :func:`write_rows`, which redirects
+  padded entries to a live one instead of filtering them out.
 """
 
 from __future__ import annotations
@@ -77,6 +84,41 @@ def npu_reason() -> str | None:
     if npu is None or not npu.is_available():
         return "no Ascend NPU visible (torch.npu.is_available() is False)"
     return None
+
+
+def soc_name() -> str | None:
+    """The Ascend SoC name of the current NPU (``Ascend910B2``, ``Ascend950PR_9599``...), or None
+    where it cannot be read (no torch_npu, no NPU). Never raises."""
+    npu = getattr(torch, "npu", None)
+    try:
+        if npu is None or not npu.is_available():
+            return None
+        return str(npu.get_device_name())
+    except Exception:  # a driver that cannot answer is no reason to crash a probe
+        return None
+
+
+class FirstDevice:
+    """The device a kernel first ran on, for kernels that keep a static device buffer made on
+    their first call (sgl-kernel-npu's tiling caches: one NPU per process). ``check(device)``
+    remembers the first device and raises ``RuntimeError`` for any other one, instead of letting
+    the kernel read its tiling from another device's memory."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.device: torch.device | None = None
+        self._lock = threading.Lock()
+
+    def check(self, device: torch.device) -> None:
+        with self._lock:
+            if self.device is None:
+                self.device = device
+                return
+        if device != self.device:
+            raise RuntimeError(
+                f"{self.what} keeps its tiling cache in a static buffer on the device of its first call "
+                f"({self.device}); a call on {device} in the same process would read it from the wrong "
+                "device. Use one NPU per process (set ASCEND_RT_VISIBLE_DEVICES), or another variant.")
 
 
 @dataclass(frozen=True)
@@ -182,13 +224,18 @@ def int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
+COMPACT_PAD = -1  # the pad id handed to a kernel together with compact ids (never one of 0..B-1)
+
+
 class Slots:
-    """The slot of each of B sequences, each form computed on first use (a device op each).
+    """The slot of each of B sequences, each form computed on first use (a device op each, never
+    a host sync).
 
     ``kernel``: int32 slot ids as a kernel takes them (pad entries keep ``pad_slot_id``);
     ``live``: bool ``[B]``, or None when no entry can be a pad (``indices`` None); ``safe``:
     int64 ids with pad entries replaced by 0, for gathers; ``compact``: int32 ``[B]`` indices into
-    a gathered ``[B, ...]`` buffer, pad entries keeping ``pad_slot_id``.
+    a gathered ``[B, ...]`` buffer, pad entries set to :data:`COMPACT_PAD` (hand the kernel that
+    as its pad id: the caller's ``pad_slot_id`` may be one of 0..B-1).
     """
 
     def __init__(self, indices: torch.Tensor | None, batch: int, pad_slot_id: int, device: torch.device) -> None:
@@ -219,7 +266,25 @@ class Slots:
     def compact(self) -> torch.Tensor:
         if self.live is None:
             return self._seq
-        return torch.where(self.live, self._seq, self.pad_slot_id).to(torch.int32)
+        return torch.where(self.live, self._seq, COMPACT_PAD).to(torch.int32)
+
+    def compact_marked(self, marker: int) -> torch.Tensor:
+        """``compact`` with pad entries set to ``marker`` (negative) instead of COMPACT_PAD."""
+        if marker >= 0:
+            raise ValueError(f"a pad marker must be negative (no compact id), got {marker}")
+        if self.live is None or marker == COMPACT_PAD:
+            return self.compact
+        return torch.where(self.live, self._seq, marker).to(torch.int32)
+
+    def marked(self, marker: int) -> torch.Tensor:
+        """The caller's slot ids (int32) with every pad entry set to ``marker``: for a kernel that
+        must be handed a pad id of the adapter's choosing. ``marker`` must be negative, so that
+        it equals no slot of the pool."""
+        if marker >= 0:
+            raise ValueError(f"a pad marker must be negative (no slot id), got {marker}")
+        if self.live is None:
+            return self.kernel
+        return torch.where(self.live, self.kernel, marker).to(torch.int32)
 
 
 def gather_rows(pool: torch.Tensor, slots: Slots, rows: slice) -> torch.Tensor:
@@ -227,15 +292,49 @@ def gather_rows(pool: torch.Tensor, slots: Slots, rows: slice) -> torch.Tensor:
     return pool[:, rows].index_select(0, slots.safe)
 
 
+def write_rows(pool: torch.Tensor, rows: slice, slot_ids: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor | None = None) -> None:
+    """``pool[slot_ids[b], rows] = values[b]`` for every ``b`` with ``mask[b]`` (every ``b`` when
+    ``mask`` is None), in place in the caller's ``pool`` (a non-contiguous view included:
+    ``index_copy_`` on a view of it writes through). ``slot_ids``: int64 ``[B]``, valid even
+    where masked off; ``values``: ``[B, r, D]`` (or broadcastable to it).
+
+    No host synchronisation: instead of selecting the kept entries (``nonzero()``, a sync), each
+    masked-off entry is redirected to the first kept one, so it writes the very same values to
+    the very same slot (duplicate indices with identical values: the result does not depend on
+    their order). When no entry is kept, every entry writes back what ``slot_ids[0]`` holds."""
+    target = pool[:, rows]
+    batch = slot_ids.shape[0]
+    values = values.to(pool.dtype).expand(batch, *target.shape[1:])
+    if mask is None:
+        target.index_copy_(0, slot_ids, values)
+        return
+    first = mask.to(torch.int32).argmax()  # the first kept entry (0 when there is none)
+    src = torch.where(mask, torch.arange(batch, device=mask.device), first)
+    idx = slot_ids.index_select(0, src)
+    kept = values.index_select(0, src)
+    keep_any = mask.any()
+    unchanged = target.index_select(0, idx[:1])  # what slot_ids[first] holds now
+    target.index_copy_(0, idx, torch.where(keep_any, kept, unchanged))
+
+
 def scatter_rows(pool: torch.Tensor, slots: Slots, rows: slice, values: torch.Tensor) -> None:
     """``pool[slot_b, rows] = values[b]`` for every live sequence, in place in the caller's
-    ``pool`` (a non-contiguous view included): ``index_copy_`` on a view of it writes through."""
+    ``pool`` (a non-contiguous view included). No host sync (see :func:`write_rows`)."""
+    write_rows(pool, rows, slots.safe, values, slots.live)
+
+
+def zero_fresh_history(pool: torch.Tensor, slots: Slots, init: torch.Tensor, rows: slice) -> None:
+    """Zero, in place, the history rows of every live sequence without initial state.
+
+    For a kernel that skips empty sequences (varlen, length 0) without writing their state: the
+    contract gives such a sequence the zero history when it has no initial state. Zeroing the
+    history of *every* live sequence without initial state is harmless for the others: the
+    kernel reads no history for them and rewrites all W-1 rows. No host sync."""
+    fresh = ~init if slots.live is None else slots.live & ~init
     target = pool[:, rows]
-    if slots.live is None:
-        target.index_copy_(0, slots.safe, values.to(pool.dtype))
-        return
-    keep = slots.live.nonzero().squeeze(1)  # one sync; the contiguous fast paths never get here
-    target.index_copy_(0, slots.safe.index_select(0, keep), values.index_select(0, keep).to(pool.dtype))
+    zeros = target.new_zeros(1, *target.shape[1:])
+    write_rows(pool, rows, slots.safe, zeros, fresh)
 
 
 def zero_dead_rows(out: torch.Tensor, live: torch.Tensor | None, query_start_loc: torch.Tensor | None) -> torch.Tensor:
@@ -279,7 +378,8 @@ def spec_shift(old: torch.Tensor, x3: torch.Tensor, accepted: torch.Tensor) -> t
 # --------------------------------------------------------------------------------------------
 
 # call(x, weight_wd, states, query_start_loc_i32_or_None, cache_indices_i32, has_initial_state,
-#      bias, silu) -> out. ``states`` is [N', R, D'] with R == W-1, contiguous.
+#      bias, silu, pad_id) -> out. ``states`` is [N', R, D'] with R == W-1, contiguous; ``pad_id``
+# is the pad id that goes with ``cache_indices``.
 PrefillCall = Callable[..., torch.Tensor]
 
 
@@ -296,17 +396,23 @@ def prefill_rows0(
     pad_slot_id: int,
     *,
     dim_multiple: int = 1,
+    pad_marker: int | None = None,
 ) -> torch.Tensor:
     """``causal_conv1d_fn`` through a kernel with the Ascend layout: weight ``[W, D]`` contiguous,
-    history in rows ``0..W-2`` of a contiguous pool (written back there), int32 indices, padded
-    and empty sequences skipped (output rows of pads left as they were, state of an empty
-    sequence left unwritten), channel count a multiple of ``dim_multiple``.
+    history in rows ``0..W-2`` of a contiguous pool (written back there), int32 indices and
+    ``query_start_loc``, padded and empty sequences skipped (output rows of pads left as they
+    were, state of an empty sequence left unwritten), channel count a multiple of
+    ``dim_multiple``. ``pad_marker`` (negative): hand the kernel this pad id, with every pad
+    entry rewritten to it, instead of the caller's (a kernel whose caches key on the pad id).
 
-    Fast path, no copy of the pool: a contiguous pool with exactly W-1 rows, dense input,
-    channels already aligned. Otherwise the used history rows (the *last* W-1 of each slot) are
-    gathered into a contiguous ``[B, W-1, D]`` buffer, zeroed for sequences without initial
-    state (so an empty sequence ends with the zero history the contract asks for), the kernel
-    runs on the buffer with compact slot indices, and the buffer is scattered back in place.
+    Fast path, no copy of the pool: a contiguous pool with exactly W-1 rows and channels already
+    aligned; dense or packed (``query_start_loc`` and the caller's slot ids go to the kernel as
+    they are). Packed input can hold empty sequences, which the kernel skips: the history of
+    live sequences without initial state is zeroed first (:func:`zero_fresh_history`), so an
+    empty one ends with the contract's zero history. Otherwise the used history rows (the
+    *last* W-1 of each slot) are gathered into a contiguous ``[B, W-1, D]`` buffer, zeroed for
+    sequences without initial state, the kernel runs on the buffer with compact slot ids (pads
+    as :data:`COMPACT_PAD`), and the buffer is scattered back in place.
     """
     width = weight.shape[1]
     keep = width - 1
@@ -323,9 +429,15 @@ def prefill_rows0(
     if padded != dim:
         x_in, w_in, b_in = pad_channels(x_in, padded), pad_channels(w_in, padded), pad_channels(bias, padded)
     fast = (conv_states is not None and conv_states.is_contiguous() and conv_states.shape[1] == keep
-            and query_start_loc is None and padded == dim)
+            and padded == dim)
     if fast:
-        out = call(x_in, w_in, conv_states, qsl, slots.kernel, init, b_in, silu)
+        if query_start_loc is not None and keep > 0:
+            zero_fresh_history(conv_states, slots, init, slice(0, keep))
+        if pad_marker is None:
+            ids, pad_id = slots.kernel, pad_slot_id
+        else:
+            ids, pad_id = slots.marked(pad_marker), pad_marker
+        out = call(x_in, w_in, conv_states, qsl, ids, init, b_in, silu, pad_id)
     else:
         if conv_states is None:
             hist = x_in.new_zeros(batch, keep, padded)
@@ -335,7 +447,8 @@ def prefill_rows0(
             hist = gather_rows(conv_states, slots, slice(rows - keep, rows))
             hist.masked_fill_(~init.view(-1, 1, 1), 0)
             hist = pad_channels(hist, padded).contiguous()
-        out = call(x_in, w_in, hist, qsl, slots.compact, init, b_in, silu)
+        pad_id = COMPACT_PAD if pad_marker is None else pad_marker
+        out = call(x_in, w_in, hist, qsl, slots.compact_marked(pad_id), init, b_in, silu, pad_id)
         if conv_states is not None:
             rows = conv_states.shape[1]
             scatter_rows(conv_states, slots, slice(rows - keep, rows), hist[..., :dim])

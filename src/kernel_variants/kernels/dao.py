@@ -15,7 +15,11 @@ tensors, never copies that would lose a write:
   any strides), with int32 slot indices (pad entries as -1, which the kernel skips and zeroes);
   its state update is the contract's (the last S rows of slot ++ x), so it lands in place. No
   num_accepted_tokens.
+- bias: the C++ side requires ``bias.stride(-1) == 1`` (both ops; the Python wrapper of the
+  prefill makes it contiguous, the decode one does not): the adapter passes it contiguous.
 - fp32, fp16, bf16; W in 2..4; CUDA only.
+- graph_safe: decode only (the slot ids go through ``torch.where``, nothing is read back);
+  prefill is not declared, as the package's prefill wrapper has not been checked for host reads.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ class DaoAdapter(LazyKernel):
         padded = round_up(dim, CHANNEL_LAST_MULTIPLE)
         xt = pad_channels(x.contiguous(), padded).transpose(1, 2)  # [B, D, L], channel-last memory
         w = pad_channels(weight.t(), padded).t().contiguous() if padded != dim else weight.contiguous()
-        b = pad_channels(bias, padded)
+        b = pad_channels(bias.contiguous(), padded) if bias is not None else None
         if conv_states is None:
             out = fn(xt, w, b, activation=activation)
             return out.transpose(1, 2)[..., :dim].contiguous()
@@ -108,6 +112,7 @@ class DaoAdapter(LazyKernel):
         slots = Slots(conv_state_indices, x3.shape[0], pad_slot_id, x.device)
         # The kernel skips negative slots (and zeroes their output); pad entries become -1.
         idx = torch.where(slots.live, slots.kernel, -1).to(torch.int32) if slots.live is not None else slots.kernel
+        bias = bias.contiguous() if bias is not None else None  # the C++ side checks bias.stride(-1) == 1
         out = update(x3.transpose(1, 2), conv_state.transpose(1, 2), weight, bias, activation=activation,
                      conv_state_indices=idx)
         out = out.transpose(1, 2)
@@ -123,7 +128,8 @@ def variants(adapter: DaoAdapter, *, vid: str = "dao", devices=frozenset({"cuda"
                 priority=priority, sources=sources, capabilities=ConvCapabilities(varlen=False, **common),
                 description="causal-conv1d (Dao-AILab) CUDA prefill, channel-last through views"),
         Variant(id=vid, op="causal_conv1d_update", version=version, fn=adapter.causal_conv1d_update,
-                probe=adapter.probe, priority=priority, sources=sources, capabilities=ConvCapabilities(**common),
+                probe=adapter.probe, priority=priority, sources=sources,
+                capabilities=ConvCapabilities(graph_safe=True, **common),
                 description="causal-conv1d (Dao-AILab) CUDA decode on the caller's pool through a view"),
     ]
 

@@ -10,17 +10,20 @@ and the state update was lost. The adapter never does that; tests check it.)
 Where it departs from the contract, and what the adapter does:
 
 - it writes its output over its ``x``: the adapter passes a copy of x, which becomes the output.
+- it reads bias at ``bias_ptr + channel`` (no stride): the adapter passes ``bias.contiguous()``.
 - weight ``[W, D]``: passed as the view ``weight.t()``. Slot indices always passed (int32).
 - history is rows ``0..W-2`` of what it is given (``n-1..`` with num_accepted_tokens) and it
   rewrites only the first W-1 (W-1+L-1) rows. Without num_accepted_tokens the adapter hands it
   the view of the last W-1 rows of the caller's pool; rows before them (a pool with extra rows)
   are shifted by the adapter. With num_accepted_tokens and exactly W-1+L-1 rows it gets the
-  caller's pool itself; with extra rows it runs on a gathered buffer and the adapter writes the
-  contract's slot back in place.
+  caller's pool itself; with extra rows it runs on a gathered buffer, indexed by compact ids
+  with pads as a negative marker (the caller's ``pad_slot_id`` may be one of 0..B-1, which the
+  kernel would skip as a pad), and the adapter writes the contract's slot back in place.
+- ``pad_slot_id`` is a ``tl.constexpr`` of the kernel: each distinct pad id compiles once more.
 - output rows of padded sequences are left as x's values: zeroed by the adapter.
 - it rounds x and history through fp16 internally, so it is declared for fp16 and bf16 only
   (bf16 values outside fp16's range would not survive; the conformance cases stay inside).
-- W in 2..6.
+- W in 2..6. The wrapper reads no tensor value on the host, nor does the adapter: graph_safe.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.registry import Variant, hookimpl
 
 from ._adapters import (
+    COMPACT_PAD,
     FunctionRef,
     LazyKernel,
     Slots,
@@ -76,6 +80,7 @@ class NpuTritonAdapter(LazyKernel):
         nat = int32(num_accepted_tokens) if spec else None
         out = x3.clone(memory_format=torch.contiguous_format)  # the kernel writes its output over x
         w = weight.t()
+        bias = bias.contiguous() if bias is not None else None  # read without its stride
         if not spec or rows == span:
             older = None
             if not spec and rows > keep:  # read before the kernel rewrites the last W-1 rows
@@ -89,7 +94,7 @@ class NpuTritonAdapter(LazyKernel):
         else:
             old = gather_rows(conv_state, slots, slice(0, rows))
             buf = old[:, :span].contiguous()
-            out = kernel(out, buf, w, bias, activation, slots.compact, nat, pad_slot_id=pad_slot_id)
+            out = kernel(out, buf, w, bias, activation, slots.compact, nat, pad_slot_id=COMPACT_PAD)
             scatter_rows(conv_state, slots, slice(0, rows), spec_shift(old, x3, num_accepted_tokens))
         zero_dead_rows(out, slots.live, None)
         return out.squeeze(1) if x.ndim == 2 else out
@@ -102,7 +107,7 @@ def variants(adapter: NpuTritonAdapter, *, vid: str = "npu_triton_update", devic
         Variant(id=vid, op="causal_conv1d_update", version=version, fn=adapter.causal_conv1d_update,
                 probe=adapter.probe, priority=priority, sources=(str(Path(__file__).with_name("_adapters.py")),),
                 capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 6),
-                                          num_accepted_tokens=True, noncontiguous_states=True),
+                                              num_accepted_tokens=True, noncontiguous_states=True, graph_safe=True),
                 description="sgl_kernel_npu causal_conv1d_update_v2 (Triton on Ascend)"),
     ]
 

@@ -1,16 +1,24 @@
 """``triton``: this project's own Triton kernels for both ops, channel-last, for CUDA.
 
-Prefill is two launches. The first is token-major: a program covers ``BLOCK_T`` tokens of the
-packed (or dense) input by ``BLOCK_D`` channels, finds each token's sequence (dense: ``t // L``;
-varlen: a per-token sequence id from ``searchsorted`` on ``query_start_loc``, no host sync),
-and sums the W taps, reading the history rows of the sequence's slot where a tap falls before
-the first token. The second writes the new history (last W-1 rows of history ++ tokens), one
-program per sequence and channel block, after every read of the old history has happened.
-Decode is one launch, one program per sequence and channel block: it reads the history and the
-rows the new slot is built from, then (after a barrier) writes the slot and the output.
+Prefill is two launches. The first is token-major: a program covers ``BLOCK_T`` consecutive
+tokens of the packed (or dense) input by ``BLOCK_D`` channels and walks its tokens in order,
+loading each input row once and keeping the last W-1 rows in registers (a sliding window), so
+that no tap reloads a tile; each token finds its sequence (dense: ``t // L``; varlen: a
+per-token sequence id from ``searchsorted`` on ``query_start_loc``, no host sync), and a tap
+that falls before the sequence's first token reads the history rows of its slot instead. The
+second launch writes the new history (last W-1 rows of history ++ tokens), one program per
+sequence and channel block, after every read of the old history has happened. Decode is one
+launch, one program per sequence and channel block: it reads the history and the rows the new
+slot is built from, then (after a barrier) writes the slot and the output.
 
 Every tensor is addressed through its strides, so the state lands in the caller's pool also when
-it is a non-contiguous view. Arithmetic in fp32, results cast to x's dtype.
+it is a non-contiguous view. Arithmetic in fp32, results cast to x's dtype. A slot id outside
+``[0, N)`` (or, in decode, a ``num_accepted_tokens`` outside ``1..L``), which only a call with
+the value checks off (``KV_CHECK_VALUES=0``) can bring, is treated as a pad, as vLLM's kernels
+mask ``coord < num_cache_lines``: zero output, nothing read or written, never memory outside
+the pool. Launches run under ``x``'s device (``torch.cuda.device``), so a tensor on another GPU
+than the current one is never handed to a kernel compiled and launched for the current one.
+Nothing reads a tensor's values on the host: the variants are declared graph_safe.
 
 Block sizes are chosen per shape by the calibrator: besides ``triton`` (a heuristic choice),
 each configuration in ``FN_CONFIGS`` / ``UPDATE_CONFIGS`` is registered as its own variant id
@@ -22,6 +30,7 @@ CPU, at a priority below every native CPU variant, since the interpreter is very
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -78,54 +87,137 @@ def kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def fn_conv(x_ptr, w_ptr, b_ptr, st_ptr, ci_ptr, init_ptr, qsl_ptr, seq_ptr, out_ptr,
-                T, D, L, S, pad_slot_id,
+                T, D, L, S, N, pad_slot_id,
                 sx_t, sx_d, sw_d, sw_k, ss_n, ss_s, ss_d, so_t, so_d,
                 W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_HIST: tl.constexpr,
                 HAS_CI: tl.constexpr, VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t0 = tl.program_id(0) * BLOCK_T
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        t_ok = t < T
         d_ok = d < D
-        if VARLEN:
-            b = tl.load(seq_ptr + t, mask=t_ok, other=0)
-            start = tl.load(qsl_ptr + b, mask=t_ok, other=0).to(tl.int64)
-        else:
-            b = t // L
-            start = (b * L).to(tl.int64)
-        pos = t - start
-        if HAS_CI:
-            slot = tl.load(ci_ptr + b, mask=t_ok, other=0).to(tl.int64)
-            live = slot != pad_slot_id
-            slot = tl.where(live, slot, 0)
-        else:
-            slot = b.to(tl.int64)
-            live = t_ok
-        if HAS_HIST:
-            init = tl.load(init_ptr + b, mask=t_ok, other=0) != 0
-        acc = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)
-        for k in tl.static_range(W):
-            j = pos + k  # position in history ++ tokens
-            in_x = j >= W - 1
-            xrow = tl.where(in_x, t + k - (W - 1), 0).to(tl.int64)
-            m = (t_ok & in_x)[:, None] & d_ok[None, :]
-            v = tl.load(x_ptr + xrow[:, None] * sx_t + d[None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
-            if HAS_HIST:
-                srow = tl.where(in_x, 0, S - (W - 1) + j).to(tl.int64)
-                hm = (t_ok & (j < W - 1) & live & init)[:, None] & d_ok[None, :]
-                v += tl.load(st_ptr + slot[:, None] * ss_n + srow[:, None] * ss_s + d[None, :] * ss_d,
-                             mask=hm, other=0.0).to(tl.float32)
-            wk = tl.load(w_ptr + d * sw_d + k * sw_k, mask=d_ok, other=0.0).to(tl.float32)
-            acc += v * wk[None, :]
+        xd = d * sx_d
+        # Weights by lag: lag m multiplies token t-m, the weight column W-1-m. Up to MAX_WIDTH = 8.
+        wb = w_ptr + d * sw_d
+        w0 = tl.load(wb + (W - 1) * sw_k, mask=d_ok, other=0.0).to(tl.float32)
+        if W > 1:
+            w1 = tl.load(wb + (W - 2) * sw_k, mask=d_ok, other=0.0).to(tl.float32)
+        if W > 2:
+            w2 = tl.load(wb + (W - 3) * sw_k, mask=d_ok, other=0.0).to(tl.float32)
+        if W > 3:
+            w3 = tl.load(wb + (W - 4) * sw_k, mask=d_ok, other=0.0).to(tl.float32)
+        if W > 4:
+            w4 = tl.load(wb + (W - 5) * sw_k, mask=d_ok, other=0.0).to(tl.float32)
+        if W > 5:
+            w5 = tl.load(wb + (W - 6) * sw_k, mask=d_ok, other=0.0).to(tl.float32)
+        if W > 6:
+            w6 = tl.load(wb + (W - 7) * sw_k, mask=d_ok, other=0.0).to(tl.float32)
+        if W > 7:
+            w7 = tl.load(wb + (W - 8) * sw_k, mask=d_ok, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        if SILU:
-            acc = acc / (1.0 + tl.exp(-acc))
-        acc = tl.where(live[:, None], acc, 0.0)
-        tl.store(out_ptr + t[:, None].to(tl.int64) * so_t + d[None, :] * so_d, acc.to(out_ptr.dtype.element_ty),
-                 mask=t_ok[:, None] & d_ok[None, :])
+            bias = tl.load(b_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        # The register window c_m: rows t0-m, m = 1..W-1. A row of another sequence is never used:
+        # a tap reads the window only while it stays inside the token's own sequence.
+        xb = x_ptr + t0.to(tl.int64) * sx_t + xd
+        if W > 1:
+            c1 = tl.load(xb - sx_t, mask=d_ok & (t0 + d * 0 >= 1), other=0.0).to(tl.float32)
+        if W > 2:
+            c2 = tl.load(xb - 2 * sx_t, mask=d_ok & (t0 + d * 0 >= 2), other=0.0).to(tl.float32)
+        if W > 3:
+            c3 = tl.load(xb - 3 * sx_t, mask=d_ok & (t0 + d * 0 >= 3), other=0.0).to(tl.float32)
+        if W > 4:
+            c4 = tl.load(xb - 4 * sx_t, mask=d_ok & (t0 + d * 0 >= 4), other=0.0).to(tl.float32)
+        if W > 5:
+            c5 = tl.load(xb - 5 * sx_t, mask=d_ok & (t0 + d * 0 >= 5), other=0.0).to(tl.float32)
+        if W > 6:
+            c6 = tl.load(xb - 6 * sx_t, mask=d_ok & (t0 + d * 0 >= 6), other=0.0).to(tl.float32)
+        if W > 7:
+            c7 = tl.load(xb - 7 * sx_t, mask=d_ok & (t0 + d * 0 >= 7), other=0.0).to(tl.float32)
+        steps = tl.minimum(T - t0, BLOCK_T)
+        for i in range(0, steps):
+            t = t0 + i
+            if VARLEN:
+                b = tl.load(seq_ptr + t)
+                start = tl.load(qsl_ptr + b).to(tl.int64)
+            else:
+                b = t // L
+                start = (b * L).to(tl.int64)
+            pos = t - start
+            if HAS_CI:
+                slot = tl.load(ci_ptr + b).to(tl.int64)
+                live = (slot != pad_slot_id) & (slot >= 0) & (slot < N)  # outside the pool: a pad
+                slot = tl.where(live, slot, 0)
+            else:
+                slot = b.to(tl.int64)
+                live = t >= 0
+            hist_ok = live
+            if HAS_HIST:
+                hist_ok = live & (tl.load(init_ptr + b) != 0)
+            # Lag m reads the window c_m while the token t-m is in the sequence (pos >= m), else
+            # history row S-m+pos of the slot. Vectors over the channels: scalar & vector masks
+            # trip the interpreter.
+            posv = pos + d * 0
+            histv = d_ok & ((d * 0 + hist_ok.to(tl.int32)) != 0)
+            hp = st_ptr + slot * ss_n + (S + posv) * ss_s + d * ss_d
+            xr = tl.load(x_ptr + t.to(tl.int64) * sx_t + xd, mask=d_ok, other=0.0).to(tl.float32)
+            acc = xr * w0
+            if W > 1:
+                v = tl.where(posv >= 1, c1, 0.0)
+                if HAS_HIST:
+                    v += tl.load(hp - 1 * ss_s, mask=histv & (posv < 1), other=0.0).to(tl.float32)
+                acc += v * w1
+            if W > 2:
+                v = tl.where(posv >= 2, c2, 0.0)
+                if HAS_HIST:
+                    v += tl.load(hp - 2 * ss_s, mask=histv & (posv < 2), other=0.0).to(tl.float32)
+                acc += v * w2
+            if W > 3:
+                v = tl.where(posv >= 3, c3, 0.0)
+                if HAS_HIST:
+                    v += tl.load(hp - 3 * ss_s, mask=histv & (posv < 3), other=0.0).to(tl.float32)
+                acc += v * w3
+            if W > 4:
+                v = tl.where(posv >= 4, c4, 0.0)
+                if HAS_HIST:
+                    v += tl.load(hp - 4 * ss_s, mask=histv & (posv < 4), other=0.0).to(tl.float32)
+                acc += v * w4
+            if W > 5:
+                v = tl.where(posv >= 5, c5, 0.0)
+                if HAS_HIST:
+                    v += tl.load(hp - 5 * ss_s, mask=histv & (posv < 5), other=0.0).to(tl.float32)
+                acc += v * w5
+            if W > 6:
+                v = tl.where(posv >= 6, c6, 0.0)
+                if HAS_HIST:
+                    v += tl.load(hp - 6 * ss_s, mask=histv & (posv < 6), other=0.0).to(tl.float32)
+                acc += v * w6
+            if W > 7:
+                v = tl.where(posv >= 7, c7, 0.0)
+                if HAS_HIST:
+                    v += tl.load(hp - 7 * ss_s, mask=histv & (posv < 7), other=0.0).to(tl.float32)
+                acc += v * w7
+            if HAS_BIAS:
+                acc += bias
+            if SILU:
+                acc = acc / (1.0 + tl.exp(-acc))
+            acc = tl.where(live, acc, 0.0)
+            tl.store(out_ptr + t.to(tl.int64) * so_t + d * so_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+            # Slide the window by one token.
+            if W > 7:
+                c7 = c6
+            if W > 6:
+                c6 = c5
+            if W > 5:
+                c5 = c4
+            if W > 4:
+                c4 = c3
+            if W > 3:
+                c3 = c2
+            if W > 2:
+                c2 = c1
+            if W > 1:
+                c1 = xr
 
     @triton.jit
-    def fn_state(x_ptr, st_ptr, ci_ptr, init_ptr, qsl_ptr, D, L, S, pad_slot_id,
+    def fn_state(x_ptr, st_ptr, ci_ptr, init_ptr, qsl_ptr, D, L, S, N, pad_slot_id,
                  sx_t, sx_d, ss_n, ss_s, ss_d,
                  W: tl.constexpr, HAS_HIST: tl.constexpr, HAS_CI: tl.constexpr, VARLEN: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -140,7 +232,7 @@ def kernels(interpret: bool) -> SimpleNamespace:
             length = L
         if HAS_CI:
             slot = tl.load(ci_ptr + b).to(tl.int64)
-            live = slot != pad_slot_id
+            live = (slot != pad_slot_id) & (slot >= 0) & (slot < N)  # outside the pool: a pad
         else:
             slot = b.to(tl.int64)
             live = True
@@ -164,7 +256,7 @@ def kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def update(x_ptr, w_ptr, b_ptr, st_ptr, ci_ptr, nat_ptr, out_ptr,
-               D, L, S, KEPT, OFFSET, pad_slot_id,
+               D, L, S, N, KEPT, OFFSET, pad_slot_id,
                sx_b, sx_t, sx_d, sw_d, sw_k, ss_n, ss_s, ss_d, so_b, so_t, so_d,
                W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_CI: tl.constexpr,
                SPEC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -178,18 +270,19 @@ def kernels(interpret: bool) -> SimpleNamespace:
         o_mask = i_ok[:, None] & d_ok[None, :]
         if HAS_CI:
             slot = tl.load(ci_ptr + b).to(tl.int64)
-            live = slot != pad_slot_id
+            live = (slot != pad_slot_id) & (slot >= 0) & (slot < N)  # outside the pool: a pad
         else:
             slot = b.to(tl.int64)
-            live = True
+            live = slot >= 0
+        if SPEC:
+            shift = tl.load(nat_ptr + b).to(tl.int64)
+            live = live & (shift >= 1) & (shift <= L)  # any other count would address rows outside the slot
+            hist0 = shift - 1
+        else:
+            shift = 0
+            hist0 = S - (W - 1)
         if live:
             s_base = st_ptr + slot * ss_n
-            if SPEC:
-                shift = tl.load(nat_ptr + b).to(tl.int64)
-                hist0 = shift - 1
-            else:
-                shift = 0
-                hist0 = S - (W - 1)
             acc = tl.full((BLOCK_L, BLOCK_D), 0.0, tl.float32)
             for k in tl.static_range(W):
                 j = i + k
@@ -262,6 +355,11 @@ def update_heuristic(batch: int, dim: int) -> UpdateBlocks:
     return UpdateBlocks(min(256 if batch <= 16 else 128, max(16, _pow2(dim))))
 
 
+def device_guard(t: torch.Tensor):
+    """Launch under ``t``'s device: Triton compiles for and launches on the current device."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=None, has_initial_state=None,
                      query_start_loc=None, activation=None, pad_slot_id=-1, blocks: FnBlocks | None = None):
     """x: [B, L, D], or [T, D] with query_start_loc; weight: [D, W]; conv_states: [N, S, D]
@@ -286,21 +384,23 @@ def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=No
     if varlen:
         seq = torch.searchsorted(qsl, torch.arange(tokens, device=x.device, dtype=qsl.dtype), right=True) - 1
     rows = conv_states.shape[1] if has_states else width - 1
+    n_slots = conv_states.shape[0] if has_states else 0
     ss = conv_states.stride() if has_states else (0, 0, 0)
-    if tokens > 0:
-        grid = (k.cdiv(tokens, blocks.t), k.cdiv(dim, blocks.d))
-        k.fn_conv[grid](
-            x2, weight, bias.contiguous() if bias is not None else dummy, st, ci, init, qsl, seq, out,
-            tokens, dim, length, rows, pad_slot_id,
-            x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), *ss, out.stride(0), out.stride(1),
-            W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_HIST=has_hist,
-            HAS_CI=cache_indices is not None, VARLEN=varlen, BLOCK_T=blocks.t, BLOCK_D=blocks.d)
-    if has_states and width > 1:
-        grid = (batch, k.cdiv(dim, blocks.d))
-        k.fn_state[grid](
-            x2, st, ci, init, qsl, dim, length, rows, pad_slot_id, x2.stride(0), x2.stride(1), *ss,
-            W=width, HAS_HIST=has_hist, HAS_CI=cache_indices is not None, VARLEN=varlen,
-            BLOCK_R=_pow2(width - 1), BLOCK_D=blocks.d)
+    with device_guard(x):
+        if tokens > 0:
+            grid = (k.cdiv(tokens, blocks.t), k.cdiv(dim, blocks.d))
+            k.fn_conv[grid](
+                x2, weight, bias.contiguous() if bias is not None else dummy, st, ci, init, qsl, seq, out,
+                tokens, dim, length, rows, n_slots, pad_slot_id,
+                x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), *ss, out.stride(0), out.stride(1),
+                W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_HIST=has_hist,
+                HAS_CI=cache_indices is not None, VARLEN=varlen, BLOCK_T=blocks.t, BLOCK_D=blocks.d)
+        if has_states and width > 1:
+            grid = (batch, k.cdiv(dim, blocks.d))
+            k.fn_state[grid](
+                x2, st, ci, init, qsl, dim, length, rows, n_slots, pad_slot_id, x2.stride(0), x2.stride(1), *ss,
+                W=width, HAS_HIST=has_hist, HAS_CI=cache_indices is not None, VARLEN=varlen,
+                BLOCK_R=_pow2(width - 1), BLOCK_D=blocks.d)
     return out if varlen else out.view(x.shape)
 
 
@@ -319,21 +419,22 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, c
     offset = kept + length - rows  # first stream row of the new slot
     dummy = out
     grid = (batch, k.cdiv(dim, blocks.d))
-    k.update[grid](
-        x3, weight, bias.contiguous() if bias is not None else dummy, conv_state,
-        conv_state_indices.contiguous() if conv_state_indices is not None else dummy,
-        num_accepted_tokens.contiguous() if spec else dummy, out,
-        dim, length, rows, kept, offset, pad_slot_id,
-        *x3.stride(), weight.stride(0), weight.stride(1), *conv_state.stride(), *out.stride(),
-        W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_CI=conv_state_indices is not None,
-        SPEC=spec, BLOCK_L=_pow2(length), BLOCK_S=_pow2(rows), BLOCK_D=blocks.d)
+    with device_guard(x):
+        k.update[grid](
+            x3, weight, bias.contiguous() if bias is not None else dummy, conv_state,
+            conv_state_indices.contiguous() if conv_state_indices is not None else dummy,
+            num_accepted_tokens.contiguous() if spec else dummy, out,
+            dim, length, rows, conv_state.shape[0], kept, offset, pad_slot_id,
+            *x3.stride(), weight.stride(0), weight.stride(1), *conv_state.stride(), *out.stride(),
+            W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_CI=conv_state_indices is not None,
+            SPEC=spec, BLOCK_L=_pow2(length), BLOCK_S=_pow2(rows), BLOCK_D=blocks.d)
     return out.squeeze(1) if x.ndim == 2 else out
 
 
 def _caps(**extra) -> ConvCapabilities:
     devices = {"cuda", "cpu"} if interpreting() else {"cuda"}
     return ConvCapabilities(devices=devices, dtypes={"float32", "bfloat16", "float16"}, width=(1, MAX_WIDTH),
-                        noncontiguous_states=True, **extra)
+                            noncontiguous_states=True, graph_safe=True, **extra)
 
 
 def _bind(fn, blocks):

@@ -53,6 +53,7 @@ def make_case(
     pad: bool = False,
     poison: bool = False,
     extra_rows: int = 0,
+    pad_slot_id: int = PAD_SLOT_ID,
     seed: int = 0,
 ) -> Case:
     """A call of ``op`` on (B=batch, D=dim, L=seqlen) with real slot indices into a larger pool.
@@ -61,6 +62,9 @@ def make_case(
     two), ``strided`` makes x, weight and bias strided views too, ``pad`` maps one sequence to the
     pad slot, ``spec`` adds num_accepted_tokens (update). Without ``slot_indices`` sequence b uses
     slot b (no index tensor); without ``initial_flags`` no has_initial_state is passed (prefill).
+    ``pad_slot_id`` is the call's pad id; one inside the pool (``0``, say) is then never a live
+    slot (and, with ``poison``, holds NaN like every slot no sequence uses), so a variant that
+    confuses a live sequence with the pad, or reads the pad slot, shows up.
     """
     gen = torch.Generator().manual_seed(seed)
     if activation == "none":  # the feature's name for no activation; the call's is None
@@ -93,12 +97,18 @@ def make_case(
         lead = 2 if noncontig else 0
         base = randn(n_slots * (2 if noncontig else 1), rows + lead, dim)
         pool = base[:: 2 if noncontig else 1, lead:] if noncontig else base
-        perm = torch.randperm(n_slots, generator=gen)[:batch] if slot_indices else torch.arange(batch)
+        if not slot_indices:
+            perm = torch.arange(batch)
+        elif 0 <= pad_slot_id < n_slots:  # the pad id names a slot of the pool: no sequence lives there
+            free = torch.tensor([s for s in range(n_slots) if s != pad_slot_id])
+            perm = free[torch.randperm(n_slots - 1, generator=gen)[:batch]]
+        else:
+            perm = torch.randperm(n_slots, generator=gen)[:batch]
         if pad and batch > 1 and slot_indices:
-            perm[batch // 2] = PAD_SLOT_ID
+            perm[batch // 2] = pad_slot_id
         indices = perm.to(device=device, dtype=torch.int32) if slot_indices else None
         if poison:
-            used = set(perm.tolist())
+            used = set(perm.tolist()) - {pad_slot_id}
             for s in range(n_slots):
                 if s not in used:
                     pool[s] = float("nan")
@@ -109,11 +119,11 @@ def make_case(
             accepted = torch.randint(1, seqlen + 1, (batch,), generator=gen)
             if poison:  # rows before n-1 are dropped unread by a verify step that accepted n
                 for slot, n in zip(perm.tolist(), accepted.tolist(), strict=True):
-                    if slot != PAD_SLOT_ID and n > 1:
+                    if slot != pad_slot_id and n > 1:
                         pool[slot, : n - 1] = float("nan")
             nat = accepted.to(device=device, dtype=torch.int32)
         kwargs = dict(activation=activation, conv_state_indices=indices, num_accepted_tokens=nat,
-                      pad_slot_id=PAD_SLOT_ID)
+                      pad_slot_id=pad_slot_id)
         return Case(_spec(op), (x, pool, weight, b), kwargs, {"conv_state": base})
     qsl = None
     if varlen:
@@ -132,7 +142,7 @@ def make_case(
             init[:] = False  # what None means: no sequence reads its slot
         if poison:
             for i, slot in enumerate(perm.tolist()):
-                if slot == PAD_SLOT_ID:
+                if slot == pad_slot_id:
                     continue
                 if not init[i]:
                     pool[slot] = float("nan")
@@ -140,7 +150,7 @@ def make_case(
                     pool[slot, : rows - keep] = float("nan")
         init = init.to(device) if initial_flags else None
     kwargs = dict(conv_states=pool, cache_indices=indices, has_initial_state=init,
-                  query_start_loc=qsl, activation=activation, pad_slot_id=PAD_SLOT_ID)
+                  query_start_loc=qsl, activation=activation, pad_slot_id=pad_slot_id)
     return Case(_spec(op), (x, weight, b), kwargs, {"conv_states": base} if states else {})
 
 
@@ -176,6 +186,10 @@ FN_CASES: dict[str, dict[str, Any]] = {
     "no-initial-flags": dict(shape=(3, 40, 5), initial_flags=False, poison=True),
     "strided-inputs": dict(shape=(2, 48, 6), strided=True, noncontig=True, poison=True),
     "varlen-strided": dict(shape=(3, 24, 4), varlen=True, strided=True, poison=True),
+    # A pad id inside the pool: slot 0 is the pad, live sequences use other slots. Through a view
+    # (adapters that compact sequences 0..B-1 then must not hand a kernel pad id 0), and packed.
+    "pad-in-range": dict(shape=(4, 48, 5), pad=True, pad_slot_id=0, noncontig=True, poison=True),
+    "pad-in-range-varlen": dict(shape=(4, 32, 3), varlen=True, pad=True, pad_slot_id=0, poison=True),
 }
 UPDATE_CASES: dict[str, dict[str, Any]] = {
     "2d": dict(shape=(3, 64, 1)),
@@ -190,6 +204,11 @@ UPDATE_CASES: dict[str, dict[str, Any]] = {
     "slot-b": dict(shape=(3, 40, 2), slot_indices=False),
     "strided-inputs": dict(shape=(3, 48, 2), strided=True, noncontig=True),
     "spec-strided": dict(shape=(2, 32, 3), spec=True, strided=True, poison=True),
+    # A pad id inside the pool (see FN_CASES), contiguous and through a view with extra rows.
+    "pad-in-range": dict(shape=(4, 32, 1), pad=True, pad_slot_id=0, poison=True),
+    "pad-in-range-noncontig": dict(shape=(4, 40, 2), pad=True, pad_slot_id=0, noncontig=True, extra_rows=1,
+                                   poison=True),
+    "spec-pad-in-range": dict(shape=(4, 24, 3), spec=True, pad=True, pad_slot_id=0, extra_rows=1, poison=True),
 }
 
 
