@@ -1,7 +1,11 @@
-"""torch.compile: both ops trace to the kernel_variants custom ops, compile with fullgraph=True and
-match eager, the in-place state update included, for a contiguous pool and a strided view."""
+"""torch.compile: the ops trace to the kernel_variants ops, compile with fullgraph=True and match
+eager, the in-place state update included, for a contiguous pool and a strided view; the pool is
+never copied; the variant is chosen when the graph runs (priority, force(), KV_FORCE and
+calibration apply to an already compiled graph); a call needing a gradient runs eagerly."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -88,4 +92,210 @@ def test_the_custom_ops_are_well_formed():
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.kernel_variants.causal_conv1d_update.default,
                           (x_next, pool, weight, bias, None, idx, None, -1),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# --- ISSUE 17: the op is registered directly, and the variant is chosen when the graph runs
+
+UPDATE = "causal_conv1d_update"
+FN = "causal_conv1d_fn"
+
+
+def _spy(op, vid, seen, fn=None, priority=0, **caps):
+    """A variant of ``op`` that records (its id, the call's state tensor) and runs the reference."""
+    from kernel_variants.ops.causal_conv1d import ConvCapabilities
+    from kernel_variants.ops.causal_conv1d import _reference as reference
+    from kernel_variants.registry import Variant
+
+    real = getattr(reference, op)
+
+    def run(*args, **kwargs):
+        seen.append((vid, kwargs.get("conv_states", args[1] if op == UPDATE else None)))
+        if fn is not None:
+            fn()
+        return real(*args, **kwargs)
+
+    return Variant(id=vid, op=op, version="1", fn=run, priority=priority,
+                   capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, varlen=True, **caps))
+
+
+def _counting_inductor(compiles):
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return compile_fx(gm, example_inputs)
+    return backend
+
+
+def test_force_kv_force_and_calibration_take_effect_in_a_compiled_graph(reference_only, with_variants, monkeypatch):
+    """One compile; every later call chooses its variant when the graph runs: priority, then a
+    force() block, KV_FORCE, and a calibration that makes another variant the winner."""
+    import time
+
+    from kernel_variants.dispatch import dispatcher, reset
+
+    seen = []
+    with_variants(_spy(FN, "first", seen, fn=lambda: time.sleep(0.002), priority=100), _spy(FN, "second", seen))
+    x, w, b, pool = torch.randn(2, 16, 32), torch.randn(32, 4), torch.randn(32), torch.randn(2, 3, 32)
+
+    def prefill(x, w, b, pool):
+        return kv_fn(x, w, b, conv_states=pool, activation="silu") * 2
+
+    kv_fn = kernel_variants.causal_conv1d_fn
+    compiles = []
+    compiled = torch.compile(prefill, fullgraph=True, backend=_counting_inductor(compiles))
+
+    def ran(**pins):
+        seen.clear()
+        with kernel_variants.force(**pins) if pins else contextlib.nullcontext():
+            compiled(x, w, b, pool)
+        return [vid for vid, _ in seen]
+
+    assert ran() == ["first"]  # priority
+    assert ran(causal_conv1d_fn="second") == ["second"]  # force(), inside the block only
+    assert ran() == ["first"]
+    monkeypatch.setenv("KV_FORCE", "causal_conv1d_fn=second")
+    reset(dispatcher().registry)  # the environment is read when the dispatcher is made
+    assert ran() == ["second"]
+    monkeypatch.delenv("KV_FORCE")
+    reset(dispatcher().registry)
+    assert ran() == ["first"]
+    kernel_variants.calibrate(FN, [(2, 32, 16)], variants=["first", "second"], dtype="float32",
+                              warmup=1, windows=2, iters=3)
+    assert kernel_variants.explain(FN, x, w, b, conv_states=pool, activation="silu").source == "table"
+    assert ran() == ["second"]  # "first" sleeps: the table's winner is "second"
+    assert len(compiles) == 1, "a pin or the table changed and the graph was recompiled"
+
+
+def _zeros_pool(slots, d, noncontig):
+    if not noncontig:
+        return torch.zeros(slots, 3, d)
+    return torch.zeros(slots, 3, 2 * d)[:, :, ::2]  # a strided view: channel stride 2
+
+
+@pytest.mark.parametrize("noncontig", [False, True])
+def test_the_state_pool_is_written_in_place_and_never_copied(with_variants, noncontig):
+    """The kernel the graph calls receives the caller's pool itself (no functional copy, no
+    copy back), a 48 MB pool costs what an 8-slot one does, and the state matches eager."""
+    import timeit
+
+    seen = []
+    with_variants(_spy(UPDATE, "spy", seen, noncontiguous_states=True))
+    d, big_slots = 1024, 4096  # 4096 x 3 x 1024 fp32 = 48 MB
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, d, generator=gen), torch.randn(d, 4, generator=gen), torch.randn(d, generator=gen)
+    idx = torch.tensor([5, 7], dtype=torch.int32)
+
+    def decode(x, pool, w, b, idx):  # the op alone: an Inductor kernel's OpenMP region is noisy to time
+        return kernel_variants.causal_conv1d_update(x, pool, w, b, activation="silu", conv_state_indices=idx)
+
+    compiled = torch.compile(decode, fullgraph=True)
+    with kernel_variants.force(causal_conv1d_update="spy"):
+        pools = {}
+        for slots in (8, big_slots):
+            pool, expected_pool = _zeros_pool(slots, d, noncontig), _zeros_pool(slots, d, noncontig)
+            pool[:8].normal_(generator=torch.Generator().manual_seed(1))
+            expected_pool.copy_(pool)
+            seen.clear()
+            got = compiled(x, pool, w, b, idx)
+            assert len(seen) == 1 and seen[0][1].data_ptr() == pool.data_ptr(), "the kernel got a copy of the pool"
+            assert seen[0][1].stride() == pool.stride()
+            torch.testing.assert_close(got, decode(x, expected_pool, w, b, idx))
+            assert torch.equal(pool, expected_pool), "the state differs from eager's"
+            pools[slots] = pool
+        times = {slots: min(timeit.repeat(lambda p=p: compiled(x, p, w, b, idx), number=10, repeat=10)) / 10
+                 for slots, p in pools.items()}
+    # A copy of 48 MB (and a copy back) takes milliseconds; the call takes tens of microseconds.
+    assert times[big_slots] < 5 * times[8] + 1e-4, f"the call's time grows with the pool: {times}"
+
+
+def test_the_schemas_come_from_the_signatures():
+    kernel_variants.add_gemma_rms_norm, kernel_variants.gemma_rms_norm  # noqa: B018 - made (and registered) on first use
+    schemas = {name: str(_custom_ops.op_overload(name)._schema) for name in
+               (FN, UPDATE, "gemma_rms_norm", "add_gemma_rms_norm")}
+    assert schemas[FN] == (
+        "kernel_variants::causal_conv1d_fn(Tensor x, Tensor weight, Tensor? bias, Tensor(a!)? conv_states, "
+        "Tensor? cache_indices, Tensor? has_initial_state, Tensor? query_start_loc, str? activation, "
+        "int pad_slot_id) -> Tensor")
+    assert schemas[UPDATE] == (
+        "kernel_variants::causal_conv1d_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, "
+        "str? activation, Tensor? conv_state_indices, Tensor? num_accepted_tokens, int pad_slot_id) -> Tensor")
+    assert schemas["gemma_rms_norm"] == "kernel_variants::gemma_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"
+    assert schemas["add_gemma_rms_norm"].endswith("(Tensor x, Tensor weight, Tensor residual, float eps) -> "
+                                                  "(Tensor, Tensor)")
+
+
+def test_no_python_layer_between_the_graph_and_the_eager_call():
+    """Registered on the Library directly: one Python kernel (the eager call), no autograd or
+    ADInplaceOrView kernel of torch.library.custom_op's (~35 us per call in a graph)."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    for name in (FN, UPDATE):
+        qualname = f"kernel_variants::{name}"
+        assert has(qualname, "CompositeExplicitAutograd")
+        assert not has(qualname, "Autograd") and not has(qualname, "ADInplaceOrView")
+
+
+# Dynamo itself reads .grad of the non-leaf tensor it resumes with after the graph break.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_a_call_that_needs_a_gradient_runs_eagerly_from_a_compiled_graph():
+    """No autograd formula: under torch.compile such a call graph-breaks and runs the eager op,
+    which differentiates; fullgraph=True refuses it, saying why."""
+    def f(x, w):
+        return (kernel_variants.causal_conv1d_fn(x, w, activation="silu") ** 2).sum()
+
+    gen = torch.Generator().manual_seed(0)
+    x0, w0 = torch.randn(2, 5, 16, generator=gen), torch.randn(16, 4, generator=gen)
+    grads = []
+    for fn in (f, torch.compile(f)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        fn(x, w).backward()
+        grads.append((x.grad, w.grad))
+    for e, g in zip(*grads, strict=True):
+        torch.testing.assert_close(g, e)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="no autograd formula"):
+        torch.compile(f, fullgraph=True)(x0.clone().requires_grad_(), w0)
+    with torch.no_grad():  # without a gradient the op stays in the graph
+        torch.compile(f, fullgraph=True)(x0.clone().requires_grad_(), w0)
+
+
+def test_the_rms_ops_compile_with_inductor_fullgraph_and_match_eager():
+    gen = torch.Generator().manual_seed(0)
+    x, w, r = (torch.randn(3, 5, 64, generator=gen), torch.randn(64, generator=gen),
+               torch.randn(3, 5, 64, generator=gen))
+
+    def block(x, w, r):
+        out, s = kernel_variants.add_gemma_rms_norm(x, w, r)
+        return kernel_variants.gemma_rms_norm(out * 2, w), s
+
+    eager = block(x, w, r)
+    compiled = torch.compile(block, fullgraph=True)(x, w, r)
+    for g, e in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(g, e)
+    for name, args in (("gemma_rms_norm", (x, w, 1e-6)), ("add_gemma_rms_norm", (x, w, r, 1e-6))):
+        torch.library.opcheck(_custom_ops.op_overload(name), args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_prefill_without_a_state_pool_compiles_with_inductor():
+    """A None passed for the optional mutated conv_states goes to the overload that declares no
+    mutation (Inductor cannot lower a mutable argument that is None)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+    def f(x, w, b):
+        return torch.tanh(kernel_variants.causal_conv1d_fn(x, w, b, activation="silu"))
+
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 7, 16, generator=gen), torch.randn(16, 4, generator=gen), torch.randn(16, generator=gen)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend=backend)(x, w, b), f(x, w, b))
+    targets = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert "kernel_variants.causal_conv1d_fn.no_conv_states" in targets
+    assert str(_custom_ops.op_overload(FN, "no_conv_states")._schema).startswith(
+        "kernel_variants::causal_conv1d_fn.no_conv_states(Tensor x, Tensor weight, Tensor? bias, Tensor? conv_states, ")
+    torch.library.opcheck(_custom_ops.op_overload(FN, "no_conv_states"), (x, w, b, None, None, None, None, "silu", -1),
                           test_utils=("test_schema", "test_faketensor"))

@@ -1,17 +1,38 @@
-"""Each op as a ``torch.library`` custom op, for ``torch.compile`` and ``torch.export``.
+"""Each op as the ``torch.library`` op ``kernel_variants::<name>``, for torch.compile and export.
 
-The schema comes from the op spec's signature (its annotations), with the spec's ``mutates``
-parameters declared as mutated. The fake implementation returns empty tensors like the first
-tensor argument, one per output, so tracing never runs a kernel, calibrates or reads the table.
-At run time the op body is the ordinary eager call, which validates and dispatches per shape.
+Registered directly on a :class:`torch.library.Library` (``define`` with a schema string, a
+Python kernel for ``CompositeExplicitAutograd``, a fake kernel), not through
+``torch.library.custom_op``: a compiled graph calls the op through the dispatcher, and
+``custom_op``'s Python layers (its autograd and ADInplaceOrView kernels, argument binding,
+output checks) cost ~35 us per call where this kernel adds ~3 us over an eager call.
 
-The public functions route here only while ``torch.compiler.is_compiling()``: calling a custom
-op from Python costs tens of microseconds that eager calls should not pay. Importing this module
-(which the first traced call does) registers every op made so far; later ops register as made.
+- The schema is made from the op spec's signature (its annotations): ``Tensor``, ``Tensor?``,
+  ``int``, ``float``, ``bool``, ``str`` (and their optional forms), ``Tensor(a!)`` /
+  ``Tensor(a!)?`` for the spec's ``mutates`` parameters, and one ``Tensor`` per name in
+  ``spec.outputs``. Every parameter is positional and required in the schema, as the public
+  function passes them all. Functionalization and Inductor's re-inplacing read the mutation
+  from it, so a compiled graph writes the state pool in place and never copies it.
+- The fake kernel returns new contiguous tensors like the first tensor argument, one per output,
+  so tracing never runs a kernel, calibrates or reads the table.
+- The kernel is the ordinary eager call, which validates and dispatches per call: the variant is
+  chosen when the graph runs, from the memo (a dict hit once a signature is seen), so calibration,
+  ``force()`` (a context variable, which a traced graph could not guard on) and ``KV_FORCE`` take
+  effect in an already compiled graph without recompiling it.
+
+The public functions route here only while ``torch.compiler.is_compiling()``; the graph calls
+the op, eager calls never do. ``OPS[name]`` is what a traced call invokes: a small function that
+Dynamo inlines (what it tests is decided while tracing, under Dynamo's guards, never per call).
+It calls the op, except that a call that needs a gradient graph-breaks and runs eagerly, as the
+op has no autograd formula (``fullgraph=True`` refuses it, saying why), and a call passing None
+for an optional mutated tensor calls the op's overload that declares no mutation (Inductor
+cannot lower a mutable argument that is None). Importing this module (which the first traced
+call does) registers every op made so far; later ops register as they are made.
 """
 
 from __future__ import annotations
 
+import itertools
+import types
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -22,47 +43,163 @@ from kernel_variants.registry import OpSpec
 
 from ._op import MADE, call
 
-OPS: dict[str, Callable[..., Any]] = {}  # op name -> its custom op
+NAMESPACE = "kernel_variants"
+# A fragment, not a definition: another library (a plugin's C++ extension) may add ops to the
+# namespace too. Kept for the life of the process: a Library deregisters its ops when collected.
+LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+OPS: dict[str, Callable[..., Any]] = {}  # op name -> what a traced call of it invokes
+
+_TYPES: dict[Any, str] = {torch.Tensor: "Tensor", bool: "bool", int: "int", float: "float", str: "str"}
 
 
 def register(spec: OpSpec) -> Callable[..., Any]:
-    """The custom op ``kernel_variants::<name>`` of ``spec``, registered once."""
+    """The op ``kernel_variants::<name>`` of ``spec``, registered once; returns ``OPS[name]``."""
     op = OPS.get(spec.name)
     if op is None:
         op = OPS[spec.name] = _register(spec)
     return op
 
 
-def _unalias(out: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
-    # A custom op may not return an alias of an input; no variant does, but the op cannot know.
-    ptr = out.untyped_storage().data_ptr()
-    return out.clone() if any(t.untyped_storage().data_ptr() == ptr for t in inputs) else out
+def op_overload(name: str, overload: str = "default") -> torch._ops.OpOverload:
+    """``torch.ops.kernel_variants.<name>.<overload>``."""
+    return getattr(getattr(getattr(torch.ops, NAMESPACE), name), overload)
+
+
+def _schema_type(hint: Any, where: str) -> str:
+    if hint in _TYPES:
+        return _TYPES[hint]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        inner = args[0] if args[1] is type(None) else args[1]
+        if inner in _TYPES:
+            return _TYPES[inner] + "?"
+    raise TypeError(f"{where}: expected an annotation among Tensor, int, float, bool, str (or one of them | None), "
+                    f"got {hint!r}")
+
+
+def schema(spec: OpSpec, unwritten: frozenset[str] = frozenset()) -> str:
+    """The op's schema after its name: ``(Tensor x, Tensor(a!) conv_state, ...) -> Tensor``;
+    ``unwritten``: optional mutated parameters declared as plain ``Tensor?`` (for a call that
+    passes None there).
+
+    Without the signature's defaults: the public function passes every argument, and with
+    defaults in the schema a compiled graph passes the trailing ones by keyword, ~1 us more per
+    call."""
+    hints = typing.get_type_hints(spec.signature)
+    aliases = iter("abcdefghijklmnopqrstuvwxyz")
+    parts = []
+    for name in spec.params:
+        where = f"op {spec.name}, parameter {name}"
+        if name not in hints:
+            raise TypeError(f"{where}: every parameter needs an annotation to make the op's schema")
+        typ = _schema_type(hints[name], where)
+        if name in spec.mutates:
+            if typ not in ("Tensor", "Tensor?"):
+                raise TypeError(f"{where}: only a tensor can be mutated, got {typ}")
+            if name not in unwritten:
+                typ = f"Tensor({next(aliases)}!){typ[6:]}"
+        parts.append(f"{typ} {name}")
+    if not spec.outputs:
+        raise TypeError(f"op {spec.name}: expected at least one output")
+    returns = "Tensor" if len(spec.outputs) == 1 else "(" + ", ".join("Tensor" for _ in spec.outputs) + ")"
+    return f"({', '.join(parts)}) -> {returns}"
+
+
+def _optional_mutated(spec: OpSpec) -> list[str]:
+    hints = typing.get_type_hints(spec.signature)
+    return [n for n in spec.mutates if hints[n] is not torch.Tensor]
+
+
+def unwritten_overloads(spec: OpSpec) -> list[tuple[frozenset[str], str]]:
+    """(the optional mutated parameters passed as None, the overload's name) for each non-empty
+    set of them, largest first: ``causal_conv1d_fn.no_conv_states``. Inductor cannot lower a
+    mutable argument that is None (``getitem is not an OpOverload``), so a traced call without a
+    state goes to an overload that declares no mutation."""
+    optional = _optional_mutated(spec)
+    sets = [frozenset(c) for k in range(len(optional), 0, -1) for c in itertools.combinations(optional, k)]
+    return [(u, "no_" + "_".join(n for n in optional if n in u)) for u in sets]
+
+
+def _fresh_source(spec: OpSpec, out: str) -> str:
+    """An expression: ``out`` itself, or a copy where it shares memory with a tensor argument (an
+    op's output may not alias an input; no built-in variant's does, a plugin's might)."""
+    hints = typing.get_type_hints(spec.signature)
+    ptrs = []
+    for i in spec.tensor_indices:
+        name = spec.params[i]
+        ptr = f"{name}.untyped_storage().data_ptr()"
+        ptrs.append(ptr if hints[name] is torch.Tensor else f"({ptr} if {name} is not None else -1)")
+    return f"({out}.clone() if {out}.untyped_storage().data_ptr() in ({', '.join(ptrs)},) else {out})"
 
 
 def _register(spec: OpSpec) -> Callable[..., Any]:
-    hints = typing.get_type_hints(spec.signature)
+    overloads = [(frozenset(), "default"), *unwritten_overloads(spec)]
+    schemas = [schema(spec, unwritten) for unwritten, _ in overloads]  # all made (or refused) before any is defined
+    for (_, overload), text in zip(overloads, schemas, strict=True):
+        LIB.define((spec.name if overload == "default" else f"{spec.name}.{overload}") + text)
     names = ", ".join(spec.params)
-    several = len(spec.outputs) > 1
-
-    def body(args: tuple[Any, ...]) -> Any:
-        out = call(spec, args)
-        inputs = [a for a in args if isinstance(a, torch.Tensor)]
-        return tuple(_unalias(o, inputs) for o in out) if several else _unalias(out, inputs)
-
-    def fake(args: tuple[Any, ...]) -> Any:
-        like = next(a for a in args if isinstance(a, torch.Tensor))
-        outs = tuple(torch.empty_like(like, memory_format=torch.contiguous_format) for _ in spec.outputs)
-        return outs if several else outs[0]
-
-    # Generated with the spec's parameter names, so the schema names them as the signature does.
-    namespace: dict[str, Any] = {"_body": body, "_fake": fake}
-    src = f"def impl({names}):\n    return _body(({names},))\ndef fake({names}):\n    return _fake(({names},))\n"
+    n_out = len(spec.outputs)
+    # Generated from the spec's parameter names (the same source make_op generates from).
+    namespace: dict[str, Any] = {"_call": call, "_spec": spec, "_torch": torch, "_eager": _eager(spec)}
+    if n_out == 1:
+        ret = f"    return {_fresh_source(spec, 'out')}\n"
+    else:
+        ret = (f"    outs = tuple(out)\n"
+               f"    return ({', '.join(_fresh_source(spec, f'outs[{k}]') for k in range(n_out))},)\n")
+    empty = "_torch.empty_like(like, memory_format=_torch.contiguous_format)"
+    first = spec.params[spec.tensor_indices[0]]
+    # What a traced call runs (Dynamo inlines it: the tests below are decided while tracing).
+    branches = []
+    for unwritten, overload in overloads[1:]:
+        namespace[f"_op_{overload}"] = op_overload(spec.name, overload)
+        cond = " and ".join(f"{n} is None" for n in sorted(unwritten))
+        branches.append(f"    if {cond}:\n        return _op_{overload}({names})\n")
+    namespace["_op_default"] = op_overload(spec.name)
+    src = (f"def kernel({names}):\n"
+           f"    out = _call(_spec, ({names},))\n"
+           f"{ret}"
+           f"def fake({names}):\n"
+           f"    like = {first}\n"
+           f"    return {empty if n_out == 1 else '(' + ', '.join([empty] * n_out) + ',)'}\n"
+           f"def traced({names}):\n"
+           f"    if _torch.is_grad_enabled() and ({_grad_source(spec)}):\n"
+           f"        return _eager(({names},))\n"
+           f"{''.join(branches)}"
+           f"    return _op_default({names})\n")
     exec(src, namespace)  # noqa: S102 - source made from the spec's parameter names only
-    impl = namespace["impl"]
-    impl.__annotations__ = {n: hints[n] for n in spec.params} | {"return": hints["return"]}
-    op = torch.library.custom_op(f"kernel_variants::{spec.name}", impl, mutates_args=spec.mutates)
-    op.register_fake(namespace["fake"])
-    return op
+    kernel, fake, traced = namespace["kernel"], namespace["fake"], namespace["traced"]
+    for fn in (kernel, fake, traced):
+        fn.__qualname__ = fn.__name__ = f"{spec.name}_{fn.__name__}"
+    for _, overload in overloads:
+        name = spec.name if overload == "default" else f"{spec.name}.{overload}"
+        LIB.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=LIB)
+    return traced
+
+
+def _grad_source(spec: OpSpec) -> str:
+    """An expression: whether a tensor argument requires grad (read while tracing: Dynamo knows it,
+    and guards on it)."""
+    hints = typing.get_type_hints(spec.signature)
+    parts = []
+    for i in spec.tensor_indices:
+        name = spec.params[i]
+        parts.append(f"{name}.requires_grad" if hints[name] is torch.Tensor
+                     else f"({name} is not None and {name}.requires_grad)")
+    return " or ".join(parts)
+
+
+def _eager(spec: OpSpec) -> Callable[[tuple[Any, ...]], Any]:
+    """The eager call, hidden from Dynamo: a traced call that needs a gradient graph-breaks and
+    runs eagerly (the op has no autograd formula; the eager call chooses among the variants that
+    support autograd). With ``fullgraph=True`` the compile fails with this reason instead."""
+    reason = (f"{NAMESPACE}::{spec.name} has no autograd formula: a call that needs a gradient runs eagerly "
+              f"(a graph break); call it under torch.no_grad() or torch.inference_mode() to keep it in the graph")
+    try:
+        return torch.compiler.disable(lambda args: call(spec, args), reason=reason)
+    except TypeError:  # torch < 2.7 takes no reason
+        return torch.compiler.disable(lambda args: call(spec, args))
 
 
 for _spec in MADE:
