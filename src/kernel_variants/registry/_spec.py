@@ -268,7 +268,7 @@ class OpSpec:
 
         tensors = dict(self._tensor_params)
         # Inline, short-circuiting on grad mode: serving runs under no_grad/inference_mode.
-        grads = " or ".join(f"({'a[%d] is not None and ' % i if opt else ''}a[{i}].requires_grad)"
+        grads = " or ".join(f"(a[{i}] is not None and a[{i}].requires_grad)" if opt else f"a[{i}].requires_grad"
                             for i, opt in self._tensor_params)
         parts = ["self", f"(_grad_enabled() and ({grads}))", f"_capturing(a[{self.tensor_indices[0]}])"]
         for i, name in enumerate(self.params):
