@@ -19,7 +19,7 @@ import torch
 import kernel_variants as kv
 from kernel_variants import CalibrationWarning
 from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._table import CalibrationTable, Group, Measurement
+from kernel_variants.dispatch._table import SCHEMA, CalibrationTable, Group, Measurement
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as reference
 from kernel_variants.registry import Variant
@@ -48,7 +48,7 @@ def _call(b=2, d=32, seq=16):
 
 def test_calibration_records_figures_and_dispatch_follows_the_table(reference_only, with_variants):
     with_variants(_variant("sleepy", _slow(0.002), priority=100))
-    result = kv.calibrate(FN, SHAPES, variants=["reference", "sleepy"], **QUICK)
+    result = kv.calibrate(FN, SHAPES, variants=["reference", "sleepy"], prune=None, **QUICK)
     by = {(m.shape, m.variant): m for m in result.measurements}
     m = by[((2, 32, 16), "reference")]
     assert m.status == "ok" and m.best_us > 0 and m.median_us >= m.best_us
@@ -292,7 +292,7 @@ def test_kv_tune_never_measures_while_compiling(monkeypatch):
 
 
 def test_clear_table_per_variant_and_op():
-    kv.calibrate(FN, SHAPES, **QUICK)
+    kv.calibrate(FN, SHAPES, prune=None, **QUICK)
     assert kv.clear_table(FN, "torch_shift") == 2
     assert all("torch_shift" not in r.times_us and "reference" in r.times_us for r in kv.table(FN))
     kv.clear_table(FN)
@@ -430,7 +430,7 @@ def test_a_table_written_by_the_previous_release_is_migrated_not_mixed():
     assert row.times_us["reference"] == doc["best_us"]
     keys = [k for k, _ in dispatcher().table.store.items() if k.startswith("m|")]
     assert keys == [key], "the old row was rewritten under the new key, and only once"
-    assert json.loads(dispatcher().table.store.get(key))["schema_version"] == 2
+    assert json.loads(dispatcher().table.store.get(key))["schema_version"] == SCHEMA
 
 
 def test_a_read_only_table_is_read_and_new_measurements_stay_in_memory(monkeypatch):

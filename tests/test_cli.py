@@ -57,7 +57,8 @@ def assert_one_line_error(rc, err, command):
 
 
 def calibrate(capsys, *extra):
-    rc, out, err = run(capsys, "calibrate", *SHAPES, *QUICK, "--variants", "reference,torch_shift", *extra)
+    # Fully timed (no pruning), so that every figure is in times_us whatever the two's ratio.
+    rc, out, err = run(capsys, "calibrate", *SHAPES, *QUICK, "--variants", "reference,torch_shift", "--no-prune", *extra)
     assert rc == 0, err
     return out, err
 
@@ -123,7 +124,8 @@ def test_calibrate_prints_winners_and_rejected_variants(capsys, with_variants):
     head, _, rejected = out.partition("\nrejected (2):\n")
     lines = head.splitlines()
     assert lines[0] == f"{FN} on cpu float32, sweep --shapes: 2 shapes"
-    assert lines[1].split() == ["B", "D", "L", "winner", "winner", "µs", "runner-up", "runner-up", "µs", "margin"]
+    assert lines[1].split() == ["B", "D", "L", "winner", "winner", "µs", "runner-up", "runner-up", "µs", "margin",
+                                "noise", "sure", "pruned"]
     assert [line.split()[:4] for line in lines[3:]] == [["1", "16", "8", "reference"], ["2", "32", "16", "reference"]]
     assert rejected.count("off_by_one") == 2 and "output:" in rejected
     # the progress bar: every measured (shape, variant), with the shape and the time left
@@ -273,7 +275,7 @@ def test_export_then_import_on_an_identical_machine(capsys, monkeypatch, tmp_pat
     rc, out, _ = run(capsys, "export", str(doc_path))
     assert rc == 0 and "wrote 4 measurements and 2 winners" in out
     doc = json.loads(doc_path.read_text())
-    assert (doc["format"], doc["schema_version"]) == ("kernel_variants.table", 1)
+    assert (doc["format"], doc["schema_version"]) == ("kernel_variants.table", 2)
     assert doc["fingerprint_id"] == fingerprint_id(fingerprint("cpu"))
     assert len(doc["measurements"]) == 4 and len(doc["winners"]) == 2
 
@@ -357,7 +359,8 @@ HOSTILE = {
     "not json": lambda doc: "{this is not json",
     "empty": lambda doc: "",
     "a list": lambda doc: [doc],
-    "schema 2": lambda doc: doc | {"schema_version": 2},
+    "schema 3": lambda doc: doc | {"schema_version": 3},
+    "an earlier release's schema": lambda doc: doc | {"schema_version": 1},
     "wrong format": lambda doc: doc | {"format": "something.else"},
     "extra field": lambda doc: doc | {"payload": "__import__('os')"},
     "extra field in a measurement": _first_m(extra=1),

@@ -1,8 +1,11 @@
 """Calibration across torchrun ranks: two real processes under gloo on the CPU, each with its own
-table directory, end with identical tables; ranks of different devices are refused by name."""
+table directory, end with identical tables; ranks of different devices are refused by name. At
+run time, ranks that tune online (KV_TUNE=1) run rank 0's choice, and check_agreement() says
+where they do not."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -136,3 +139,73 @@ def test_each_rank_takes_its_own_device():
     assert rank_device("cpu", 3) == "cpu"
     with pytest.raises(ValueError, match="give the device type"):
         rank_device("cuda:1", 0)
+
+
+AGREE = """
+    import os, sys, json
+
+    rank = int(os.environ["RANK"])
+    os.environ["KV_CACHE_DIR"] = os.path.join({base!r}, "rank" + str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    import kernel_variants as kv
+    from kernel_variants.dispatch import _calibrate, dispatcher
+
+    dist.init_process_group("gloo")
+    measured = []
+    real = _calibrate.run_calibration
+    _calibrate.run_calibration = lambda *a, **k: measured.append(list(a[3][0])) or real(*a, **k)
+
+    def call(b, d, seq):
+        g = torch.Generator().manual_seed(b * d * seq)
+        x = torch.randn(b, seq, d, generator=g)
+        return kv.causal_conv1d_fn(x, torch.randn(d, 4, generator=g), torch.randn(d, generator=g), activation="silu")
+
+    for shape in [(1, 16, 8), (2, 32, 16), (1, 16, 8)]:
+        call(*shape)
+    agreed = kv.check_agreement()
+    table = {{str(r.shape): r.winner for r in kv.table("causal_conv1d_fn")}}
+    chosen = {{text: vid for text, (_, vid) in dispatcher().decided.items()}}
+    # rank 1 now runs another variant for one key than rank 0 does
+    key = next(t for t in chosen if "|2,32,16|" in t)
+    other = next(v for v in ("torch_shift", "aten", "reference") if v != chosen[key])
+    if rank == 1:
+        with kv.force(causal_conv1d_fn=other):
+            call(2, 32, 16)
+    differ = [(d.key, d.choices) for d in kv.check_agreement()]
+    print(json.dumps({{"measured": measured, "agreed": [str(a) for a in agreed], "table": table, "chosen": chosen,
+                      "differ": differ, "key": key, "other": other}}))
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_online_tuning_measures_on_rank_0_and_every_rank_runs_its_choice(tmp_path):
+    """KV_TUNE=1 under torch.distributed: rank 0 measures a key no rank has, the others take its
+    choice (and its rows); check_agreement() is empty until a rank runs something else."""
+    script = tmp_path / "agree.py"
+    script.write_text(textwrap.dedent(AGREE.format(base=str(tmp_path))))
+    port = str(_free_port())
+    env = _env(KV_TUNE="1", KV_DISABLE_PLUGINS="cpu_native", WORLD_SIZE="2", MASTER_PORT=port)
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    done = []
+    try:
+        for p in procs:
+            done.append(p.communicate(timeout=120))
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    for p, (_, err) in zip(procs, done, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    rank0, rank1 = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in done)
+    assert rank0["measured"] == [[1, 16, 8], [2, 32, 16]] and rank1["measured"] == []
+    assert rank0["agreed"] == rank1["agreed"] == []
+    assert rank0["chosen"] == rank1["chosen"] and len(rank0["chosen"]) == 2
+    assert rank0["table"] == rank1["table"] == {"(1, 16, 8)": rank0["table"]["(1, 16, 8)"],
+                                                "(2, 32, 16)": rank0["table"]["(2, 32, 16)"]}
+    expected = [[rank0["key"], {"0": rank0["chosen"][rank0["key"]], "1": rank1["other"]}]]
+    assert rank0["differ"] == rank1["differ"] == expected

@@ -4,7 +4,7 @@ variant measured fastest for its shape on this device.
 Public API: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`,
 :func:`gemma_rms_norm`, :func:`add_gemma_rms_norm`), inspection
 (:func:`variants`, :func:`explain`), pinning (:func:`force`), calibration (:func:`calibrate`,
-:func:`table`), and for plugin authors the :mod:`kernel_variants.registry` module.
+:func:`table`), ranks' agreement under torch.distributed (:func:`check_agreement`), and for plugin authors the :mod:`kernel_variants.registry` module.
 
 Names are imported on first use, so ``import kernel_variants`` (and ``kv --help``) does not pay
 for importing torch until something needs it.
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kernel_variants.dispatch import Decision, NoVariantError, VariantFailed, explain, force
     from kernel_variants.dispatch._api import TableRow, calibrate, clear_table, table
     from kernel_variants.dispatch._calibrate import CalibrationResult, Progress
+    from kernel_variants.dispatch._distributed import check_agreement
     from kernel_variants.dispatch._table import CalibrationWarning, Measurement
     from kernel_variants.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
     from kernel_variants.ops.gemma_rms_norm import add_gemma_rms_norm, gemma_rms_norm
@@ -59,6 +60,7 @@ _LAZY = {
     "clear_table": "kernel_variants.dispatch._api",
     "table": "kernel_variants.dispatch._api",
     "CalibrationResult": "kernel_variants.dispatch._calibrate",
+    "check_agreement": "kernel_variants.dispatch._distributed",
     "Progress": "kernel_variants.dispatch._calibrate",
     "CalibrationWarning": "kernel_variants.dispatch._table",
     "Measurement": "kernel_variants.dispatch._table",
@@ -122,6 +124,7 @@ __all__ = [
     "calibrate",
     "causal_conv1d_fn",
     "causal_conv1d_update",
+    "check_agreement",
     "clear_table",
     "explain",
     "force",

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from kernel_variants._dtypes import CHOICES as DTYPE_CHOICES
 from kernel_variants._dtypes import canonical
 from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._timing import TimingConfig
+from kernel_variants.dispatch._timing import MODES, TimingConfig, check_mode
 from kernel_variants.registry import Features, OpSpec
 from kernel_variants.registry._spec import Shape, Sweep, load_sweep_csv
 
@@ -151,15 +151,50 @@ def add_timing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--windows", type=int, default=5, help="timed windows; the minimum counts (default 5)")
     g.add_argument("--iters", type=int, default=100, help="calls per window (default 100)")
     g.add_argument("--rotate", type=int, default=0, help="extra input copies cycled for a cold cache (default 0)")
+    g.add_argument("--timing-mode", choices=MODES, default="eager",
+                   help="eager launches (default), or graph: the replay of a captured CUDA graph of each window "
+                        "(CUDA only; what a model served from CUDA graphs sees)")
+    g.add_argument("--cold-l2", action="store_true",
+                   help="rotate as many input copies as make twice the device's L2, so no window reads its inputs "
+                        "from L2 (CUDA only)")
 
 
 def timing(args: argparse.Namespace) -> TimingConfig:
     if args.rotate < 0:
         raise ValueError(f"--rotate: expected a count >= 0, got {args.rotate}")
     try:
-        return TimingConfig(warmup=args.warmup, windows=args.windows, iters=args.iters)
+        config = TimingConfig(warmup=args.warmup, windows=args.windows, iters=args.iters,
+                              mode=args.timing_mode, cold_l2=args.cold_l2)
     except ValueError as exc:
         raise ValueError(f"--{exc}") from None
+    check_mode(config, device(args.device))
+    return config
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def budget(raw: str | None) -> float | None:
+    """``"5m"``, ``"90s"``, ``"1h"``, ``"1m30s"`` or a number of seconds -> seconds (None for None)."""
+    if raw is None:
+        return None
+    text = raw.strip().lower()
+    total, number = 0.0, ""
+    try:
+        for ch in text:
+            if ch.isdigit() or ch == ".":
+                number += ch
+            elif ch in _UNITS and number:
+                total += float(number) * _UNITS[ch]
+                number = ""
+            else:
+                raise ValueError
+        total += float(number) if number else 0.0
+    except ValueError:
+        total = -1.0
+    if not text or total <= 0:
+        raise ValueError(f"--budget: expected a duration such as 5m, 90s, 1h30m or seconds, got {raw!r}")
+    return total
 
 
 def find_sweep(name: str, spec: OpSpec | None) -> Sweep:

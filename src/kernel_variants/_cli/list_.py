@@ -32,7 +32,7 @@ def _catalogue(args: argparse.Namespace) -> int:
         c = rv.variant.capabilities
         why = rv.unavailable_reason()
         records.append({
-            "op": rv.op, "id": rv.id, "plugin": rv.plugin, "version": rv.version,
+            "op": rv.op, "id": rv.id, "plugin": rv.plugin, "version": rv.version, "depends": rv.deps,
             "priority": rv.variant.priority, "devices": sorted(c.devices), "dtypes": sorted(c.dtypes),
             "features": c.summary(), "available": why is None, "reason": why,
             "needs_build": rv.needs_build(),

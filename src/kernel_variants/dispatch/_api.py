@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,8 +14,9 @@ from kernel_variants.registry._spec import Shape
 from ._calibrate import CalibrationResult, Progress, run_calibration
 from ._dispatcher import dispatcher
 from ._fingerprint import fingerprint, fingerprint_id
-from ._table import DEFAULT_MARGIN, Group
-from ._timing import TimingConfig
+from ._store import Recorder
+from ._table import DEFAULT_MARGIN, DEFAULT_PRUNE, Group, StaleRow
+from ._timing import Mode, TimingConfig
 
 
 def check_shapes(shapes: Sequence[Sequence[int]], axes: Sequence[str]) -> list[Shape]:
@@ -42,6 +44,10 @@ def calibrate(
     rotate: int = 0,
     margin: float = DEFAULT_MARGIN,
     progress: Callable[[Progress], None] | None = None,
+    prune: float | None = DEFAULT_PRUNE,
+    budget_s: float | None = None,
+    timing_mode: Mode = "eager",
+    cold_l2: bool = False,
     **features: object,
 ) -> CalibrationResult:
     """Measure ``variants`` (default: every available one) of ``op`` on each shape (a tuple over
@@ -50,17 +56,28 @@ def calibrate(
 
     Each variant is first checked against the reference on the shape's inputs; one that differs,
     raises or gives NaN/Inf is recorded as rejected with the reason and never chosen there. The
-    others are timed (min over ``windows`` of the mean of ``iters`` calls, fewer calls when a
-    window would exceed ``window_budget_s``; ``rotate`` adds cold-cache input copies) and stored.
-    A shape's winner changes only when a challenger is faster by more than ``margin``.
+    others are timed, interleaved: one window of each in turn, ``windows`` rounds (min over
+    windows of the mean of ``iters`` calls, fewer calls when a window would exceed
+    ``window_budget_s``; ``rotate`` adds cold-cache input copies), and stored with each window's
+    figure. After the first round, a variant slower than the best by more than ``prune`` times is
+    stored as pruned with that ratio and timed no further (``prune=None``: time every variant
+    fully). ``budget_s`` bounds the run: shapes that no longer fit are listed in the result's
+    ``skipped``. A shape's winner changes only when a challenger is faster by more than
+    ``margin`` and by more than the two figures' measured noise.
+
+    ``timing_mode="graph"`` (CUDA) times the replay of a captured CUDA graph of each window's
+    calls instead of eager launches; ``cold_l2`` (CUDA) rotates as many input copies as make
+    twice the device's L2. Each measurement's ``method`` says how it was taken.
     """
     d = dispatcher()
     spec = d.registry.spec(op)
-    timing = TimingConfig(warmup=warmup, windows=windows, iters=iters, window_budget_s=window_budget_s)
+    timing = TimingConfig(warmup=warmup, windows=windows, iters=iters, window_budget_s=window_budget_s,
+                          mode=timing_mode, cold_l2=cold_l2)
     try:
         return run_calibration(d.registry.variants(spec.name), d.table, spec, check_shapes(shapes, spec.axes),
                                dtype=dtype, device=str(torch.device(device)), features=spec.features(**features),
-                               timing=timing, variants=variants, rotate=rotate, margin=margin, progress=progress)
+                               timing=timing, variants=variants, rotate=rotate, margin=margin, progress=progress,
+                               prune=prune, budget_s=budget_s)
     finally:
         d.invalidate()
 
@@ -72,11 +89,18 @@ class TableRow:
     group: Group
     shape: Shape
     times_us: dict[str, float]
+    # Every variant with a figure: the fully timed ones, and the pruned ones with their first
+    # (rough, far slower) figure; ``pruned`` says which are which.
     rejected: dict[str, str]
     winner: str | None
     # Variants that could run this shape here but have no current figure: an incomplete row
     # (the dispatcher then lets priority decide between them and the measured winner).
     missing: tuple[str, ...] = ()
+    # Timed for the first round only: variant -> at least how many times slower than the best.
+    pruned: dict[str, float] = field(default_factory=dict)
+    noise: dict[str, float] = field(default_factory=dict)  # variant -> its measured noise
+    confidence: str = ""  # the winner row's: "clear", "within noise", "single" ("" if older)
+    methods: tuple[str, ...] = ()  # how the figures were taken (clock, eager or graph replay...)
 
     @property
     def margin(self) -> float | None:
@@ -97,10 +121,14 @@ def table(op: str | None = None, *, device: str = "cpu") -> list[TableRow]:
         if op is not None and group.op != op:
             continue
         w = winners.get((group, shape))
-        times = {v: m.best_us for v, m in by_v.items() if m.status == "ok" and m.best_us is not None}
+        times = {v: m.best_us for v, m in by_v.items() if m.timed}
+        pruned = {v: m.pruned_at or 0.0 for v, m in by_v.items() if m.status == "pruned"}
         out.append(TableRow(group, shape, times, {v: m.reason for v, m in by_v.items() if m.status == "rejected"},
                             w.variant if w is not None and w.variant in times else None,
-                            missing_variants(group, shape, set(by_v), device)))
+                            missing_variants(group, shape, set(by_v), device), pruned,
+                            {v: m.noise for v, m in by_v.items() if m.noise is not None},
+                            w.confidence if w is not None else "",
+                            tuple(sorted({m.method for m in by_v.values() if m.method}))))
     return sorted(out, key=lambda r: (r.group.slug(), r.shape))
 
 
@@ -122,3 +150,35 @@ def clear_table(op: str | None = None, variant: str | None = None) -> int:
         return d.table.clear(op, variant, versions=d.versions())
     finally:
         d.invalidate()
+
+
+def stale_rows(op: str | None = None, *, device: str = "cpu") -> list[StaleRow]:
+    """This device's measurements that no longer match their variant (its source, declared
+    version or a declared dependency changed), and rows written by an earlier release; each
+    says why. ``kv calibrate --stale`` re-measures exactly these."""
+    d = dispatcher()
+    fpid = fingerprint_id(fingerprint(str(torch.device(device))))
+    entries = d.registry.variants()
+    deps = {(rv.op, rv.id): rv.deps for rv in entries}
+    sources = {(rv.op, rv.id): rv.source_version for rv in entries}
+    return [r for r in d.table.stale(d.versions(), deps, fpid, sources) if op is None or r.group.op == op]
+
+
+def recorder() -> Recorder:
+    """The record ``KV_RECORD`` writes to (the table directory, or the directory it names)."""
+    from ._dispatcher import record_dir
+
+    d = dispatcher()
+    where = record_dir(os.environ.get("KV_RECORD", ""), d.table.directory)
+    return Recorder(where if where is not None else d.table.directory)
+
+
+def recorded(pending_only: bool = False) -> list[dict]:
+    """The call keys serving processes recorded (``KV_RECORD=1``) because the table had no
+    measured row for them, oldest first; ``done_at`` is set once ``kv calibrate --recorded``
+    measured one."""
+    r = recorder()
+    try:
+        return r.entries(pending_only)
+    finally:
+        r.close()

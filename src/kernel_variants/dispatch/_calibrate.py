@@ -3,21 +3,25 @@ match, store per-variant figures and re-decide the shape's winner."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kernel_variants._dtypes import as_dtype, dtype_name
-from kernel_variants.registry import CallKey, Features, OpSpec
+from kernel_variants._tolerances import TOLERANCES
+from kernel_variants.registry import CallKey, Case, Features, OpSpec
 from kernel_variants.registry._registry import RegisteredVariant
 from kernel_variants.registry._spec import Shape
 
+from . import _timing
 from ._fingerprint import fingerprint, fingerprint_id
-from ._table import CalibrationTable, Group, Measurement, Winner, check_margin
-from ._timing import TimingConfig, measure
-from ._verify import reference_result, verify
+from ._table import CalibrationTable, Group, Measurement, Winner, check_margin, check_prune
+from ._timing import Failed, Pruned, TimingConfig, check_mode, cold_copies, measure_interleaved
+from ._verify import verify
 
 
 @dataclass
@@ -42,9 +46,14 @@ class CalibrationResult:
     dtype: str
     measurements: list[Measurement] = field(default_factory=list)
     winners: dict[Shape, Winner | None] = field(default_factory=dict)
+    skipped: list[Shape] = field(default_factory=list)  # not started: the time budget was spent
+    elapsed_s: float = 0.0
 
     def rejected(self) -> list[Measurement]:
         return [m for m in self.measurements if m.status == "rejected"]
+
+    def pruned(self) -> list[Measurement]:
+        return [m for m in self.measurements if m.status == "pruned"]
 
 
 def candidates(entries: Iterable[RegisteredVariant], key: CallKey,
@@ -67,43 +76,164 @@ def measure_shape(
     rotate: int = 0,
     only: Sequence[str] | None = None,
     on_result: Callable[[Measurement], None] | None = None,
+    prune: float | None = None,
+    deadline: float | None = None,
 ) -> list[Measurement]:
-    """Verify, then time, each of ``entries`` that can run ``shape``; rejected ones say why.
-    ``on_result`` sees each measurement as soon as it is taken."""
+    """Verify each of ``entries`` that can run ``shape`` (rejected ones say why), then time the
+    ones that match, interleaved (see ``_timing.measure_interleaved``); ``prune`` and
+    ``deadline`` are passed on. ``on_result`` sees each measurement as soon as it is taken."""
+    check_mode(timing, device)
     case = spec.sweep_case(shape, features, dtype=dtype, device=device, seed=_seed(shape))
     key = spec.key_of_case(case)
     fp = fingerprint(device)
     fpid = fingerprint_id(fp)
     group = Group.of(key)
     expected = None
-    out = []
+    out: list[Measurement] = []
+    base: dict[str, dict] = {}
+    timed: list[RegisteredVariant] = []
+
+    def emit(m: Measurement) -> None:
+        out.append(m)
+        if on_result is not None:
+            on_result(m)
+
+    first: dict[str, float] = {}  # seconds one call of each took while it was verified
+    dev = torch.device(device)
     for rv, why in candidates(entries, key, only):
         if why is not None:
             continue  # cannot run here or does not claim this call: nothing to record
         if expected is None:
-            expected = reference_result(case)
-        base = dict(fingerprint=fp, fingerprint_id=fpid, group=group, shape=shape, variant=rv.id,
-                    version=rv.version, measured_at=time.time())
-        bad = verify(rv.variant.fn, case, expected)
+            expected = case.run(_timed(spec.reference.fn, dev, first, "\0reference"))
+        base[rv.id] = dict(fingerprint=fp, fingerprint_id=fpid, group=group, shape=shape, variant=rv.id,
+                           version=rv.version, deps=rv.deps)
+        if rv.variant.fn is spec.reference.fn:  # the oracle itself: its result is the expected one
+            bad, first[rv.id] = None, first["\0reference"]
+        else:
+            bad = checked(_timed(rv.variant.fn, dev, first, rv.id), case, expected)
         if bad is None:
-            copies = [case.fresh()] + [spec.sweep_case(shape, features, dtype=dtype, device=device, seed=i + 1)
-                                       for i in range(rotate)]
-            fn = rv.variant.fn
-            calls = [(lambda c=c, fn=fn: fn(*c.args, **c.kwargs)) for c in copies]
-            try:
-                t = measure(calls, device, timing)
-            except Exception as exc:  # a variant that verified but crashes when timed is rejected too
-                bad = f"raised while timed: {type(exc).__name__}: {exc}"
-            else:
-                if not all(map(_finite, (t.best_us, t.median_us))):
-                    bad = "timing was not finite"
-                else:
-                    out.append(Measurement(status="ok", **t.as_dict(), **base))
-        if bad is not None:
-            out.append(Measurement(status="rejected", reason=bad, **base))
-        if on_result is not None:
-            on_result(out[-1])
+            timed.append(rv)
+        else:
+            emit(Measurement(status="rejected", reason=bad, measured_at=time.time(), **base[rv.id]))
+    if not timed:
+        return out
+    copies, note = _inputs(spec, case, shape, features, dtype=dtype, device=device, rotate=rotate, timing=timing)
+    calls = {}
+    for rv in timed:
+        mine = [c.fresh() for c in copies]  # its own state pools; the read-only inputs are shared
+        fn = rv.variant.fn
+        calls[rv.id] = [(lambda c=c, fn=fn: fn(*c.args, **c.kwargs)) for c in mine]
+    eager_only = [rv.id for rv in timed if not rv.variant.capabilities.graph_safe]
+    # A verification call is a fair first figure only where one-time costs cannot dominate it: a
+    # call of at least FIRST_CALL_MIN_S, by a variant this process has run before (on any shape).
+    fair = {v: t for v, t in first.items() if v in calls and t >= FIRST_CALL_MIN_S and (spec.name, v) in _RAN}
+    _RAN.update((spec.name, v) for v in first if v in calls)
+    results = measure_interleaved(calls, device, timing, prune=prune, deadline=deadline, eager_only=eager_only,
+                                  first=fair)
+    for vid, r in results.items():
+        at = time.time()
+        if isinstance(r, Failed):
+            emit(Measurement(status="rejected", reason=r.reason, measured_at=at, **base[vid]))
+        elif isinstance(r, Pruned):
+            bound = math.floor(r.ratio * 10) / 10
+            emit(Measurement(status="pruned", reason=f"pruned after the first round at >= {bound:.1f}x "
+                                                     f"{r.leader}'s time per call",
+                             best_us=r.first_us, median_us=r.first_us, spread=0.0, windows=1, iters=r.iters,
+                             method=r.method + note, samples_us=(r.first_us,), pruned_at=bound, measured_at=at,
+                             **base[vid]))
+        else:
+            d = r.as_dict()
+            d["method"] += note
+            emit(Measurement(status="ok", measured_at=at, **d, **base[vid]))
     return out
+
+
+FIRST_CALL_MIN_S = 0.005
+_RAN: set[tuple[str, str]] = set()  # (op, variant) verified in this process: its one-time set-up is done
+
+
+def checked(fn: Callable[..., Any], case: Case, expected: tuple[Any, dict[str, torch.Tensor]]) -> str | None:
+    """``_verify.verify``'s verdict, reached faster on large shapes: one call of ``fn``, then a
+    quick float32 pass that can only vouch for outputs within tolerance by a safety factor and
+    for state pools equal bit for bit; anything it cannot vouch for gets verify's own check (in
+    float64, with its message), on the same call's results."""
+    try:
+        out, bases = case.run(fn)
+    except Exception as exc:  # any failure of the candidate is a verdict on it
+        return f"raised {type(exc).__name__}: {exc}"
+    ref_out, ref_bases = expected
+    names = case.spec.outputs
+    got = (out,) if len(names) == 1 else tuple(out) if isinstance(out, tuple | list) else ()
+    want = (ref_out,) if len(names) == 1 else tuple(ref_out)
+    quick = len(got) == len(want) and all(_close(a, e) for a, e in zip(got, want, strict=True)) and all(
+        isinstance(bases.get(n), torch.Tensor) and _same(bases[n], b) for n, b in ref_bases.items())
+    return None if quick else verify(lambda *a, **k: out, _Replay(case, bases), expected)
+
+
+class _Replay:
+    """A case whose ``run`` hands back results already computed (for verify's full check)."""
+
+    def __init__(self, case: Case, bases: dict[str, torch.Tensor]) -> None:
+        self.spec, self._bases = case.spec, bases
+
+    def run(self, fn: Callable[..., Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+        return fn(), self._bases
+
+
+def _close(a: object, e: object) -> bool:
+    """Within the dtype's tolerance everywhere, by a margin float32 rounding cannot eat (False
+    also means "not sure": the full check decides)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor)) or a.shape != e.shape or a.dtype != e.dtype:
+        return False
+    if e.dtype not in TOLERANCES or e.dtype == torch.float64:
+        return False
+    atol, rtol = TOLERANCES[e.dtype]
+    a, e = a.reshape(-1), e.reshape(-1)
+    step = 1 << 18  # in pieces that stay in cache: no page-faulting temporaries the size of the output
+    for i in range(0, e.numel(), step):
+        a32 = a[i:i + step].to(torch.float32, copy=True)  # a copy: the results themselves stay as they are
+        e32 = e[i:i + step].float()
+        # |a - e| <= 0.999 (atol + rtol |e|); NaN or Inf compares False, so the full check judges it.
+        if not bool(a32.sub_(e32).abs_().le_(e32.abs().mul_(rtol * 0.999).add_(atol * 0.999)).all()):
+            return False
+    return True
+
+
+def _same(a: torch.Tensor, e: torch.Tensor) -> bool:
+    return a.shape == e.shape and a.dtype == e.dtype and a.stride() == e.stride() and torch.equal(a, e)
+
+
+def _timed(fn: Callable[..., Any], device: torch.device, sink: dict[str, float], name: str) -> Callable[..., Any]:
+    """``fn``, noting in ``sink[name]`` how long its call took (the device synchronised around
+    it): verification's call is a candidate's first figure, for pruning the far slower ones."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _timing.sync(device)
+        t = _timing._now()
+        out = fn(*args, **kwargs)
+        _timing.sync(device)
+        sink[name] = _timing._now() - t
+        return out
+
+    return call
+
+
+def _inputs(spec: OpSpec, case: Case, shape: Shape, features: Features, *, dtype: torch.dtype, device: str,
+            rotate: int, timing: TimingConfig) -> tuple[list[Case], str]:
+    """The input copies a variant's calls cycle over, and what the method says of them: the
+    case, plus ``rotate`` more, or with ``cold_l2`` as many as make twice the device's L2."""
+    n = rotate
+    if timing.cold_l2:
+        n = max(n, cold_copies(device, case_bytes(case)) - 1)
+    copies = [case] + [spec.sweep_case(shape, features, dtype=dtype, device=device, seed=i + 1) for i in range(n)]
+    if timing.cold_l2:
+        return copies, f", cold L2 ({len(copies)} input sets)"
+    return copies, f", {len(copies)} input sets" if n else ""
+
+
+def case_bytes(case: Case) -> int:
+    """Bytes of the tensors a call reads and writes."""
+    tensors = [a for a in (*case.args, *case.kwargs.values()) if isinstance(a, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _seed(shape: Shape) -> int:
@@ -131,9 +261,20 @@ def run_calibration(
     rotate: int,
     margin: float,
     progress: Callable[[Progress], None] | None,
+    prune: float | None = None,
+    budget_s: float | None = None,
 ) -> CalibrationResult:
+    """Measure ``shapes`` and re-decide each one's winner in ``table``.
+
+    ``budget_s``: a shape is started only while the time spent plus the mean time of the shapes
+    done so far fits in the budget (the rest are listed in ``skipped``), and the rounds of a shape
+    stop at the budget (each variant keeps at least one window)."""
     dt = as_dtype(dtype)
     check_margin(margin)
+    prune = check_prune(prune)
+    check_mode(timing, device)
+    if budget_s is not None and not (budget_s > 0 and math.isfinite(budget_s)):
+        raise ValueError(f"budget: expected a positive number of seconds, got {budget_s}")
     if variants is not None:
         known = {rv.id for rv in entries}
         missing = [v for v in variants if v not in known]
@@ -143,13 +284,22 @@ def run_calibration(
     result = CalibrationResult(spec.name, device, dtype_name(dt))
     versions = {(rv.op, rv.id): rv.version for rv in entries}
     start = time.perf_counter()
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     wanted = [rv for rv in entries if variants is None or rv.id in variants]
     runnable = {}
     for shape in shapes:  # for the progress total: which variants will run each shape
         key = CallKey(spec, torch.device(device).type, dtype_name(dt), features, tuple(shape))
         runnable[tuple(shape)] = sum(1 for rv in wanted if rv.why_not(key) is None)
     total, done = sum(runnable.values()), 0
+    spent: list[float] = []
     for shape in shapes:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or (spent and sum(spent) / len(spent) > left):
+                result.skipped.append(tuple(shape))
+                continue
+        t_shape = time.monotonic()
+
         def taken(m: Measurement) -> None:
             nonlocal done
             if table is not None:
@@ -159,7 +309,9 @@ def run_calibration(
                 progress(Progress(done, total, m.shape, m.variant, time.perf_counter() - start))
 
         ms = measure_shape(entries, spec, tuple(shape), dtype=dt, device=device, features=features,
-                           timing=timing, rotate=rotate, only=variants, on_result=taken)
+                           timing=timing, rotate=rotate, only=variants, on_result=taken, prune=prune,
+                           deadline=deadline)
+        spent.append(time.monotonic() - t_shape)
         done += runnable[tuple(shape)] - len(ms)  # keeps the count right if a case's key differs
         result.measurements += ms
         if table is not None and ms:
@@ -167,4 +319,5 @@ def run_calibration(
                                                                versions, margin)
     if table is not None and result.measurements:
         table.prepare(versions, result.measurements[0].fingerprint_id)
+    result.elapsed_s = time.perf_counter() - start
     return result

@@ -3,14 +3,24 @@
 Decisions are memoised per call key, so a call whose shape was seen before costs one dict hit
 on top of validation. Anything that can change a decision (calibration, registry reload) clears
 the memo; pins are part of the memo key.
+
+``KV_RECORD=1`` (or a directory) records each key decided without a measured row (once per key
+per process) for ``kv calibrate --recorded``. Under ``torch.distributed`` with ``KV_TUNE=1``, the
+ranks tune together: rank 0 measures a key none has measured and every rank runs its choice
+(see ``_distributed.tune_together``; ``KV_TUNE=local`` tunes each rank on its own).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import hashlib
 import os
+import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from kernel_variants._capture import capturing
@@ -18,8 +28,9 @@ from kernel_variants.registry import CallKey
 from kernel_variants.registry._registry import Registry, make_plugin_manager
 
 from ._fingerprint import fingerprint, fingerprint_id
-from ._select import Decision, NoVariantError, select
-from ._table import DEFAULT_MARGIN, CalibrationTable
+from ._select import Decision, NoVariantError, TraceRow, select
+from ._store import CalibrationWarning, Recorder
+from ._table import DEFAULT_MARGIN, DEFAULT_PRUNE, CalibrationTable, Found, Group
 
 Hit = tuple[str, Callable[..., Any], Callable[..., Any], tuple[tuple[int, Any], ...]]
 _MEMO_LIMIT = 65536  # varlen batches make many distinct keys; a bound keeps serving memory flat
@@ -47,6 +58,41 @@ def parse_force(raw: str, ops: Iterable[str]) -> dict[str, str]:
     return pins
 
 
+def key_text(key: CallKey) -> str:
+    """A call key as one line, the same in every process: op, device, dtype, features, shape, extra."""
+    return (f"{Group.of(key).slug()}|{key.device}|{','.join(map(str, key.shape))}"
+            f"|{','.join(sorted(key.extra)) or '-'}")
+
+
+def key_parts(key: CallKey) -> dict[str, Any]:
+    """A call key as plain data (JSON, picklable), from which ``key_from_parts`` rebuilds it."""
+    return {"op": key.op, "device": key.device, "dtype": key.dtype, "features": key.features.model_dump(),
+            "shape": list(key.shape), "extra": sorted(key.extra)}
+
+
+def key_from_parts(registry: Registry, parts: Mapping[str, Any]) -> CallKey:
+    """The key ``key_parts`` described; ValueError when this registry cannot express it."""
+    spec = registry.spec(str(parts["op"]))
+    try:
+        features = spec.features(**dict(parts["features"]))
+    except Exception as exc:
+        raise ValueError(f"features {parts['features']!r} are not {spec.name}'s: {exc}") from None
+    shape = tuple(int(v) for v in parts["shape"])
+    if len(shape) != len(spec.axes):
+        raise ValueError(f"shape {shape} does not have {spec.name}'s axes {spec.axes}")
+    return CallKey(spec, str(parts["device"]), str(parts["dtype"]), features, shape, frozenset(parts.get("extra", ())))
+
+
+def record_dir(raw: str, table_dir: Path) -> Path | None:
+    """Where ``KV_RECORD`` sends records: off (None), the table directory, or a directory named."""
+    raw = raw.strip()
+    if raw.lower() in ("", "0", "false", "no", "off"):
+        return None
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return table_dir
+    return Path(raw).expanduser()
+
+
 class VariantFailed(RuntimeError):
     """A variant raised during a real call; the message names it, ``__cause__`` is the original."""
 
@@ -58,10 +104,20 @@ class Dispatcher:
         self._force_raw = env.get("KV_FORCE", "")
         self._env_pins: dict[str, str] | None = None
         self.check_values = _flag(env.get("KV_CHECK_VALUES", "1"))
-        self.tune = _flag(env.get("KV_TUNE", "0"))
+        tune = env.get("KV_TUNE", "0").strip().lower()
+        self.tune = tune == "local" or _flag(tune)
+        self.tune_ranks = tune != "local"  # under torch.distributed: rank 0 measures, all follow
+        self._record_raw = env.get("KV_RECORD", "")
+        self._recorder: Recorder | None = None
+        self._recorded: set[str] = set()  # keys this process has recorded (or tried to)
+        self._record_lock = threading.Lock()
         self._table: CalibrationTable | None = None
         # call signature (op, pins, each argument's metadata) -> (id, fn, invoker, substitutions)
         self.memo: dict[tuple[Any, ...], Hit] = {}
+        # key_text -> (key, the variant chosen): what this process ran, for check_agreement()
+        self.decided: dict[str, tuple[CallKey, str]] = {}
+        # key_text -> the variant rank 0 chose for it (distributed tuning): every rank runs it
+        self.agreed: dict[str, str] = {}
 
     @property
     def registry(self) -> Registry:
@@ -85,22 +141,52 @@ class Dispatcher:
 
     def decide(self, key: CallKey, forced: str | None = None, *, tune: bool | None = None) -> Decision:
         """The decision for ``key``; ``tune`` (default: KV_TUNE) may measure an unseen key first."""
+        tune = self.tune if tune is None else tune
+        if (tune and self.tune_ranks and not capturing(key.device) and key_text(key) not in self.agreed
+                and self.registry.variants(key.op)):
+            from ._distributed import tune_together, tuning_world
+
+            if tuning_world() > 1:
+                return tune_together(self, key, forced)  # a collective: every rank decides this key now
         entries = self.registry.variants(key.op)
         if forced is not None:
             return select(entries, key, forced=forced)
+        agreed = self.agreed.get(key_text(key))
         runnable = [rv.id for rv in entries if rv.why_not(key) is None]
         if not runnable:
             return select(entries, key)
-        fpid = fingerprint_id(fingerprint(key.device))
-        found = self.table.lookup(key, fpid, runnable, self.versions())
-        if (self.tune if tune is None else tune) and (found is None or found[2] != "table") and not capturing(key.device):
+        found = self.found(key, runnable)
+        # (a key the ranks agreed on is never measured here: rank 0 did, or chose not to)
+        if tune and agreed is None and (found is None or found.source != "table") and not capturing(key.device):
             self._tune(key)
-            found = self.table.lookup(key, fpid, runnable, self.versions())
+            found = self.found(key, runnable)
+        if agreed is not None and agreed in runnable:
+            decision = self._from_table(entries, key, found)
+            if decision.chosen is None or decision.chosen.id != agreed:
+                mine = decision.chosen.id if decision.chosen is not None else "nothing"
+                decision = dataclasses.replace(select(entries, key, forced=agreed), source="rank 0",
+                                               note=f"rank 0's choice for this key (this rank's table: {mine})")
+            return decision
+        return self._from_table(entries, key, found)
+
+    def found(self, key: CallKey, runnable: list[str]) -> Found | None:
+        """What this device's table has for ``key`` among ``runnable``."""
+        fpid = fingerprint_id(fingerprint(key.device))
+        return self.table.lookup(key, fpid, runnable, self.versions())
+
+    @staticmethod
+    def _from_table(entries, key: CallKey, found: Found | None) -> Decision:
         if found is None:
             return select(entries, key)
-        timings, winner, source, at, rejected = found
-        return select(entries, key, timings=timings, winner=winner, timings_source=source, measured_key=at,
-                      rejected=rejected)
+        decision = select(entries, key, timings=found.timings, winner=found.winner, timings_source=found.source,
+                          measured_key=found.at, rejected=found.rejected)
+        if not found.pruned:
+            return decision
+        # A pruned variant is measured-slower, not unmeasured: say how much slower, at least.
+        rows = tuple(TraceRow(r.variant, r.accepted, f"pruned after the first round: >= {found.pruned[r.variant]:.1f}x "
+                                                     "the best there (timed no further)", r.time_us)
+                     if r.variant in found.pruned and not r.accepted else r for r in decision.trace)
+        return dataclasses.replace(decision, trace=rows)
 
     def _tune(self, key: CallKey) -> None:
         """KV_TUNE=1: measure an unseen key on first sight, as PyTorch TunableOp's online tuning."""
@@ -109,7 +195,7 @@ class Dispatcher:
 
         run_calibration(self.registry.variants(key.op), self.table, key.spec, [key.shape], dtype=key.dtype,
                         device=key.device, features=key.features, timing=TimingConfig(), variants=None,
-                        rotate=0, margin=DEFAULT_MARGIN, progress=None)
+                        rotate=0, margin=DEFAULT_MARGIN, progress=None, prune=DEFAULT_PRUNE)
         self.invalidate()  # signatures memoised from nearest or priority decisions may change
 
     def resolve(self, sig: tuple[Any, ...] | None, key: CallKey, args: tuple[Any, ...]) -> Hit:
@@ -121,6 +207,12 @@ class Dispatcher:
             decision = self.decide(key, self.pinned(key.op))
         if decision.chosen is None:
             raise NoVariantError(f"no variant can run this call\n{decision}")
+        text = key_text(key)
+        if len(self.decided) < _MEMO_LIMIT or text in self.decided:
+            self.decided[text] = (key, decision.chosen.id)
+        if (self._record_raw and decision.source in ("nearest", "priority") and decision.measured_key != key.shape
+                and text not in self._recorded):
+            self._record(key, text)
         spec = key.spec
         # Normalised arguments depend only on values that are part of the signature.
         subs = tuple((i, spec.normalize[n](args[i])) for i, n in enumerate(spec.params) if n in spec.normalize)
@@ -130,6 +222,34 @@ class Dispatcher:
                 self.memo.clear()
             self.memo[sig] = hit
         return hit
+
+    def _record(self, key: CallKey, text: str) -> None:
+        """KV_RECORD: note a key decided without a measured row, once per process; a record that
+        cannot be written turns recording off for this process, with one warning."""
+        with self._record_lock:
+            if text in self._recorded:
+                return
+            self._recorded.add(text)
+            if self._recorder is None:
+                where = record_dir(self._record_raw, self.table.directory)
+                if where is None:
+                    return
+                self._recorder = Recorder(where)
+            fp = fingerprint(key.device)
+            doc = {**key_parts(key), "fingerprint": fp, "fingerprint_id": fingerprint_id(fp)}
+            kid = hashlib.sha256(f"{doc['fingerprint_id']}|{text}".encode()).hexdigest()[:20]
+            try:
+                got = self._recorder.add(kid, doc)
+            except Exception as exc:  # sqlite3.Error, OSError: never the call's problem
+                self._record_raw = ""
+                warnings.warn(f"KV_RECORD: cannot write the record {self._recorder.path} ({type(exc).__name__}: "
+                              f"{exc}); recording is off for this process", CalibrationWarning, stacklevel=5)
+                return
+            if got == "full":
+                self._record_raw = ""
+                warnings.warn(f"KV_RECORD: the record {self._recorder.path} already holds {self._recorder.limit} keys "
+                              "waiting for calibration; this process records no more (kv calibrate --recorded "
+                              "measures them)", CalibrationWarning, stacklevel=5)
 
     def invalidate(self) -> None:
         self.memo.clear()

@@ -1,31 +1,40 @@
-"""Calibration across the ranks of a ``torchrun`` job: one table for a fleet of identical devices.
+"""Calibration across the ranks of a ``torchrun`` job: one table for a fleet of identical devices;
+and at run time, ranks that tune together and a check that they agree.
 
 Every rank takes a share of the (shape, variant) pairs and measures it on its own device
 (``cuda:LOCAL_RANK``, ``npu:LOCAL_RANK`` or the CPU). Rank 0 gathers the measurements, records
 them and decides each shape's winner, then broadcasts the exported table; every other rank
 imports it, so all ranks dispatch identically. Ranks must share one device fingerprint and one
 set of variant versions, or the figures of one would be applied to another: that is checked
-first, and a mismatch is an error on every rank naming the ranks that differ.
+first, and a mismatch is an error on every rank naming the ranks that differ. Each rank
+times its share interleaved, but prunes nothing: a rank sees only part of a shape's variants.
+
+At run time (``KV_TUNE=1`` in an initialised process group), ``tune_together`` makes rank 0
+measure a key no rank has measured and every rank run rank 0's choice; ``check_agreement()``
+returns the keys on which ranks' decisions differ.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kernel_variants._dtypes import as_dtype, dtype_name
-from kernel_variants.registry import Features
+from kernel_variants.registry import CallKey, Features
 from kernel_variants.registry._spec import Shape
 
 from ._calibrate import CalibrationResult, Progress, measure_shape
-from ._dispatcher import dispatcher
+from ._dispatcher import Dispatcher, dispatcher, key_from_parts, key_parts, key_text
 from ._exchange import ImportReport, build_document, import_document, parse_document
-from ._fingerprint import fingerprint
-from ._table import DEFAULT_MARGIN, Measurement, check_margin
+from ._fingerprint import fingerprint, fingerprint_id
+from ._select import Decision
+from ._store import CalibrationWarning
+from ._table import DEFAULT_MARGIN, Group, Measurement, check_margin
 from ._timing import TimingConfig
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -207,3 +216,124 @@ def _run(dist, op, shapes, dt, dev, features, timing, variants, rotate, margin, 
                 result.winners[w.shape] = w
     dist.barrier()
     return DistributedResult(rank, world, result, imported)
+
+
+# Agreement at run time: online tuning (KV_TUNE=1) under torch.distributed, and checking it.
+
+
+def tuning_world() -> int:
+    """The size of the default process group when torch.distributed is initialised, else 1."""
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
+
+
+_warned_divergence = False
+
+
+def tune_together(d: Dispatcher, key: CallKey, forced: str | None) -> Decision:
+    """Decide ``key`` on every rank of the default group at once (a collective: each rank calls
+    it when its memo first misses ``key``, which in an SPMD job is the same call on every rank).
+
+    Ranks say whether their table has a measured row for ``key``; if any has none, rank 0
+    measures it (the others wait), then rank 0 sends its choice and its rows for the key. Every
+    rank records the choice (``Dispatcher.agreed``) and runs it; ranks of rank 0's fingerprint
+    also store its rows, so later processes find them. Ranks that reached different calls here
+    are warned once and decide on their own (no measurement): ``check_agreement`` reports it."""
+    import torch.distributed as dist
+
+    global _warned_divergence
+    text = key_text(key)
+    entries = d.registry.variants(key.op)
+    runnable = [rv.id for rv in entries if rv.why_not(key) is None]
+    found = d.found(key, runnable) if runnable else None
+    need = bool(runnable) and (found is None or found.source != "table")
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (text, need))
+    if any(t != text for t, _ in everyone):
+        if not _warned_divergence:
+            _warned_divergence = True
+            others = "; ".join(f"rank {r}: {t}" for r, (t, _) in enumerate(everyone) if t != text)
+            warnings.warn(f"KV_TUNE: ranks reached different calls at the same point ({text} here; {others}); "
+                          "they decide on their own, untuned (kernel_variants.check_agreement() lists where they "
+                          "differ)", CalibrationWarning, stacklevel=4)
+        return d.decide(key, forced, tune=False)
+    measured = any(n for _, n in everyone)
+    fpid = fingerprint_id(fingerprint(key.device))
+    box: list = [None]
+    if dist.get_rank() == 0:
+        failure = None
+        try:
+            if need:
+                d._tune(key)
+            mine = d.decide(key, None, tune=False)
+            rows = d.table.rows_at(fpid, Group.of(key), key.shape, d.versions())
+            box = [(None, mine.chosen.id if mine.chosen is not None else None, fpid, rows)]
+        except Exception as exc:  # the other ranks wait in the broadcast below: they must hear of it
+            failure = exc
+            box = [(f"{type(exc).__name__}: {exc}", None, fpid, [])]
+        dist.broadcast_object_list(box, src=0)
+        if failure is not None:
+            raise failure
+    else:
+        dist.broadcast_object_list(box, src=0)
+    error, chosen, fpid0, rows = box[0]
+    if error is not None:
+        raise RuntimeError(f"KV_TUNE: rank 0 failed to measure {text}: {error}")
+    if dist.get_rank() != 0 and rows and fpid0 == fpid:
+        d.table.ingest(rows)
+    if chosen is not None:
+        d.agreed[text] = chosen
+    if measured:
+        d.invalidate()  # on every rank alike, so that memos (and the collectives they lead to) stay in step
+    return d.decide(key, forced, tune=False)
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """A call key on which the ranks' decisions differ: rank -> the variant it runs (None: none can)."""
+
+    key: str
+    choices: dict[int, str | None]
+
+    def __str__(self) -> str:
+        return f"{self.key}: " + ", ".join(f"rank {r} {v or '(nothing)'}" for r, v in sorted(self.choices.items()))
+
+
+def check_agreement() -> list[Disagreement]:
+    """The call keys on which the ranks of the default process group decide differently.
+
+    A collective: every rank calls it. Each rank contributes the keys it has dispatched (with
+    the variant it ran); every rank then decides every key any rank met (without running or
+    measuring anything: what it would run, or what it ran), and the keys whose variants differ
+    are returned, the same list on every rank. Without torch.distributed, or with one rank, [].
+    """
+    import torch.distributed as dist
+
+    if tuning_world() <= 1:
+        return []
+    d = dispatcher()
+    mine = {text: (key_parts(key), vid) for text, (key, vid) in d.decided.items()}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    parts = {text: p for seen in everyone for text, (p, _) in seen.items()}
+    choices: dict[str, str | None] = {}
+    for text, p in sorted(parts.items()):
+        if text in mine:
+            choices[text] = mine[text][1]
+            continue
+        try:
+            key = key_from_parts(d.registry, p)
+            decision = d.decide(key, d.pinned(key.op), tune=False)
+            choices[text] = decision.chosen.id if decision.chosen is not None else None
+        except ValueError:  # an op or features this rank does not have
+            choices[text] = None
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, choices)
+    out = []
+    for text in sorted(parts):
+        per = {r: c.get(text) for r, c in enumerate(everyone)}
+        if len(set(per.values())) > 1:
+            out.append(Disagreement(text, per))
+    return out

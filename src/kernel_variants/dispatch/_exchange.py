@@ -1,8 +1,10 @@
 """Moving a calibration table between machines as one versioned JSON document.
 
-A table measured on one machine serves every machine with the same fingerprint (device, driver
-or runtime, torch and kernel_variants versions): ``export_table`` writes this device's part of
-the table, ``import_table`` merges a document into the local table. An import validates the
+A table measured on one machine serves every machine with the same fingerprint (device, and its
+driver or runtime) and the same variant versions (each variant's version holds its source's hash
+and its declared dependencies' versions, so a machine with another torch or Triton finds the
+affected rows stale, and only those): ``export_table`` writes this device's part of the table,
+``import_table`` merges a document into the local table. An import validates the
 whole document first and then writes it in one transaction, so a malformed or hostile file
 changes nothing; a document from another fingerprint is refused unless forced.
 """
@@ -27,7 +29,9 @@ from ._dispatcher import dispatcher
 from ._fingerprint import fingerprint, fingerprint_id
 from ._table import DEFAULT_MARGIN, Measurement, Winner
 
-DOCUMENT_SCHEMA = 1
+# 2: rows of table schema 3 (per-variant dependencies, samples, pruned rows); a document of 1
+# was written by an earlier release, whose fingerprints held package versions: refused, saying so.
+DOCUMENT_SCHEMA = 2
 DOCUMENT_FORMAT = "kernel_variants.table"
 # A 69-shape sweep of three variants is about 150 kB; anything near this cap is not a table.
 MAX_DOCUMENT_BYTES = 64 << 20
@@ -46,7 +50,7 @@ class TableDocument(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     format: Literal["kernel_variants.table"] = DOCUMENT_FORMAT
-    schema_version: Literal[1] = DOCUMENT_SCHEMA
+    schema_version: Literal[1, 2] = DOCUMENT_SCHEMA
     fingerprint: dict[str, str] = Field(max_length=64)
     fingerprint_id: str = Field(pattern=r"^[0-9a-f]{16}$")
     created_at: float
@@ -111,8 +115,16 @@ def measurement_problem(m: Measurement, now: float | None = None) -> str | None:
     problem = _common_problem(m.shape, m.variant, m.best_us, m.measured_at, now, "measured_at")
     if problem is not None:
         return problem
-    if m.status == "ok" and (m.best_us is None or m.median_us is None):
-        return "an ok measurement needs best_us and median_us"
+    if m.status in ("ok", "pruned") and (m.best_us is None or m.median_us is None):
+        return f"an {m.status} measurement needs best_us and median_us"
+    if not all(math.isfinite(t) and 0 < t <= _MAX_US for t in m.samples_us):
+        return f"samples_us must be positive numbers of microseconds up to {_MAX_US:g}"
+    if m.noise is not None and not (math.isfinite(m.noise) and 0 <= m.noise <= _MAX_US):
+        return f"noise must be a non-negative number, got {m.noise}"
+    if m.status == "pruned" and (m.pruned_at is None or not (math.isfinite(m.pruned_at) and 0 < m.pruned_at <= _MAX_US)):
+        return f"a pruned measurement needs pruned_at, a positive ratio, got {m.pruned_at}"
+    if any(len(k) > 100 or len(v) > 200 for k, v in m.deps.items()):
+        return "deps: names or versions too long"
     if m.median_us is not None and not (math.isfinite(m.median_us) and 0 < m.median_us <= _MAX_US):
         return f"median_us must be a positive number of microseconds up to {_MAX_US:g}, got {m.median_us}"
     if m.spread is not None and not (math.isfinite(m.spread) and 0 <= m.spread <= _MAX_US):
@@ -127,7 +139,14 @@ def measurement_problem(m: Measurement, now: float | None = None) -> str | None:
 def winner_problem(w: Winner, now: float | None = None) -> str | None:
     """Why ``w`` is not a believable winner (None when it is)."""
     now = time.time() if now is None else now
-    return _common_problem(w.shape, w.variant, w.best_us, w.decided_at, now, "decided_at")
+    problem = _common_problem(w.shape, w.variant, w.best_us, w.decided_at, now, "decided_at")
+    if problem is None and w.runner_up is not None and not valid_id(w.runner_up):
+        problem = f"runner_up {w.runner_up[:80]!r} is not a valid id"
+    if problem is None and w.lead is not None and not (math.isfinite(w.lead) and -1 < w.lead <= _MAX_US):
+        problem = f"lead must be a finite ratio above -1, got {w.lead}"
+    if problem is None and w.noise is not None and not (math.isfinite(w.noise) and 0 <= w.noise <= _MAX_US):
+        problem = f"noise must be a non-negative number, got {w.noise}"
+    return problem
 
 
 def build_document(device: str = "cpu") -> TableDocument:
@@ -236,6 +255,11 @@ def import_document(doc: TableDocument, *, force: bool = False, device: str = "c
                     source: str = "document") -> ImportReport:
     """Merge ``doc`` into the process-wide table, keeping the newer entry per key."""
     dev = torch.device(device)
+    if doc.schema_version < DOCUMENT_SCHEMA:
+        raise ExchangeError(f"{source}: written by an earlier kernel_variants release (document schema "
+                            f"{doc.schema_version}, whose fingerprint held package versions and no per-variant "
+                            "dependencies): its timings cannot be told current here; export it again with this "
+                            "release, or recalibrate")
     if doc.fingerprint.get("device") != dev.type:
         raise ExchangeError(f"{source}: measured on a {doc.fingerprint.get('device', 'unknown')} device, "
                             f"not {dev.type} (pass the matching --device)")

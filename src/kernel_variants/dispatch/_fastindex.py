@@ -3,7 +3,9 @@
 The table's full load validates every row (pydantic, per JSON document): about 0.8 s for 5000
 calibrated shapes. A decision needs far less: per group and shape, each variant's best time,
 the variants rejected there, the winner, and the nearest calibrated shape for an unseen one.
-That is kept here:
+A variant pruned at a shape (timed for one round, far slower than the best) has its
+first-round figure among the times, as measured-slower, and its bound in ``pruned``. That is
+kept here:
 
 - in memory, per group, as a dict for exact shapes and a tensor of log-sizes with one presence
   mask per variant, so the nearest shape is one vectorised argmin (tens of microseconds);
@@ -34,18 +36,20 @@ if TYPE_CHECKING:
 __all__ = ["SNAPSHOT_PREFIX", "TOKEN_KEY", "FastIndex", "GroupIndex", "document", "index_from"]
 
 SNAPSHOT_PREFIX = "i|"
-FORMAT = 2
+FORMAT = 3
 REJECTED = -1.0  # a time slot's value for "rejected here"; real times are positive
 
 
 @dataclass
 class GroupIndex:
     """One group's current figures: shape -> variant -> best µs, the variants rejected at each
-    shape (they differed from the reference there), and each shape's winner."""
+    shape (they differed from the reference there), those pruned there (variant -> how many
+    times slower than the best, at least), and each shape's winner."""
 
     shapes: list[Shape]
     times: dict[Shape, dict[str, float]] = field(default_factory=dict)
     rejected: dict[Shape, set[str]] = field(default_factory=dict)
+    pruned: dict[Shape, dict[str, float]] = field(default_factory=dict)
     winners: dict[Shape, str] = field(default_factory=dict)
     _logs: torch.Tensor | None = None
     _present: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -79,17 +83,20 @@ def document(ms: Iterable[Measurement], ws: Iterable[Winner], counts: dict[str, 
     groups: dict[str, dict[str, Any]] = {}
     where: dict[str, dict[Shape, int]] = {}
     for m in ms:
-        if m.status == "ok" and m.best_us is None:
+        if m.status != "rejected" and m.best_us is None:
             continue
         slug = m.group.slug()
-        g = groups.setdefault(slug, {"shapes": [], "variants": {}, "winners": []})
+        g = groups.setdefault(slug, {"shapes": [], "variants": {}, "winners": [], "pruned": {}})
         at = where.setdefault(slug, {})
         if m.shape not in at:
             at[m.shape] = len(g["shapes"])
             g["shapes"].append(list(m.shape))
             g["winners"].append(None)
-        per = g["variants"].setdefault(f"{m.variant}\n{m.version}", {})
-        per[str(at[m.shape])] = m.best_us if m.status == "ok" else REJECTED
+        tag = f"{m.variant}\n{m.version}"
+        per = g["variants"].setdefault(tag, {})
+        per[str(at[m.shape])] = m.best_us if m.status != "rejected" else REJECTED
+        if m.status == "pruned":
+            g["pruned"].setdefault(tag, {})[str(at[m.shape])] = m.pruned_at or 0.0
     for w in ws:
         slug = w.group.slug()
         if slug in groups and w.shape in where[slug]:
@@ -133,6 +140,8 @@ def index_from(doc: dict[str, Any], versions: dict[tuple[str, str], str]) -> Fas
                     stale[variant] = (version, current)
                     continue
                 present = [False] * len(shapes)
+                for pos, bound in g["pruned"].get(tag, {}).items():
+                    index.pruned.setdefault(shapes[int(pos)], {})[variant] = float(bound)
                 for pos, t in per.items():
                     i, t = int(pos), float(t)
                     if t == REJECTED:

@@ -1,4 +1,14 @@
-"""What a measurement is only valid on: the device and the software stack around the kernels."""
+"""What a measurement is only valid on: the device (and its driver or runtime).
+
+The software a kernel's speed depends on beyond that (torch, Triton, torch_npu, a compiler, the
+package that ships the kernel) is keyed per variant: each variant declares its dependencies and
+their versions are part of its version (``Variant.depends``), so upgrading kernel_variants, or
+torch under a variant that does not use it, keeps the rows it does not affect.
+
+Rows written before that (until kernel_variants 0.1) carried torch's and kernel_variants'
+versions here: ``is_legacy`` tells them apart, and the table ignores them with one warning
+(``kv calibrate --stale`` re-measures them).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +19,6 @@ import os
 import platform
 
 import torch
-
-from kernel_variants._version import __version__
 
 
 def _cpu_model() -> str:
@@ -78,9 +86,23 @@ def _fingerprint(device: str, threads: int) -> tuple[tuple[str, str], ...]:
         info.update(_npu(dev.index or 0))
     else:
         info["name"] = dev.type
-    info.update(torch=torch.__version__, kernel_variants=__version__)
     return tuple(info.items())
 
 
 def fingerprint_id(fp: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# What fingerprints held until per-variant dependencies replaced them.
+LEGACY_KEYS = ("torch", "kernel_variants")
+
+
+def is_legacy(fp: dict[str, str]) -> bool:
+    """A fingerprint written before staleness was kept per variant."""
+    return "kernel_variants" in fp
+
+
+def device_part(fp: dict[str, str]) -> dict[str, str]:
+    """A fingerprint without the software versions that were once part of it: for a legacy row,
+    the fingerprint it would have now."""
+    return {k: v for k, v in fp.items() if k not in LEGACY_KEYS}

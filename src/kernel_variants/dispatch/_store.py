@@ -227,3 +227,109 @@ class Store:
             con.close()
 
 
+
+
+# Keys that serving processes met without a measurement (KV_RECORD=1), for calibrating offline.
+
+RECORD_FILE = "recorded.db"
+RECORD_LIMIT = 10_000  # keys not yet calibrated; beyond this new keys are not recorded (one warning)
+_DONE_KEPT = 10_000  # calibrated keys kept for `kv table` to show; the oldest go first
+
+
+class Recorder:
+    """The record of uncalibrated call keys: a small SQLite file beside the table.
+
+    ``add`` is what a serving process runs, once per key: one ``INSERT`` (no timing, no device
+    sync). SQLite serialises processes that write at once; a writer that finds the file busy
+    for longer than a moment, or unwritable, gives up on that key rather than hold up a call.
+    The record is bounded: at most ``limit`` keys wait for calibration.
+    """
+
+    def __init__(self, directory: Path, limit: int = RECORD_LIMIT) -> None:
+        self.path = Path(directory) / RECORD_FILE
+        self.limit = limit
+        self._con: sqlite3.Connection | None = None
+        self._pid = 0
+
+    def _connect(self, create: bool) -> sqlite3.Connection | None:
+        if self._con is not None and self._pid == os.getpid():
+            return self._con
+        if not create and not self.path.is_file():
+            return None
+        if create:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        con = sqlite3.connect(str(self.path), timeout=0.5, isolation_level=None, check_same_thread=False)
+        try:
+            con.execute("PRAGMA journal_mode=WAL")
+            con.execute("PRAGMA synchronous=NORMAL")
+            con.execute("CREATE TABLE IF NOT EXISTS recorded (id TEXT PRIMARY KEY, doc TEXT NOT NULL, "
+                        "first_seen REAL NOT NULL, last_seen REAL NOT NULL, seen INTEGER NOT NULL, done_at REAL)")
+        except sqlite3.Error:
+            con.close()
+            raise
+        self._con, self._pid = con, os.getpid()  # a forked child opens its own connection
+        return con
+
+    def add(self, key_id: str, doc: dict) -> str:
+        """Record one key: "added", "seen" (already waiting), or "full" (not recorded).
+        Raises ``sqlite3.Error`` or ``OSError`` when the record cannot be written."""
+        con = self._connect(create=True)
+        now = time.time()
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+        with _immediate(con):
+            row = con.execute("SELECT done_at FROM recorded WHERE id = ?", (key_id,)).fetchone()
+            if row is not None:
+                con.execute("UPDATE recorded SET seen = seen + 1, last_seen = ?, done_at = NULL, doc = ? WHERE id = ?",
+                            (now, text, key_id))
+                return "seen"
+            (waiting,) = con.execute("SELECT count(*) FROM recorded WHERE done_at IS NULL").fetchone()
+            if waiting >= self.limit:
+                return "full"
+            con.execute("INSERT INTO recorded VALUES (?, ?, ?, ?, 1, NULL)", (key_id, text, now, now))
+            return "added"
+
+    def entries(self, pending_only: bool = False) -> list[dict]:
+        """Every recorded key (oldest first): its document plus ``id``, ``seen`` (processes that
+        met it), ``first_seen``, ``last_seen`` and ``done_at`` (None while waiting)."""
+        con = self._connect(create=False)
+        if con is None:
+            return []
+        sql = "SELECT id, doc, first_seen, last_seen, seen, done_at FROM recorded"
+        if pending_only:
+            sql += " WHERE done_at IS NULL"
+        out = []
+        for kid, text, first, last, seen, done in con.execute(sql + " ORDER BY first_seen, id").fetchall():
+            try:
+                doc = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(doc, dict):
+                out.append({**doc, "id": kid, "seen": seen, "first_seen": first, "last_seen": last, "done_at": done})
+        return out
+
+    def mark_done(self, ids: list[str]) -> None:
+        con = self._connect(create=False)
+        if con is None or not ids:
+            return
+        now = time.time()
+        with _immediate(con):
+            con.executemany("UPDATE recorded SET done_at = ? WHERE id = ?", [(now, i) for i in ids])
+            con.execute("DELETE FROM recorded WHERE id IN (SELECT id FROM recorded WHERE done_at IS NOT NULL "
+                        "ORDER BY done_at DESC LIMIT -1 OFFSET ?)", (_DONE_KEPT,))
+
+    def close(self) -> None:
+        if self._con is not None and self._pid == os.getpid():
+            self._con.close()
+        self._con = None
+
+
+@contextlib.contextmanager
+def _immediate(con: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction (taken at once, so that two processes never both read then write)."""
+    con.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    con.execute("COMMIT")

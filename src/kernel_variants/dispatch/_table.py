@@ -8,16 +8,18 @@ and unpickling is code execution, so the disk class below refuses every non-raw 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sqlite3
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kernel_variants._paths import table_dir
 from kernel_variants.registry import CallKey
@@ -25,17 +27,26 @@ from kernel_variants.registry._models import DTypeName
 from kernel_variants.registry._spec import Shape
 
 from ._fastindex import SNAPSHOT_PREFIX, TOKEN_KEY, FastIndex, decode, document, encode, index_from
+from ._fingerprint import device_part, is_legacy
+from ._fingerprint import fingerprint_id as identify
 from ._store import CalibrationWarning, HostileRow, JSONOnlyDisk, Store, is_corrupt
 
 __all__ = ["CalibrationTable", "CalibrationWarning", "Group", "HostileRow", "JSONOnlyDisk", "Measurement",
-           "Winner", "is_corrupt"]
+           "StaleRow", "Winner", "is_corrupt"]
 
 # 2: a group is (op, dtype, the op's own feature flags); rows of 1 (causal_conv1d's fields
 # inline) are migrated when the table loads.
-SCHEMA = 2
+# 3: per-window samples, noise, pruned rows, each row's dependency versions; winners say how
+# sure they are. The fingerprint no longer holds torch's and kernel_variants' versions: rows
+# written with those (``is_legacy``) are ignored with one warning, never mixed with new ones.
+SCHEMA = 3
 # A challenger must be this much faster to take a shape from its winner: noise on a shared
-# machine is a few percent, and choices that flip back and forth help nobody.
+# machine is a few percent, and choices that flip back and forth help nobody. It is the floor:
+# where the measured noise of the two is larger, the lead must exceed that instead.
 DEFAULT_MARGIN = 0.02
+# After the first round of a shape, a candidate slower than the best by more than this is timed
+# no further (recorded as pruned, with the ratio).
+DEFAULT_PRUNE = 3.0
 FeatureValue = bool | int | float | str
 
 
@@ -43,6 +54,20 @@ def check_margin(margin: float) -> float:
     if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
         raise ValueError(f"margin: expected a fraction in [0, 1), got {margin!r}")
     return float(margin)
+
+
+def check_prune(prune: float | None) -> float | None:
+    """None (prune nothing) or a factor above 1."""
+    if prune is None:
+        return None
+    if isinstance(prune, bool) or not isinstance(prune, (int, float)) or not (1 < prune < math.inf):
+        raise ValueError(f"prune: expected a factor above 1 (or None for no pruning), got {prune!r}")
+    return float(prune)
+
+
+def combined_noise(*noises: float | None) -> float:
+    """The noise of a comparison of figures with these relative noises (independent: in quadrature)."""
+    return math.sqrt(sum((n or 0.0) ** 2 for n in noises))
 
 
 class Group(BaseModel):
@@ -88,14 +113,16 @@ class Measurement(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    schema_version: Literal[1, 2] = SCHEMA
+    schema_version: Literal[1, 2, 3] = SCHEMA
     fingerprint: dict[str, str]
     fingerprint_id: str
     group: Group
     shape: Shape
     variant: str
     version: str
-    status: Literal["ok", "rejected"]
+    # "pruned": timed for the first round only, ``pruned_at`` times slower than the best there;
+    # ``best_us`` is that round's figure. Measured slower, never unmeasured.
+    status: Literal["ok", "rejected", "pruned"]
     reason: str = ""
     best_us: float | None = None
     median_us: float | None = None
@@ -103,23 +130,45 @@ class Measurement(BaseModel):
     windows: int = 0
     iters: int = 0
     method: str = ""
+    samples_us: tuple[float, ...] = Field(default=(), max_length=10_000)  # each window's mean
+    noise: float | None = None  # (median - best) / best: how far a typical window is from the best
+    pruned_at: float | None = None
+    deps: dict[str, str] = Field(default_factory=dict, max_length=64)  # the variant's dependencies then
     measured_at: float
 
     def storage_key(self) -> str:
         return _mkey(self.fingerprint_id, self.group, self.shape, self.variant)
 
+    @property
+    def timed(self) -> bool:
+        """Has a figure (fully timed, or pruned after its first round)."""
+        return self.status in ("ok", "pruned") and self.best_us is not None
+
+
+Confidence = Literal["", "clear", "within noise", "single"]
+
 
 class Winner(BaseModel):
-    """The variant a shape goes to; it keeps the shape until a challenger beats it by the margin."""
+    """The variant a shape goes to; it keeps the shape until a challenger beats it by the margin
+    and by the measured noise.
+
+    How sure it is: ``lead`` is the runner-up's time over the winner's, minus one (negative when
+    a faster challenger did not lead by enough to take the shape), ``noise`` the two figures'
+    combined noise, and ``confidence`` "clear" (the lead exceeds the margin and the noise),
+    "within noise" (it does not: either could be faster) or "single" (nothing to compare)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    schema_version: Literal[1, 2] = SCHEMA
+    schema_version: Literal[1, 2, 3] = SCHEMA
     fingerprint_id: str
     group: Group
     shape: Shape
     variant: str
     best_us: float
+    runner_up: str | None = None
+    lead: float | None = None
+    noise: float | None = None
+    confidence: Confidence = ""
     decided_at: float
 
     def storage_key(self) -> str:
@@ -132,6 +181,49 @@ def _mkey(fp: str, group: Group, shape: Shape, variant: str) -> str:
 
 def _wkey(fp: str, group: Group, shape: Shape) -> str:
     return f"w|{fp}|{group.slug()}|{','.join(map(str, shape))}"
+
+
+@dataclass(frozen=True)
+class StaleRow:
+    """A measurement of this device that no longer matches its variant: why, and where it is."""
+
+    group: Group
+    shape: Shape
+    variant: str
+    measured: str  # the version it was measured with
+    current: str  # the registered version now
+    why: str
+    legacy: bool  # written by an earlier release (its fingerprint held package versions)
+    measured_at: float
+    key: str  # its storage key
+    winner_key: str  # the storage key of the winner row it was decided under
+
+
+def stale_reason(m: Measurement, deps_now: dict[str, str], source_now: str = "") -> str:
+    """Why ``m`` no longer matches the variant registered now (whose dependencies are
+    ``deps_now`` and whose version without them is ``source_now``)."""
+    if is_legacy(m.fingerprint):
+        versions = ", ".join(f"{k} {m.fingerprint[k]}" for k in ("kernel_variants", "torch") if k in m.fingerprint)
+        why = f"measured by an earlier release ({versions}), before staleness was kept per variant"
+        if source_now and m.version != source_now:
+            why += "; its source has changed since"
+        return why
+    changed = [f"{k} {m.deps.get(k, '(none)')} -> {deps_now.get(k, '(none)')}"
+               for k in sorted(set(m.deps) | set(deps_now)) if m.deps.get(k) != deps_now.get(k)]
+    return "; ".join(changed) if changed else "its source or declared version changed"
+
+
+class Found(NamedTuple):
+    """What the table has for a call: each candidate's µs (pruned ones with their first-round
+    figure), the recorded winner, "table" (this shape) or "nearest", the shape the figures are
+    from, the candidates rejected there, and those pruned there with their bound."""
+
+    timings: dict[str, float]
+    winner: str | None
+    source: str
+    at: Shape
+    rejected: set[str]
+    pruned: dict[str, float]
 
 
 class _Index:
@@ -157,6 +249,8 @@ class CalibrationTable:
         self._fast: dict[str, FastIndex] = {}  # per device fingerprint
         self._warned: set[str] = set()  # fingerprints whose ignored entries this load has named
         self._versions: dict[tuple[str, str], str] = {}
+        # While `kv calibrate --stale` re-measures them, stale and legacy rows are not news.
+        self.quiet_stale = False
 
     @property
     def store(self) -> Store:
@@ -194,12 +288,15 @@ class CalibrationTable:
                 index = self._index[fingerprint_id] = self._guard(self._build_index, fingerprint_id)
             return index
 
-    def _scan(self, fingerprint_id: str) -> tuple[list[Measurement], list[Winner], dict[str, int]]:
-        """Every readable measurement and winner of ``fingerprint_id`` (any version), and how many
-        rows were of other fingerprints or unreadable."""
+    def _scan(self, fingerprint_id: str) -> tuple[list[Measurement], list[Winner], dict[str, int], list[Measurement]]:
+        """Every readable measurement and winner of ``fingerprint_id`` (any version), how many
+        rows were of other fingerprints, unreadable, or legacy, and the legacy measurements of
+        this device (written before per-variant versions: see ``_fingerprint.is_legacy``)."""
         ms: list[Measurement] = []
         ws: list[Winner] = []
-        counts = {"other_fp": 0, "bad": 0}
+        legacy: list[Measurement] = []
+        counts = {"other_fp": 0, "bad": 0, "legacy": 0}
+        mine: dict[str, bool] = {}  # a legacy fingerprint id -> whether it is this device's
         for key, raw in self.store.items():
             if key.startswith((TOKEN_KEY, SNAPSHOT_PREFIX)):
                 continue
@@ -211,10 +308,14 @@ class CalibrationTable:
                     key, raw = self._migrate_row(key, raw)
                 if key.startswith("m|"):
                     m = Measurement.model_validate_json(raw)
-                    if m.fingerprint_id != fingerprint_id:
-                        counts["other_fp"] += 1
-                    else:
+                    if m.fingerprint_id == fingerprint_id and not is_legacy(m.fingerprint):
                         ms.append(m)
+                    elif is_legacy(m.fingerprint) and mine.setdefault(
+                            m.fingerprint_id, identify(device_part(m.fingerprint)) == fingerprint_id):
+                        counts["legacy"] += 1
+                        legacy.append(m)
+                    else:
+                        counts["other_fp"] += 1
                 elif key.startswith("w|"):
                     w = Winner.model_validate_json(raw)
                     if w.fingerprint_id == fingerprint_id:
@@ -223,7 +324,7 @@ class CalibrationTable:
                     counts["bad"] += 1
             except (ValidationError, ValueError):
                 counts["bad"] += 1
-        return ms, ws, counts
+        return ms, ws, counts, legacy
 
     def _warn_once(self, fingerprint_id: str, counts: dict[str, int], stale: dict[str, tuple[str, str]]) -> None:
         """One warning per load naming what is ignored, whichever path (full or fast) loaded."""
@@ -231,18 +332,26 @@ class CalibrationTable:
             return
         self._warned.add(fingerprint_id)
         reasons = []
+        if self.quiet_stale:
+            counts, stale = {**counts, "legacy": 0}, {}
+        if counts.get("legacy"):
+            reasons.append(f"{counts['legacy']} measured on this device by an earlier kernel_variants release "
+                           "(before staleness was kept per variant; they cannot be told current)")
         if counts.get("other_fp"):
             reasons.append(f"{counts['other_fp']} measured on another device or software stack (fingerprint differs)")
         for vid, (old, new) in sorted(stale.items()):
-            reasons.append(f"variant {vid!r} changed since it was measured (version {old} -> {new}); recalibrate it")
+            reasons.append(f"variant {vid!r} changed since it was measured (version {old} -> {new})")
         if counts.get("bad"):
             reasons.append(f"{counts['bad']} entries unreadable or malformed")
         if reasons:
-            warnings.warn("calibration table: ignoring entries: " + "; ".join(reasons), CalibrationWarning, stacklevel=4)
+            hint = "; `kv table --stale` lists them, `kv calibrate --stale` re-measures them" if (
+                stale or counts.get("legacy")) else ""
+            warnings.warn("calibration table: ignoring entries: " + "; ".join(reasons) + hint, CalibrationWarning,
+                          stacklevel=4)
 
     def _build_index(self, fingerprint_id: str) -> _Index:
         index = _Index()
-        ms, ws, counts = self._scan(fingerprint_id)
+        ms, ws, counts, _ = self._scan(fingerprint_id)
         stale: dict[str, tuple[str, str]] = {}
         for m in ms:
             current = self._versions.get((m.group.op, m.variant))
@@ -280,7 +389,7 @@ class CalibrationTable:
         doc = decode(self.store.get(SNAPSHOT_PREFIX + fingerprint_id), token)
         fast = index_from(doc, self._versions) if doc is not None else None
         if fast is None:  # no snapshot, an old one, or a damaged one: from the rows, then stored
-            ms, ws, counts = self._scan(fingerprint_id)
+            ms, ws, counts, _ = self._scan(fingerprint_id)
             doc = document(ms, ws, counts)
             if token is not None:  # a table that was never written has nothing worth a snapshot
                 with contextlib.suppress(OSError, sqlite3.Error):
@@ -305,11 +414,11 @@ class CalibrationTable:
             self.store.delete(key)
         return new_key, new_raw
 
-    def lookup(self, key: CallKey, fingerprint_id: str, candidates: Iterable[str], versions: dict[tuple[str, str], str]):
-        """(timings, winner, source, shape, rejected) for ``key`` among ``candidates``: at its own
-        shape, else the nearest calibrated shape (log space) of the same group where a candidate
-        was measured; ``rejected`` are the candidates that failed verification at that shape.
-        None when no candidate has a figure."""
+    def lookup(self, key: CallKey, fingerprint_id: str, candidates: Iterable[str],
+               versions: dict[tuple[str, str], str]) -> Found | None:
+        """The figures for ``key`` among ``candidates``: at its own shape, else the nearest
+        calibrated shape (log space) of the same group where a candidate was measured. None when
+        no candidate has a figure."""
         group = self._fast_index(versions, fingerprint_id).groups.get(Group.of(key).slug())
         if group is None:
             return None
@@ -321,7 +430,8 @@ class CalibrationTable:
             if at is None:
                 return None
             found = {v: t for v, t in group.times[at].items() if v in allowed}
-        return found, group.winners.get(at), source, at, group.rejected.get(at, set()) & allowed
+        pruned = {v: b for v, b in group.pruned.get(at, {}).items() if v in allowed}
+        return Found(found, group.winners.get(at), source, at, group.rejected.get(at, set()) & allowed, pruned)
 
     def measurements(self, versions: dict[tuple[str, str], str], fingerprint_id: str):
         """Every current measurement and winner of this device: ((group, shape) -> {id: m}, winners)."""
@@ -329,6 +439,38 @@ class CalibrationTable:
         rows = {(g, s): dict(by_v) for (fp, g), shapes in index.shapes.items() for s, by_v in shapes.items()}
         winners = {(g, s): w for (fp, g, s), w in index.winners.items()}
         return rows, winners
+
+    def stale(self, versions: dict[tuple[str, str], str], deps: Mapping[tuple[str, str], dict[str, str]],
+              fingerprint_id: str, sources: Mapping[tuple[str, str], str] | None = None) -> list[StaleRow]:
+        """This device's measurements that no longer match the registered variant's version
+        (its source, declared version or a dependency changed), and rows of this device written
+        by an earlier release, unless since re-measured. Variants not registered now are left out."""
+        ms, _, _, legacy = self._guard(self._scan, fingerprint_id)
+        current = {m.storage_key() for m in ms if versions.get((m.group.op, m.variant)) == m.version}
+        out = []
+        for m in [*ms, *legacy]:
+            now = versions.get((m.group.op, m.variant))
+            old = is_legacy(m.fingerprint)
+            if now is None or (now == m.version and not old):
+                continue
+            if old and _mkey(fingerprint_id, m.group, m.shape, m.variant) in current:
+                continue  # measured again since: the old row is only clutter
+            out.append(StaleRow(m.group, m.shape, m.variant, m.version, now,
+                                stale_reason(m, deps.get((m.group.op, m.variant), {}),
+                                             (sources or {}).get((m.group.op, m.variant), "")), old, m.measured_at,
+                                m.storage_key(), _wkey(m.fingerprint_id, m.group, m.shape)))
+        return sorted(out, key=lambda r: (r.group.slug(), r.shape, r.variant))
+
+    def drop(self, keys: Iterable[str]) -> int:
+        """Delete rows by storage key (legacy rows once re-measured); returns how many there were."""
+        n = 0
+        with self._lock, self.store.transaction():
+            for key in dict.fromkeys(keys):
+                if self.store.get(key) is not None:
+                    self.store.delete(key)
+                    n += 1
+        self.forget()
+        return n
 
     # writing
 
@@ -338,9 +480,13 @@ class CalibrationTable:
 
     def decide_winner(self, fingerprint_id: str, group: Group, shape: Shape, versions: dict[tuple[str, str], str],
                       margin: float) -> Winner | None:
-        """Re-decide one shape's winner from its current measurements, atomically across processes."""
+        """Re-decide one shape's winner from its current measurements, atomically across processes.
+
+        The fastest figure wins a shape that has no winner yet. A recorded winner keeps it unless
+        a challenger leads it by more than ``margin`` and by more than the two figures' combined
+        noise (a pruned variant counts with its first-round figure: measured, and slower)."""
         with self._lock, self.store.transaction():
-            timings: dict[str, float] = {}
+            timed: dict[str, Measurement] = {}
             for (op, vid), version in versions.items():
                 if op != group.op:
                     continue
@@ -351,23 +497,33 @@ class CalibrationTable:
                     m = Measurement.model_validate_json(raw)
                 except ValidationError:
                     continue
-                if m.version == version and m.status == "ok" and m.best_us is not None:
-                    timings[vid] = m.best_us
+                if m.version == version and m.timed:
+                    timed[vid] = m
             wkey = _wkey(fingerprint_id, group, shape)
-            if not timings:
+            if not timed:
                 self.store.delete(wkey)
                 self.forget()
                 return None
-            best = min(timings, key=timings.__getitem__)
+            t = {v: m.best_us for v, m in timed.items()}
+            best = min(t, key=t.__getitem__)
             raw = self.store.get(wkey)
             current = None
             if raw is not None:
                 with contextlib.suppress(ValidationError):
                     current = Winner.model_validate_json(raw).variant
-            if current in timings and timings[best] >= timings[current] * (1 - margin):
-                best = current  # not beaten by more than the margin: the incumbent stays
-            w = Winner(fingerprint_id=fingerprint_id, group=group, shape=shape, variant=best,
-                       best_us=timings[best], decided_at=time.time())
+            if current in t and current != best:
+                lead = t[current] / t[best] - 1
+                if lead <= max(margin, combined_noise(timed[current].noise, timed[best].noise)):
+                    best = current  # not clearly beaten: the incumbent stays
+            others = sorted((v for v in t if v != best), key=t.__getitem__)
+            w = Winner(fingerprint_id=fingerprint_id, group=group, shape=shape, variant=best, best_us=t[best],
+                       decided_at=time.time(), confidence="single")
+            if others:
+                runner = others[0]
+                lead = t[runner] / t[best] - 1
+                noise = combined_noise(timed[runner].noise, timed[best].noise)
+                w = w.model_copy(update={"runner_up": runner, "lead": lead, "noise": noise,
+                                         "confidence": "clear" if lead > max(margin, noise) else "within noise"})
             self.store.set(wkey, w.model_dump_json())
         self.forget()
         return w
@@ -380,6 +536,43 @@ class CalibrationTable:
             self.record(m)
             shapes[(m.fingerprint_id, m.group, m.shape)] = None
         return {shape: self.decide_winner(fp, group, shape, versions, margin) for fp, group, shape in shapes}
+
+    def rows_at(self, fingerprint_id: str, group: Group, shape: Shape, versions: dict[tuple[str, str], str]) -> list[str]:
+        """The JSON rows of one shape (its current measurements, then its winner), for another
+        process to ``ingest``."""
+        out = []
+        for (op, vid), version in versions.items():
+            if op != group.op:
+                continue
+            raw = self.store.get(_mkey(fingerprint_id, group, shape, vid))
+            with contextlib.suppress(ValidationError):
+                if raw is not None and Measurement.model_validate_json(raw).version == version:
+                    out.append(raw)
+        raw = self.store.get(_wkey(fingerprint_id, group, shape))
+        if raw is not None:
+            out.append(raw)
+        return out
+
+    def ingest(self, rows: Iterable[str]) -> int:
+        """Write rows another process of the same fingerprint sent (``rows_at``): a measurement
+        where it is newer than the local one, a winner as it is (so that both decide alike).
+        Returns how many were written; a row that does not validate is skipped."""
+        n = 0
+        with self._lock, self.store.transaction():
+            for raw in rows:
+                try:
+                    row: Measurement | Winner = (Measurement if '"measured_at"' in raw else Winner).model_validate_json(raw)
+                except ValidationError:
+                    continue
+                if isinstance(row, Measurement):
+                    mine = self.store.get(row.storage_key())
+                    with contextlib.suppress(ValidationError):
+                        if mine is not None and Measurement.model_validate_json(mine).measured_at >= row.measured_at:
+                            continue
+                self.store.set(row.storage_key(), row.model_dump_json())
+                n += 1
+        self.forget()
+        return n
 
     def clear(self, op: str | None = None, variant: str | None = None,
               versions: dict[tuple[str, str], str] | None = None, margin: float = DEFAULT_MARGIN) -> int:

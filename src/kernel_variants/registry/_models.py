@@ -115,6 +115,21 @@ class Capabilities(BaseModel):
         return ",".join(parts)
 
 
+DEPENDS_HELP = """\
+What a variant's speed depends on beyond its own source (``Variant.depends``):
+
+- a distribution name (``"torch"``, ``"torch_npu"``, ``"causal-conv1d"``...): its installed
+  version, read from package metadata (``"absent"`` when it is not installed);
+- ``"triton"``: the first of triton, pytorch-triton, pytorch-triton-rocm installed;
+- ``"cann"``: the CANN toolkit release (``$ASCEND_TOOLKIT_HOME/version.cfg``);
+- ``"compiler"``: the C++ compiler's version line (``$CXX``, else ``c++``);
+- ``"isa"``: the CPU instruction set ATen dispatches to (``torch.backends.cpu.get_cpu_capability()``);
+- ``"python"``: the interpreter's version;
+
+or a function returning ``{name: version}`` (for anything else). Undeclared (``None``) means
+``("torch",)``; ``()`` declares nothing beyond the variant's source."""
+
+
 class Variant(BaseModel):
     """One implementation of one op, as a plugin registers it.
 
@@ -143,6 +158,9 @@ class Variant(BaseModel):
     is_built: Callable[[], bool] | None = Field(default=None, exclude=True, repr=False)
     priority: int = 0
     sources: tuple[str, ...] = ()
+    # None: ("torch",), as every variant here runs through torch. A tuple of distribution names
+    # or named facts, or a function returning {name: version}; () for nothing beyond its source.
+    depends: tuple[str, ...] | Callable[[], Mapping[str, str]] | None = Field(default=None, exclude=True, repr=False)
     description: str = ""
 
     @field_validator("id")

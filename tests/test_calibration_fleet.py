@@ -1,0 +1,419 @@
+"""Calibration a serving fleet can trust (issue 12): interleaved, noise-aware timing; pruning and
+a time budget; recording uncalibrated keys in production; staleness per variant; graph timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+
+import kernel_variants as kv
+from kernel_variants import CalibrationWarning
+from kernel_variants._cli import main
+from kernel_variants.dispatch import _timing, dispatcher
+from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
+from kernel_variants.dispatch._table import CalibrationTable, Group, Measurement
+from kernel_variants.dispatch._timing import TimingConfig, measure, measure_interleaved
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.registry import Variant
+
+FN = "causal_conv1d_fn"
+QUICK = dict(dtype="float32", warmup=1, windows=3, iters=3)
+
+
+def _variant(vid, fn=reference.causal_conv1d_fn, priority=0, **kw):
+    return Variant(id=vid, op=FN, version="1", priority=priority, fn=fn,
+                   capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, varlen=True), **kw)
+
+
+def _call(b=2, d=32, seq=16):
+    return (torch.randn(b, seq, d), torch.randn(d, 4), torch.randn(d)), dict(
+        conv_states=torch.randn(b, 3, d), activation="silu")
+
+
+def _fpid():
+    return fingerprint_id(fingerprint("cpu"))
+
+
+def _group():
+    return Group(op=FN, dtype="float32", features=dict(width=4, bias=True, activation="silu", states=True,
+                                                       varlen=False, spec=False))
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# 1. interleaved, noise-aware timing
+
+
+class _LoadedMachine:
+    """A clock the timer reads, and variants whose calls take ``base`` seconds of it times the
+    machine's load: 3x until ``busy_until``, then 1x (a neighbour's job that ends mid-calibration)."""
+
+    def __init__(self, busy_until: float) -> None:
+        self.t = 0.0
+        self.busy_until = busy_until
+
+    def now(self) -> float:
+        return self.t
+
+    def variant(self, base: float):
+        def call(*args, **kwargs):
+            self.t += base * (3.0 if self.t < self.busy_until else 1.0)
+            return reference.causal_conv1d_fn(*args, **kwargs) if args else None
+        return call
+
+
+def test_interleaved_timing_picks_the_truly_faster_variant_where_block_timing_does_not(monkeypatch):
+    config = TimingConfig(warmup=1, windows=5, iters=5, window_budget_s=None)
+    machine = _LoadedMachine(busy_until=0.1)
+    monkeypatch.setattr(_timing, "_now", machine.now)
+    fast, slow = machine.variant(1e-3), machine.variant(1.3e-3)  # fast is truly 1.3x faster
+    block = {"fast": measure([fast], "cpu", config).best_us, "slow": measure([slow], "cpu", config).best_us}
+    assert min(block, key=block.get) == "slow", block  # fast was timed while the machine was busy
+
+    machine = _LoadedMachine(busy_until=0.1)
+    monkeypatch.setattr(_timing, "_now", machine.now)
+    fast, slow = machine.variant(1e-3), machine.variant(1.3e-3)
+    got = measure_interleaved({"fast": [fast], "slow": [slow]}, "cpu", config)
+    assert got["fast"].best_us == pytest.approx(1000) and got["slow"].best_us == pytest.approx(1300)
+    assert len(got["fast"].samples_us) == 5 and got["fast"].noise > 0  # busy windows are in its samples
+    assert "interleaved" in got["fast"].method
+
+
+def test_calibration_stores_the_interleaved_winner_with_its_windows(reference_only, with_variants, monkeypatch):
+    machine = _LoadedMachine(busy_until=0.15)
+    monkeypatch.setattr(_timing, "_now", machine.now)
+    with_variants(_variant("fast", machine.variant(1e-3)), _variant("slow", machine.variant(1.3e-3)))
+    result = kv.calibrate(FN, [(1, 16, 8)], variants=["fast", "slow"], window_budget_s=None, prune=None,
+                          **QUICK | {"windows": 5, "iters": 5})
+    assert result.winners[(1, 16, 8)].variant == "fast"
+    m = {m.variant: m for m in result.measurements}["fast"]
+    assert len(m.samples_us) == 5 and m.best_us == min(m.samples_us) and m.noise is not None
+
+
+def _m(variant, us, samples=(), shape=(1, 16, 8), version="1"):
+    samples = tuple(samples) or (us,)
+    median = sorted(samples)[len(samples) // 2]
+    return Measurement(fingerprint=fingerprint("cpu"), fingerprint_id=_fpid(), group=_group(), shape=shape,
+                       variant=variant, version=version, status="ok", best_us=us, median_us=median, spread=0.0,
+                       windows=len(samples), iters=100, method="test", samples_us=samples,
+                       noise=(median - us) / us if len(samples) > 1 else None, measured_at=time.time())
+
+
+def test_a_lead_inside_the_measured_noise_does_not_flip_the_incumbent(tmp_path):
+    t = CalibrationTable(tmp_path / "t")
+    versions = {(FN, "a"): "1", (FN, "b"): "1"}
+    t.record(_m("a", 100.0, [100, 104, 108, 109, 112]))
+    w = t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02)
+    assert (w.variant, w.confidence) == ("a", "single")
+    # 4% faster: above the 2% margin, but the windows wander by 8%: noise, not a lead
+    t.record(_m("b", 96.0, [96, 100, 104, 105, 107]))
+    w = t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02)
+    assert (w.variant, w.runner_up, w.confidence) == ("a", "b", "within noise") and w.lead < 0 and w.noise > 0.04
+    # 30% faster is a lead whatever the noise
+    t.record(_m("b", 70.0, [70, 73, 75, 76, 77]))
+    w = t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02)
+    assert (w.variant, w.runner_up, w.confidence) == ("b", "a", "clear") and w.lead > 0.4
+    # quiet figures: the 2% margin stays the floor
+    t.record(_m("a", 69.0, [69, 69, 69]))
+    assert t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02).variant == "b"
+    row = {r.shape: r for r in kv.table(FN)}  # (the process table is another directory: empty)
+    assert row == {}
+
+
+# 2. pruning and a budget
+
+
+def _slow(seconds):
+    def fn(*args, **kwargs):
+        time.sleep(seconds)
+        return reference.causal_conv1d_fn(*args, **kwargs)
+    return fn
+
+
+def test_a_far_slower_variant_is_pruned_recorded_with_its_bound_and_treated_as_measured(
+        reference_only, with_variants, capsys):
+    with_variants(_variant("snail", _slow(0.004), priority=1000), _variant("quick"))
+    result = kv.calibrate(FN, [(2, 32, 16)], variants=["snail", "quick"], **QUICK)
+    by = {m.variant: m for m in result.measurements}
+    snail = by["snail"]
+    assert snail.status == "pruned" and snail.windows == 1 and snail.pruned_at >= 3
+    assert snail.reason == f"pruned after the first round at >= {snail.pruned_at:.1f}x quick's time per call"
+    assert by["quick"].status == "ok" and by["quick"].windows == 3
+    row = kv.table(FN)[0]
+    assert row.pruned == {"snail": snail.pruned_at} and row.missing == ("reference",) and row.winner == "quick"
+    # measured-slower, never unmeasured: its priority (1000) does not make the row "incomplete"
+    args, kw = _call(2, 32, 16)
+    decision = kv.explain(FN, *args, **kw)
+    assert (decision.chosen.id, decision.source) == ("quick", "table"), str(decision)
+    assert f"pruned after the first round: >= {snail.pruned_at:.1f}x" in str(decision)
+    rc, out, _ = run(capsys, "table")
+    assert rc == 0 and f"pruned >={snail.pruned_at:.1f}x" in out
+    rc, out, _ = run(capsys, "list", "--shape", "2,32,16", "--dtype", "fp32")
+    assert rc == 0 and "pruned after the first round" in out
+    # --missing sees a pruned variant as measured
+    rc, out, err = run(capsys, "calibrate", "--shapes", "2,32,16", "--dtype", "fp32", "--warmup", "1", "--windows",
+                       "2", "--iters", "2", "--variants", "snail,quick", "--missing", "--json", "-q")
+    assert rc == 0, err and json.loads(out)["measurements"] == []
+
+
+def test_without_pruning_every_variant_is_timed_fully(reference_only, with_variants):
+    with_variants(_variant("snail", _slow(0.004)), _variant("quick"))
+    result = kv.calibrate(FN, [(2, 32, 16)], variants=["snail", "quick"], prune=None, **QUICK)
+    assert {m.status for m in result.measurements} == {"ok"}
+    with pytest.raises(ValueError, match="prune: expected a factor above 1"):
+        kv.calibrate(FN, [(2, 32, 16)], prune=0.5, **QUICK)
+
+
+def test_a_budget_bounds_the_sweep_and_says_what_it_skipped(reference_only, with_variants, capsys):
+    with_variants(_variant("sleepy", _slow(0.01)))
+    shapes = [(1, 16, 8), (2, 16, 8), (3, 16, 8), (4, 16, 8), (5, 16, 8)]
+    t0 = time.monotonic()
+    result = kv.calibrate(FN, shapes, variants=["sleepy"], budget_s=0.3, window_budget_s=0.05, **QUICK)
+    assert time.monotonic() - t0 < 2.0
+    assert result.skipped and len(result.winners) + len(result.skipped) == len(shapes)
+    assert result.skipped == shapes[len(shapes) - len(result.skipped):]
+    rc, out, err = run(capsys, "calibrate", "--shapes", *(",".join(map(str, s)) for s in shapes[:3]), "--dtype",
+                       "fp32", "--warmup", "1", "--windows", "3", "--iters", "3", "--variants", "sleepy",
+                       "--budget", "0.05s", "-q")
+    assert rc == 0, err
+    assert "skipped 2 shapes that no longer fit: 2,16,8; 3,16,8" in out and "--missing" in out
+    rc, _, err = run(capsys, "calibrate", "--budget", "soon", "--shapes", "1,8,4")
+    assert rc == 2 and "--budget: expected a duration" in err
+
+
+# 3. record in production, calibrate offline
+
+
+def test_kv_record_notes_each_unmeasured_key_once_and_calibrate_recorded_measures_it(monkeypatch, capsys):
+    monkeypatch.setenv("KV_RECORD", "1")
+    monkeypatch.setenv("KV_DISABLE_PLUGINS", "cpu_native")
+    kv.reload()
+    kv.calibrate(FN, [(2, 32, 16)], **QUICK)  # measured: never recorded
+    for b, d, seq in [(2, 32, 16), (1, 16, 4), (1, 16, 4), (3, 16, 4)]:
+        args, kw = _call(b, d, seq)
+        kv.causal_conv1d_fn(*args, **kw)
+    args, kw = _call(1, 16, 4)
+    kv.causal_conv1d_fn(args[0].contiguous(), args[1], None, **kw)  # another group: no bias
+    from kernel_variants.dispatch._api import recorded
+
+    got = recorded()
+    assert sorted((tuple(e["shape"]), e["features"]["bias"]) for e in got) == [
+        ((1, 16, 4), False), ((1, 16, 4), True), ((3, 16, 4), True)]
+    assert all(e["seen"] == 1 and e["done_at"] is None and e["fingerprint_id"] == _fpid() for e in got)
+    assert (dispatcher().table.directory / "recorded.db").is_file()
+    rc, out, _ = run(capsys, "table")
+    assert "not calibrated yet (3; kv calibrate --recorded measures them)" in out
+
+    kv.reload()  # another process meets the same key: counted, not duplicated
+    args, kw = _call(3, 16, 4)
+    kv.causal_conv1d_fn(*args, **kw)
+    assert {tuple(e["shape"]): e["seen"] for e in recorded() if e["features"]["bias"]}[(3, 16, 4)] == 2
+
+    rc, out, err = run(capsys, "calibrate", "--recorded", "--warmup", "1", "--windows", "2", "--iters", "2", "-q",
+                       "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    measured = {(tuple(s["shape"]), g["features"]["bias"]) for g in doc["groups"] for s in g["shapes"]}
+    assert measured == {((1, 16, 4), False), ((1, 16, 4), True), ((3, 16, 4), True)}
+    assert all(g["dtype"] == "float32" for g in doc["groups"])
+    assert recorded(pending_only=True) == [] and len(recorded()) == 3
+    rc, out, _ = run(capsys, "table", "--recorded")
+    assert out.count("calibrated 20") == 3
+    kv.reload()
+    args, kw = _call(3, 16, 4)
+    assert kv.explain(FN, *args, **kw).source == "table"
+
+
+_RECORDER = textwrap.dedent("""
+    import sys, torch, kernel_variants as kv
+    start = int(sys.argv[1])
+    for i in range(start, start + 6):  # processes overlap: each key is met by several of them
+        x = torch.randn(1, 4, 8 + i)
+        kv.causal_conv1d_fn(x, torch.randn(8 + i, 4), None)
+""")
+
+
+def test_many_processes_record_into_one_bounded_record(tmp_path):
+    cache = tmp_path / "shared"
+    env = {**os.environ, "KV_CACHE_DIR": str(cache), "KV_RECORD": "1", "PYTHONWARNINGS": "error",
+           "KV_DISABLE_PLUGINS": "cpu_native"}
+    procs = [subprocess.Popen([sys.executable, "-c", _RECORDER, str(start)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for start in (0, 2, 4)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    from kernel_variants.dispatch._store import Recorder
+
+    entries = Recorder(cache).entries()
+    # key D=8+i is met by the processes starting at 0 (i < 6), 2 (2 <= i < 8) and 4 (i >= 4)
+    assert {e["shape"][1]: e["seen"] for e in entries} == {8: 1, 9: 1, 10: 2, 11: 2, 12: 3, 13: 3, 14: 2, 15: 2,
+                                                           16: 1, 17: 1}
+    small = Recorder(tmp_path / "small", limit=2)
+    assert [small.add(str(i), {"shape": [i]}) for i in range(3)] == ["added", "added", "full"]
+    assert small.add("0", {"shape": [0]}) == "seen"
+    small.mark_done(["0"])
+    assert small.add("2", {"shape": [2]}) == "added"
+
+
+def test_an_unwritable_record_warns_once_and_the_call_goes_on(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("KV_RECORD", str(blocker / "record"))
+    kv.reload()
+    args, kw = _call(1, 16, 4)
+    with pytest.warns(CalibrationWarning, match="KV_RECORD: cannot write the record") as caught:
+        kv.causal_conv1d_fn(*args, **kw)
+        args, kw = _call(2, 16, 4)
+        kv.causal_conv1d_fn(*args, **kw)
+    assert len(caught) == 1
+
+
+# 4. staleness per variant
+
+
+def test_the_fingerprint_holds_the_device_only_and_each_variant_its_dependencies():
+    fp = fingerprint("cpu")
+    assert "torch" not in fp and "kernel_variants" not in fp and fp["device"] == "cpu"
+    ref = next(rv for rv in kv.variants(FN) if rv.id == "reference")
+    assert ref.deps == {"torch": torch.__version__} or set(ref.deps) == {"torch"}
+    assert ref.version.count("+") == 1 and ref.version != ref.source_version  # the dependencies are folded in
+
+
+def test_a_dependency_upgrade_makes_only_its_variants_stale(reference_only, with_variants, monkeypatch, capsys):
+    from kernel_variants.registry import _registry
+
+    fake = {"kv-test-kernels": "1.0"}
+    monkeypatch.setattr(_registry, "dependency_version", lambda name: fake.get(name, "9.9"))
+    plugin = (_variant("pinned", depends=("kv-test-kernels",)), _variant("pure", depends=()))
+    with_variants(*plugin)
+    kv.calibrate(FN, [(1, 16, 8)], variants=["pinned", "pure", "reference"], prune=None, **QUICK)
+    assert set(kv.table(FN)[0].times_us) == {"pinned", "pure", "reference"}
+    monkeypatch.setattr("kernel_variants._version.__version__", "99.0")  # a new kernel_variants: nothing stale
+    with_variants(*plugin)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(kv.table(FN)[0].times_us) == {"pinned", "pure", "reference"}
+    fake["kv-test-kernels"] = "2.0"  # the kernels' package upgraded: only "pinned" is stale
+    with_variants(*plugin)
+    with pytest.warns(CalibrationWarning, match="variant 'pinned' changed") as caught:
+        assert set(kv.table(FN)[0].times_us) == {"pure", "reference"}
+    assert len(caught) == 1 and "kv calibrate --stale" in str(caught[0].message)
+    rc, out, _ = run(capsys, "table", "--stale")
+    assert rc == 0 and "pinned" in out and "kv-test-kernels 1.0 -> 2.0" in out and "pure" not in out
+    rc, out, err = run(capsys, "calibrate", "--stale", "--warmup", "1", "--windows", "2", "--iters", "2", "-q",
+                       "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert [m["variant"] for g in doc["groups"] for m in g["measurements"]] == ["pinned"]
+    assert doc["groups"][0]["measurements"][0]["deps"] == {"kv-test-kernels": "2.0"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(kv.table(FN)[0].times_us) == {"pinned", "pure", "reference"}
+    assert run(capsys, "table", "--stale", "--json")[1].strip() == "[]"
+
+
+def test_rows_of_an_earlier_release_are_ignored_with_one_warning_and_re_measured(reference_only, capsys):
+    kv.calibrate(FN, [(1, 16, 8)], **QUICK)
+    table = dispatcher().table
+    (key, raw), = [(k, r) for k, r in table.store.items() if k.startswith("m|")]
+    doc = json.loads(raw)
+    old_fp = {**doc["fingerprint"], "torch": torch.__version__, "kernel_variants": "0.1.0"}
+    old_id = fingerprint_id(old_fp)
+    ref = next(rv for rv in kv.variants(FN) if rv.id == "reference")
+    legacy = {**doc, "schema_version": 2, "fingerprint": old_fp, "fingerprint_id": old_id,
+              "version": ref.source_version}
+    for k in ("samples_us", "noise", "pruned_at", "deps"):
+        legacy.pop(k)
+    table.store.delete(key)
+    table.store.set(key.replace(doc["fingerprint_id"], old_id), json.dumps(legacy))
+    for k, _ in list(table.store.items()):
+        if k.startswith("w|"):
+            table.store.delete(k)
+    kv.reload()
+    with pytest.warns(CalibrationWarning, match="1 measured on this device by an earlier kernel_variants release") as w:
+        assert kv.table(FN) == []
+    assert len(w) == 1 and "another device" not in str(w[0].message)
+    args, kw = _call(1, 16, 8)
+    assert kv.explain(FN, *args, **kw).source == "priority"  # never mixed in
+    rc, out, _ = run(capsys, "table", "--stale")
+    assert "measured by an earlier release (kernel_variants 0.1.0" in out
+    rc, out, err = run(capsys, "calibrate", "--stale", "--warmup", "1", "--windows", "2", "--iters", "2", "-q")
+    assert rc == 0, err
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [r.winner for r in kv.table(FN)] == ["reference"]
+        assert kv.explain(FN, *args, **kw).source == "table"
+    assert not any(old_id in k for k, _ in dispatcher().table.store.items()), "the superseded row was dropped"
+
+
+def test_a_document_of_an_earlier_release_is_refused_saying_why(capsys, tmp_path):
+    kv.calibrate(FN, [(1, 16, 8)], variants=["reference"], **QUICK)
+    path = tmp_path / "t.json"
+    assert run(capsys, "export", str(path))[0] == 0
+    doc = json.loads(path.read_text())
+    assert doc["schema_version"] == 2
+    path.write_text(json.dumps({**doc, "schema_version": 1}))
+    rc, _, err = run(capsys, "import", str(path))
+    assert rc == 2 and "written by an earlier kernel_variants release" in err
+
+
+# 6. graph timing mode (CUDA); what runs here is the argument handling and the bookkeeping
+
+
+def test_graph_mode_and_cold_l2_need_cuda(capsys):
+    with pytest.raises(ValueError, match="timing mode graph: replays a captured CUDA graph"):
+        kv.calibrate(FN, [(1, 16, 8)], timing_mode="graph", **QUICK)
+    with pytest.raises(ValueError, match="cold L2"):
+        kv.calibrate(FN, [(1, 16, 8)], cold_l2=True, **QUICK)
+    with pytest.raises(ValueError, match="mode: expected one of eager, graph"):
+        TimingConfig(mode="lazy")
+    rc, _, err = run(capsys, "calibrate", "--shapes", "1,16,8", "--timing-mode", "graph")
+    assert rc == 2 and "timing mode graph" in err
+    rc, _, err = run(capsys, "compare", "reference", "aten", "--shapes", "1,16,8", "--cold-l2")
+    assert rc == 2 and "cold L2" in err
+
+
+def test_graph_mode_records_the_method_of_each_row(reference_only, with_variants, monkeypatch):
+    """The CUDA graph itself is faked: each 'replay' runs the captured calls eagerly."""
+    captured = []
+
+    def fake_capture(device, calls, iters):
+        captured.append(iters)
+
+        def replay():
+            for i in range(iters):
+                calls[i % len(calls)]()
+        return replay
+
+    monkeypatch.setattr(_timing, "GRAPH_DEVICES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr(_timing, "_capture_graph", fake_capture)
+    monkeypatch.setattr(_timing, "l2_bytes", lambda device: 1 << 20)  # a 1 MiB L2
+    with_variants(Variant(id="safe", op=FN, version="1", fn=reference.causal_conv1d_fn,
+                          capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, varlen=True,
+                                                        graph_safe=True)))
+    result = kv.calibrate(FN, [(2, 256, 64)], variants=["safe", "reference"], timing_mode="graph", cold_l2=True,
+                          prune=None, **QUICK)
+    methods = {m.variant: m.method for m in result.measurements}
+    # inputs of (2, 256, 64) fp32: x 128 KiB + pool, weight, bias: 2 x 1 MiB / ~134 KiB -> 16 input sets
+    assert methods["safe"].startswith("perf_counter, graph replay, interleaved, cold L2 (")
+    assert methods["reference"].startswith("perf_counter, eager (not graph_safe)")
+    assert "input sets)" in methods["safe"] and captured == [3]
+    from kernel_variants.dispatch._calibrate import case_bytes
+
+    spec = dispatcher().registry.spec(FN)
+    case = spec.sweep_case((2, 256, 64), spec.features(), dtype=torch.float32, device="cpu")
+    n = -(-2 * (1 << 20) // case_bytes(case))
+    assert f"cold L2 ({n} input sets)" in methods["safe"]
