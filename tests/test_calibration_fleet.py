@@ -292,6 +292,24 @@ def test_the_fingerprint_holds_the_device_only_and_each_variant_its_dependencies
     assert ref.version.count("+") == 1 and ref.version != ref.source_version  # the dependencies are folded in
 
 
+def test_the_builtin_kernels_declare_what_their_speed_depends_on():
+    """A new Triton must stale the Triton kernels' rows and a new compiler cpu_native's, and
+    neither the rest: each kernel declares its own dependencies."""
+    declared = {(rv.op, rv.id): set(rv.deps) for rv in kv.variants()}
+    expect = {"cpu_native": {"torch", "compiler", "isa"}, "triton": {"triton", "torch"},
+              "triton_d64": {"triton", "torch"}, "dao": {"causal-conv1d", "torch"},
+              "asc": {"sgl-kernel-npu", "torch_npu", "cann", "torch"},
+              "pto": {"sgl-kernel-npu", "torch_npu", "cann", "torch"},
+              "npu_conv_update": {"sgl-kernel-npu", "torch_npu", "cann", "torch"},
+              "npu_rms_norm": {"torch_npu", "cann", "torch"}, "aten": {"torch"}, "reference": {"torch"}}
+    seen = set()
+    for (op, vid), deps in declared.items():
+        if vid in expect:
+            assert deps == expect[vid], (op, vid, deps)
+            seen.add(vid)
+    assert seen == set(expect)
+
+
 def test_a_dependency_upgrade_makes_only_its_variants_stale(reference_only, with_variants, monkeypatch, capsys):
     from kernel_variants.registry import _registry
 
@@ -417,3 +435,27 @@ def test_graph_mode_records_the_method_of_each_row(reference_only, with_variants
     case = spec.sweep_case((2, 256, 64), spec.features(), dtype=torch.float32, device="cpu")
     n = -(-2 * (1 << 20) // case_bytes(case))
     assert f"cold L2 ({n} input sets)" in methods["safe"]
+
+
+def test_a_key_recorded_with_another_thread_count_is_measured_with_it(capsys):
+    """Serving processes often run with another intra-op thread count than `kv calibrate`: the
+    key is measured with the recorded count (the only fingerprint difference allowed)."""
+    from kernel_variants.dispatch._api import recorded, recorder
+
+    before = torch.get_num_threads()
+    theirs = {**fingerprint("cpu"), "threads": str(before + 1)}
+    other = {**fingerprint("cpu"), "name": "another cpu"}
+    r = recorder()
+    base = {"op": FN, "device": "cpu", "dtype": "float32", "shape": [1, 16, 4], "extra": [],
+            "features": dict(_group().features)}
+    r.add("threads", {**base, "fingerprint": theirs, "fingerprint_id": fingerprint_id(theirs)})
+    r.add("elsewhere", {**base, "shape": [2, 16, 4], "fingerprint": other, "fingerprint_id": fingerprint_id(other)})
+    r.close()
+    rc, out, err = run(capsys, "calibrate", "--recorded", "--variants", "reference", "--warmup", "1", "--windows", "1",
+                       "--iters", "1", "-q", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    (m,) = [m for g in doc["groups"] for m in g["measurements"]]
+    assert m["fingerprint"]["threads"] == str(before + 1) and torch.get_num_threads() == before
+    assert [(e["shape"], "another cpu" in e["why"]) for e in doc["not_measured"]] == [([2, 16, 4], True)]
+    assert [e["id"] for e in recorded(pending_only=True)] == ["elsewhere"]

@@ -336,9 +336,13 @@ def _distributed(args, timing, dtype: str, device: str, chosen: list[str] | None
     return _report(args, [(job, dres.result)], work.source, None, [])
 
 
+def _summary(job: Job, result: CalibrationResult) -> list[dict]:
+    with _threads(job.threads):  # the table as the measurements were filed (a recorded thread count)
+        return summary(result, list(job.todo), job.device)
+
+
 def _group_dict(job: Job, result: CalibrationResult) -> dict:
-    shapes = list(job.todo)
-    rows = summary(result, shapes, job.device)
+    rows = _summary(job, result)
     return {"op": result.op, "device": result.device, "dtype": result.dtype, "features": job.features.model_dump(),
             "shapes": rows,
             "rejected": [{"shape": list(m.shape), "variant": m.variant, "reason": m.reason} for m in result.rejected()],
@@ -365,7 +369,7 @@ def _report(args, results, source: str, budget: float | None, skipped_keys: list
     if not results:
         print(f"kv calibrate: nothing to measure ({source}: none)")
     for i, (job, result) in enumerate(results):
-        rows = summary(result, list(job.todo), job.device)
+        rows = _summary(job, result)
         if i:
             print()
         n = len(rows)

@@ -266,9 +266,9 @@ def run_calibration(
 ) -> CalibrationResult:
     """Measure ``shapes`` and re-decide each one's winner in ``table``.
 
-    ``budget_s``: a shape is started only while the time spent plus the mean time of the shapes
-    done so far fits in the budget (the rest are listed in ``skipped``), and the rounds of a shape
-    stop at the budget (each variant keeps at least one window)."""
+    ``budget_s``: a shape is started only while it still fits, estimated from the time per
+    element of the shapes done so far (those that do not are listed in ``skipped``), and the
+    rounds of a shape stop at the budget (each variant keeps at least one window)."""
     dt = as_dtype(dtype)
     check_margin(margin)
     prune = check_prune(prune)
@@ -291,11 +291,11 @@ def run_calibration(
         key = CallKey(spec, torch.device(device).type, dtype_name(dt), features, tuple(shape))
         runnable[tuple(shape)] = sum(1 for rv in wanted if rv.why_not(key) is None)
     total, done = sum(runnable.values()), 0
-    spent: list[float] = []
+    spent, sizes = 0.0, 0  # seconds and elements of the shapes measured so far
     for shape in shapes:
         if deadline is not None:
             left = deadline - time.monotonic()
-            if left <= 0 or (spent and sum(spent) / len(spent) > left):
+            if left <= 0 or (sizes and spent / sizes * math.prod(shape) > left):
                 result.skipped.append(tuple(shape))
                 continue
         t_shape = time.monotonic()
@@ -311,7 +311,8 @@ def run_calibration(
         ms = measure_shape(entries, spec, tuple(shape), dtype=dt, device=device, features=features,
                            timing=timing, rotate=rotate, only=variants, on_result=taken, prune=prune,
                            deadline=deadline)
-        spent.append(time.monotonic() - t_shape)
+        spent += time.monotonic() - t_shape
+        sizes += math.prod(shape)
         done += runnable[tuple(shape)] - len(ms)  # keeps the count right if a case's key differs
         result.measurements += ms
         if table is not None and ms:

@@ -33,6 +33,9 @@ Mode = Literal["eager", "graph"]
 MODES: tuple[str, ...] = ("eager", "graph")
 GRAPH_DEVICES: frozenset[str] = frozenset({"cuda"})  # where a window can be a captured graph's replay
 COLD_L2_MAX_COPIES = 64  # a small input and a large L2 would otherwise want thousands
+# A candidate is pruned from one call (before its warm-up) only when that call is this many
+# times further off than ``prune`` asks: one call can meet a hiccup of the machine.
+FIRST_CALL_FACTOR = 2.0
 
 _now = time.perf_counter  # the CPU clock; a module attribute so that tests can drive a fake one
 
@@ -223,7 +226,8 @@ def measure_interleaved(
     ``prune``: a candidate more than ``prune`` times slower than the best is timed no further
     (a ``Pruned`` outcome with the ratio): judged first from ``first`` (seconds one call of it
     took, when the caller has timed one, as verification does) against the warm candidates'
-    per-call time, then after the first round from its window against the best window.
+    per-call time, with a margin of ``FIRST_CALL_FACTOR``, then after the first round from the
+    lower of its warm-up and window figures against the best window.
     Candidates warm up fastest first, so a slow one can be judged before it costs a warm-up.
     ``deadline`` (``time.monotonic()``): once passed, no further round starts (every candidate
     keeps the windows it has, at least one). A candidate that raises is a ``Failed`` outcome and
@@ -253,10 +257,10 @@ def _interleaved(calls: dict[str, Sequence[Callable[[], Any]]], dev: torch.devic
         methods[name] = f"{clock}, {mode}" + (", interleaved" if len(calls) > 1 else "")
     for name in sorted(calls, key=lambda n: first.get(n, 0.0)):  # fastest first: see the docstring
         if prune is not None and per_call and name in first:
-            floor = min(per_call.values())
-            if floor > 0 and first[name] / floor > prune:
-                leader = min(per_call, key=per_call.__getitem__)
-                out[name] = Pruned(first[name] * 1e6, first[name] / floor, leader, 1,
+            leader = min(per_call, key=per_call.__getitem__)
+            ratio = first[name] / per_call[leader] if per_call[leader] > 0 else 0.0
+            if ratio > prune * FIRST_CALL_FACTOR:  # one call, so a wider margin for a hiccup in it
+                out[name] = Pruned(first[name] * 1e6, ratio, leader, 1,
                                    methods[name].replace(", interleaved", "") + ", one call")
                 continue
         cs = calls[name]
@@ -289,12 +293,14 @@ def _interleaved(calls: dict[str, Sequence[Callable[[], Any]]], dev: torch.devic
                 continue
             samples[name].append(t)
         if r == 0 and prune is not None and len(active) > 1:
-            leader = min(active, key=lambda n: samples[n][0])
-            floor = samples[leader][0]
+            # Each one's lower figure of its warm-up and its window: a hiccup in one is not enough
+            # to prune a variant.
+            fig = {n: min(samples[n][0], per_call[n] * 1e6) for n in active}
+            leader = min(active, key=fig.__getitem__)
             for name in list(active):
-                ratio = samples[name][0] / floor
+                ratio = fig[name] / samples[leader][0]
                 if ratio > prune:
-                    out[name] = Pruned(samples[name][0], ratio, leader, iters[name], methods[name])
+                    out[name] = Pruned(fig[name], ratio, leader, iters[name], methods[name])
                     active.remove(name)
         if not active:
             break

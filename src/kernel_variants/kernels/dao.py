@@ -36,7 +36,6 @@ from ._adapters import (
     FunctionRef,
     LazyKernel,
     Slots,
-    dist_version,
     gather_rows,
     pad_channels,
     round_up,
@@ -44,6 +43,9 @@ from ._adapters import (
     signature_mismatch,
     zero_dead_rows,
 )
+
+# What the kernel's speed depends on besides its source: its rows go stale when one changes.
+DEPENDS = ("causal-conv1d", "torch")
 
 FN_PARAMS = ("x", "weight", "bias")
 FN_ALSO = ("initial_states", "return_final_states", "final_states_out", "activation")
@@ -120,14 +122,14 @@ class DaoAdapter(LazyKernel):
 
 
 def variants(adapter: DaoAdapter, *, vid: str = "dao", devices=frozenset({"cuda"}), priority: int = 20) -> list[Variant]:
-    version = f"1+{dist_version('causal-conv1d')}"  # a new kernel package makes old timings stale
+    version = "1"  # what the kernel's speed depends on is declared below (depends=...)
     common = dict(devices=devices, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)
     sources = (str(Path(__file__).with_name("_adapters.py")),)
     return [
-        Variant(id=vid, op="causal_conv1d_fn", version=version, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
+        Variant(id=vid, op="causal_conv1d_fn", version=version, depends=DEPENDS, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
                 priority=priority, sources=sources, capabilities=ConvCapabilities(varlen=False, **common),
                 description="causal-conv1d (Dao-AILab) CUDA prefill, channel-last through views"),
-        Variant(id=vid, op="causal_conv1d_update", version=version, fn=adapter.causal_conv1d_update,
+        Variant(id=vid, op="causal_conv1d_update", version=version, depends=DEPENDS, fn=adapter.causal_conv1d_update,
                 probe=adapter.probe, priority=priority, sources=sources,
                 capabilities=ConvCapabilities(graph_safe=True, **common),
                 description="causal-conv1d (Dao-AILab) CUDA decode on the caller's pool through a view"),

@@ -252,19 +252,20 @@ def npu_rms_add_fn(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
 
 
 _CAPS = Capabilities(devices={"npu"}, dtypes={"float32", "bfloat16", "float16"})
+_DEPENDS = ("torch_npu", "cann", "torch")  # the ops are torch_npu's, their kernels CANN's
 
 
 @hookimpl
 def kv_register_variants(register) -> None:
-    register(Variant(id="npu_gemma_rms_norm", op="gemma_rms_norm", version="1", fn=npu_gemma_rms_norm_fn,
+    register(Variant(id="npu_gemma_rms_norm", op="gemma_rms_norm", version="1", depends=_DEPENDS, fn=npu_gemma_rms_norm_fn,
                      probe=probe_npu_gemma_rms_norm, priority=20, capabilities=_CAPS,
                      description="torch_npu.npu_gemma_rms_norm(x, w, eps)[0] (A2/A3)"))
-    register(Variant(id="npu_gemma_rms_norm", op="add_gemma_rms_norm", version="1", fn=npu_gemma_add_fn,
+    register(Variant(id="npu_gemma_rms_norm", op="add_gemma_rms_norm", version="1", depends=_DEPENDS, fn=npu_gemma_add_fn,
                      probe=probe_npu_gemma_add, priority=20, capabilities=_CAPS,
                      description="torch_npu.npu_add_rms_norm(residual, x, 1 + w, eps)"))
-    register(Variant(id="npu_rms_norm", op="gemma_rms_norm", version="1", fn=npu_rms_norm_fn,
+    register(Variant(id="npu_rms_norm", op="gemma_rms_norm", version="1", depends=_DEPENDS, fn=npu_rms_norm_fn,
                      probe=probe_npu_rms_norm, priority=15, capabilities=_CAPS,
                      description="torch_npu.npu_rms_norm(x, 1 + w, eps)[0] (310P and unknown devices)"))
-    register(Variant(id="npu_rms_norm", op="add_gemma_rms_norm", version="1", fn=npu_rms_add_fn,
+    register(Variant(id="npu_rms_norm", op="add_gemma_rms_norm", version="1", depends=_DEPENDS, fn=npu_rms_add_fn,
                      probe=probe_npu_rms_norm, priority=15, capabilities=_CAPS,
                      description="x + residual in torch, then torch_npu.npu_rms_norm(s, 1 + w, eps)[0]"))

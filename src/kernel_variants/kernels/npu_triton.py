@@ -41,7 +41,6 @@ from ._adapters import (
     FunctionRef,
     LazyKernel,
     Slots,
-    dist_version,
     gather_rows,
     int32,
     scatter_rows,
@@ -49,6 +48,9 @@ from ._adapters import (
     spec_shift,
     zero_dead_rows,
 )
+
+# What the kernel's speed depends on besides its source: its rows go stale when one changes.
+DEPENDS = ("sgl-kernel-npu", "torch_npu", "cann", "torch")
 
 LEADING = ("x", "conv_state", "weight", "bias", "activation", "conv_state_indices", "num_accepted_tokens")
 ALSO = ("pad_slot_id",)
@@ -102,9 +104,9 @@ class NpuTritonAdapter(LazyKernel):
 
 def variants(adapter: NpuTritonAdapter, *, vid: str = "npu_triton_update", devices=frozenset({"npu"}),
              priority: int = 10) -> list[Variant]:
-    version = f"1+{dist_version('sgl-kernel-npu')}"  # a new kernel package makes old timings stale
+    version = "1"  # what the kernel's speed depends on is declared below (depends=...)
     return [
-        Variant(id=vid, op="causal_conv1d_update", version=version, fn=adapter.causal_conv1d_update,
+        Variant(id=vid, op="causal_conv1d_update", version=version, depends=DEPENDS, fn=adapter.causal_conv1d_update,
                 probe=adapter.probe, priority=priority, sources=(str(Path(__file__).with_name("_adapters.py")),),
                 capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 6),
                                               num_accepted_tokens=True, noncontiguous_states=True, graph_safe=True),

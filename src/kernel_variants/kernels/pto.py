@@ -52,6 +52,9 @@ from kernel_variants.registry import Variant, hookimpl
 
 from ._adapters import LazyKernel, OpRef, Param, dist_version, prefill_rows0, schema_mismatch
 
+# What the kernel's speed depends on besides its source: its rows go stale when one changes.
+DEPENDS = ("sgl-kernel-npu", "torch_npu", "cann", "torch")
+
 SCHEMA = (
     Param("x", "Tensor"),
     Param("weight", "Tensor"),
@@ -135,9 +138,9 @@ class PtoAdapter(LazyKernel):
 
 
 def variants(adapter: PtoAdapter, *, vid: str = "pto", devices=frozenset({"npu"}), priority: int = 10) -> list[Variant]:
-    version = f"1+{dist_version('sgl-kernel-npu')}"  # a new kernel package makes old timings stale
+    version = "1"  # what the kernel's speed depends on is declared below (depends=...)
     return [
-        Variant(id=vid, op="causal_conv1d_fn", version=version, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
+        Variant(id=vid, op="causal_conv1d_fn", version=version, depends=DEPENDS, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
                 priority=priority, sources=(str(Path(__file__).with_name("_adapters.py")),),
                 capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 64),
                                               varlen=True, noncontiguous_states=True, graph_safe=True),

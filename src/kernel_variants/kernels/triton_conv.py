@@ -45,13 +45,15 @@ from kernel_variants.registry import Variant, hookimpl
 
 from ._adapters import dist_version
 
+# What the kernel's speed depends on besides its source: its rows go stale when one changes.
+DEPENDS = ("triton", "torch")
+
 MAX_WIDTH = 8
 MIN_TRITON = (3, 4)
 
 
 def installed_triton() -> str:
-    """The installed triton, from package metadata (nothing imported): part of each variant's
-    version, since a new triton compiles the kernels differently and makes old timings stale."""
+    """The installed triton, from package metadata (nothing imported)."""
     return dist_version("triton", "pytorch-triton", "pytorch-triton-rocm")
 
 
@@ -449,18 +451,18 @@ def variants() -> list[Variant]:
     # Under the interpreter the kernels claim the CPU too, where they are far slower than any
     # native variant: ranked below them, they run there only when forced or measured.
     base = -50 if interpreting() else 15
-    version = f"1+{installed_triton()}"
+    version = "1"
     fn_caps, update_caps = _caps(varlen=True), _caps(num_accepted_tokens=True)
     out = [
-        Variant(id="triton", op="causal_conv1d_fn", version=version, fn=causal_conv1d_fn, probe=probe, priority=base,
+        Variant(id="triton", op="causal_conv1d_fn", version=version, depends=DEPENDS, fn=causal_conv1d_fn, probe=probe, priority=base,
                 capabilities=fn_caps, description="Triton prefill, block sizes by a heuristic"),
-        Variant(id="triton", op="causal_conv1d_update", version=version, fn=causal_conv1d_update, probe=probe,
+        Variant(id="triton", op="causal_conv1d_update", version=version, depends=DEPENDS, fn=causal_conv1d_update, probe=probe,
                 priority=base, capabilities=update_caps, description="Triton decode, block sizes by a heuristic"),
     ]
-    out += [Variant(id=c.id, op="causal_conv1d_fn", version=version, fn=_bind(causal_conv1d_fn, c), probe=probe,
+    out += [Variant(id=c.id, op="causal_conv1d_fn", version=version, depends=DEPENDS, fn=_bind(causal_conv1d_fn, c), probe=probe,
                     priority=base - 5, capabilities=fn_caps, description=f"Triton prefill, BLOCK_D={c.d} BLOCK_T={c.t}")
             for c in FN_CONFIGS]
-    out += [Variant(id=c.id, op="causal_conv1d_update", version=version, fn=_bind(causal_conv1d_update, c), probe=probe,
+    out += [Variant(id=c.id, op="causal_conv1d_update", version=version, depends=DEPENDS, fn=_bind(causal_conv1d_update, c), probe=probe,
                     priority=base - 5, capabilities=update_caps, description=f"Triton decode, BLOCK_D={c.d}")
             for c in UPDATE_CONFIGS]
     return out

@@ -37,7 +37,7 @@ import torch
 
 from kernel_variants.registry import Capabilities, Variant, hookimpl
 
-from .triton_conv import installed_triton, interpreting, probe
+from .triton_conv import DEPENDS, interpreting, probe
 
 MAX_BLOCK_D = 8192  # widest row kept in registers in one pass; longer rows go in chunks of this
 ROW_TILE = 2048  # elements per program that short rows are packed up to
@@ -227,7 +227,7 @@ def kv_register_variants(register) -> None:
     # variant: ranked below them, it runs there only when forced or measured.
     devices = {"cuda", "cpu"} if interpreting() else {"cuda"}
     caps = Capabilities(devices=devices, dtypes={"float32", "bfloat16", "float16"})
-    common = dict(id="triton", version=f"1+{installed_triton()}", probe=probe, capabilities=caps,
+    common = dict(id="triton", version="1", depends=DEPENDS, probe=probe, capabilities=caps,
                   priority=-50 if interpreting() else 15)
     register(Variant(op="gemma_rms_norm", fn=gemma_rms_norm, description="Triton, one pass per row", **common))
     register(Variant(op="add_gemma_rms_norm", fn=add_gemma_rms_norm,

@@ -68,7 +68,8 @@ _CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(
 
 def _native(ext: _build.Extension) -> dict:
     """How a variant of ``ext`` probes, builds and says it is built (one build per extension)."""
-    return dict(probe=_build.toolchain_missing, build=functools.partial(_build.build, ext),
+    # Its speed depends on the compiler that built it and the ISA path it takes, besides torch.
+    return dict(probe=_build.toolchain_missing, depends=("torch", "compiler", "isa"), build=functools.partial(_build.build, ext),
                 is_built=functools.partial(_build.is_built, ext),
                 sources=tuple(str(p) for p in _build.source_files(ext)))
 
