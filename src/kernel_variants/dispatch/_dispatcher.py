@@ -171,7 +171,7 @@ class Dispatcher:
 
     def found(self, key: CallKey, runnable: list[str]) -> Found | None:
         """What this device's table has for ``key`` among ``runnable``."""
-        fpid = fingerprint_id(fingerprint(key.device))
+        fpid = fingerprint_id(fingerprint(key.where))  # this GPU, not the first one
         return self.table.lookup(key, fpid, runnable, self.versions())
 
     @staticmethod
@@ -194,7 +194,7 @@ class Dispatcher:
         from ._timing import TimingConfig
 
         run_calibration(self.registry.variants(key.op), self.table, key.spec, [key.shape], dtype=key.dtype,
-                        device=key.device, features=key.features, timing=TimingConfig(), variants=None,
+                        device=key.where, features=key.features, timing=TimingConfig(), variants=None,
                         rotate=0, margin=DEFAULT_MARGIN, progress=None, prune=DEFAULT_PRUNE)
         self.invalidate()  # signatures memoised from nearest or priority decisions may change
 
@@ -235,7 +235,7 @@ class Dispatcher:
                 if where is None:
                     return
                 self._recorder = Recorder(where)
-            fp = fingerprint(key.device)
+            fp = fingerprint(key.where)
             doc = {**key_parts(key), "fingerprint": fp, "fingerprint_id": fingerprint_id(fp)}
             kid = hashlib.sha256(f"{doc['fingerprint_id']}|{text}".encode()).hexdigest()[:20]
             try:

@@ -260,7 +260,7 @@ def tune_together(d: Dispatcher, key: CallKey, forced: str | None) -> Decision:
                           "differ)", CalibrationWarning, stacklevel=4)
         return d.decide(key, forced, tune=False)
     measured = any(n for _, n in everyone)
-    fpid = fingerprint_id(fingerprint(key.device))
+    fpid = fingerprint_id(fingerprint(key.where))
     box: list = [None]
     if dist.get_rank() == 0:
         failure = None

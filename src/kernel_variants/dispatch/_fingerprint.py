@@ -70,8 +70,11 @@ def fingerprint(device: str = "cpu") -> dict[str, str]:
 
     On the CPU it includes the intra-op thread count, read now: timings taken with 1 thread say
     nothing about 8, and ``torch.set_num_threads`` can change it at any time."""
-    threads = torch.get_num_threads() if torch.device(device).type == "cpu" else 0
-    return dict(_fingerprint(device, threads))
+    dev = torch.device(device)
+    threads = torch.get_num_threads() if dev.type == "cpu" else 0
+    if dev.type in ("cuda", "npu") and dev.index is None:  # "cuda" means the current device, as in torch
+        dev = torch.device(dev.type, getattr(torch, dev.type).current_device())
+    return dict(_fingerprint(str(dev), threads))
 
 
 @functools.cache
@@ -81,9 +84,9 @@ def _fingerprint(device: str, threads: int) -> tuple[tuple[str, str], ...]:
     if dev.type == "cpu":
         info.update(name=_cpu_model(), threads=str(threads), machine=platform.machine())
     elif dev.type == "cuda":
-        info.update(_cuda(dev.index or 0))
+        info.update(_cuda(dev.index))
     elif dev.type == "npu":
-        info.update(_npu(dev.index or 0))
+        info.update(_npu(dev.index))
     else:
         info["name"] = dev.type
     return tuple(info.items())

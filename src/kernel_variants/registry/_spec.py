@@ -38,6 +38,11 @@ def _capture_of(t: Any) -> bool:
     return capturing(t.device.type)
 
 
+def device_index(t: Any) -> int | None:
+    """The ordinal of the device ``t`` is on (``cuda:1`` -> 1), None on the CPU."""
+    return getattr(t.device, "index", None)
+
+
 def _compiling() -> bool:
     import torch
 
@@ -59,6 +64,10 @@ class CallKey(NamedTuple):
 
     ``extra`` holds properties that decide whether a variant can run the call but not how fast
     it is (so they do not split calibration groups), such as a strided state pool.
+    ``device`` is the device type (what capabilities and table rows are keyed by); ``index`` the
+    ordinal of the device the call's tensors are on (None on the CPU, or where unknown), so that
+    each GPU of a process is fingerprinted as itself: two models are two sets of rows, two of one
+    model share theirs.
     """
 
     spec: OpSpec
@@ -67,16 +76,22 @@ class CallKey(NamedTuple):
     features: Features
     shape: Shape
     extra: frozenset[str] = frozenset()
+    index: int | None = None
 
     @property
     def op(self) -> str:
         return self.spec.name
 
+    @property
+    def where(self) -> str:
+        """The device as torch names it: ``"cpu"``, ``"cuda:1"``."""
+        return self.device if self.index is None else f"{self.device}:{self.index}"
+
     def describe(self) -> str:
         dims = ", ".join(f"{a}={v}" for a, v in zip(self.spec.axes, self.shape, strict=True))
         flags = " ".join(f"{k}={v}" for k, v in self.features.model_dump().items())
         more = "".join(f" {e}" for e in sorted(self.extra))
-        return f"{self.op} on {self.device} {self.dtype} ({dims}) {flags}{more}".rstrip()
+        return f"{self.op} on {self.where} {self.dtype} ({dims}) {flags}{more}".rstrip()
 
 
 @dataclass(frozen=True)
@@ -318,12 +333,14 @@ class OpSpec:
         device, dtype, features, shape, extra = self.check(*args, values=values)
         if self.needs_grad(args):
             extra = extra | AUTOGRAD
+        index = None
         if device != "cpu":
             from kernel_variants._capture import capturing
 
             if capturing(device) and not _compiling():
                 extra = extra | CAPTURE
-        return CallKey(self, device, dtype, features, shape, extra)
+            index = device_index(args[self.tensor_indices[0]])
+        return CallKey(self, device, dtype, features, shape, extra, index)
 
     def key_of(self, *args: Any, values: bool = True, **kwargs: Any) -> CallKey:
         """Validate a call given as it would be written and return its key."""
