@@ -6,6 +6,9 @@ For each shape this script calibrates every variant through the library (each is
 the reference first, then timed with the project's harness, and the table's winner decided), and
 in the same run times that copy. It writes a markdown table (each variant's microseconds, the
 winner, winner/copy), a JSON file, and a PNG of each variant's time relative to the copy.
+Two more columns time cpu_native directly: writing into a preallocated ``out=`` tensor (what a
+caller that reuses its output pays) and on one thread (against a one-thread copy); the header
+names the ISA build of the C++ kernel that ran.
 
     python tools/sweep_cpu.py                    # seed69-cpu prefill in bf16 and fp32, decode sweeps
     python tools/sweep_cpu.py --quick            # a subset, for trying things out
@@ -50,6 +53,39 @@ def _copy_us(sweep: Sweep, shape, dtype: torch.dtype, timing: TimingConfig) -> t
             measure([lambda: x.clone()], "cpu", timing).best_us)
 
 
+def _native_us(sweep: Sweep, shape, dtype: torch.dtype, timing: TimingConfig) -> dict[str, float]:
+    """cpu_native writing into a preallocated output, and on one thread against a one-thread
+    copy; empty where cpu_native does not take this call."""
+    from kernel_variants.kernels import cpu_native
+
+    fn = {"causal_conv1d_fn": cpu_native.causal_conv1d_fn,
+          "causal_conv1d_update": cpu_native.causal_conv1d_update}.get(sweep.op)
+    if fn is None:
+        return {}
+    spec = dispatcher().registry.spec(sweep.op)
+    case = spec.sweep_case(shape, spec.features(**sweep.features), dtype=dtype, device="cpu")
+    x = case.args[0]
+    out, dst = torch.empty_like(x), torch.empty_like(x)
+    res = {"out_us": measure([lambda: fn(*case.args, **case.kwargs, out=out)], "cpu", timing).best_us}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res["t1_us"] = measure([lambda: fn(*case.args, **case.kwargs)], "cpu", timing).best_us
+        res["t1_copy_us"] = measure([lambda: dst.copy_(x)], "cpu", timing).best_us
+    finally:
+        torch.set_num_threads(threads)
+    return res
+
+
+def isa_path() -> str:
+    try:
+        from kernel_variants.kernels import cpu_native
+
+        return cpu_native.isa_path()
+    except (ImportError, RuntimeError) as exc:
+        return f"unavailable ({str(exc).splitlines()[0]})"
+
+
 def run_sweep(name: str, dtype_name: str, timing: TimingConfig, quick: bool, skip: set[str]) -> dict:
     sweep = get_sweep(name)
     shapes = list(sweep.shapes)
@@ -65,13 +101,16 @@ def run_sweep(name: str, dtype_name: str, timing: TimingConfig, quick: bool, ski
                            **sweep.features)
         copy, clone = _copy_us(sweep, shape, dtype, timing)
         times = {m.variant: m.best_us for m in res.measurements if m.status == "ok"}
+        native = _native_us(sweep, shape, dtype, timing) if "cpu_native" in times else {}
         rejected = {m.variant: m.reason for m in res.rejected()}
         winner = res.winners.get(tuple(shape))
-        rows.append(dict(shape=list(shape), copy_us=copy, clone_us=clone, times_us=times, rejected=rejected,
+        rows.append(dict(shape=list(shape), copy_us=copy, clone_us=clone, times_us=times, rejected=rejected, **native,
                          winner=winner.variant if winner else None,
                          fastest=min(times, key=times.__getitem__) if times else None))
+        extra = (f"; cpu_native out= {native['out_us'] / copy:.2f}x, 1 thread {native['t1_us'] / native['t1_copy_us']:.2f}x"
+                 if native else "")
         print(f"  [{name} {dtype_name}] {i + 1}/{len(shapes)} {shape}: "
-              + ", ".join(f"{v} {t / copy:.2f}x" for v, t in sorted(times.items())), flush=True)
+              + ", ".join(f"{v} {t / copy:.2f}x" for v, t in sorted(times.items())) + extra, flush=True)
     return dict(sweep=name, op=sweep.op, dtype=dtype_name, variants=variants, rows=rows,
                 seconds=time.perf_counter() - t0)
 
@@ -83,6 +122,9 @@ def summarize(result: dict) -> dict:
     out = {"best_over_copy_median": statistics.median(best), "best_over_copy_worst": max(best),
            "best_over_clone_median": statistics.median(over_clone),
            "winners": sorted({r["winner"] for r in rows if r["winner"]})}
+    if native := [r for r in rows if "out_us" in r]:
+        out["cpu_native_out_over_copy_median"] = statistics.median(r["out_us"] / r["copy_us"] for r in native)
+        out["cpu_native_1thread_over_copy_median"] = statistics.median(r["t1_us"] / r["t1_copy_us"] for r in native)
     if all("cpu_native" in r["times_us"] and "aten" in r["times_us"] for r in rows):
         speedup = [r["times_us"]["aten"] / r["times_us"]["cpu_native"] for r in rows]
         out["aten_over_cpu_native_median"] = statistics.median(speedup)
@@ -103,17 +145,23 @@ def to_markdown(result: dict, summary: dict) -> str:
     rows = []
     for r in result["rows"]:
         best = min(r["times_us"].values()) if r["times_us"] else float("nan")
-        rows.append([*r["shape"], r["copy_us"], *[r["times_us"].get(v, float("nan")) for v in variants],
-                     r["winner"] or "-", best / r["copy_us"]])
+        nan = float("nan")
+        rows.append([*r["shape"], r["copy_us"], *[r["times_us"].get(v, nan) for v in variants],
+                     r["winner"] or "-", best / r["copy_us"], r.get("out_us", nan) / r["copy_us"],
+                     r.get("t1_us", nan) / r.get("t1_copy_us", nan)])
     head = f"## {result['sweep']} ({result['op']}, {result['dtype']}): microseconds per call"
     axes = list(dispatcher().registry.spec(result["op"]).axes)
-    table = markdown_table([*axes, "copy", *variants, "winner", "winner/copy"], rows)
+    table = markdown_table([*axes, "copy", *variants, "winner", "winner/copy", "native out=/copy",
+                            "native 1-thread/copy"], rows)
     lines = [head, "", table, ""]
     lines.append("variant/copy median: " + ", ".join(
         f"{v} {m:.2f}" for v, m in summary["variant_over_copy_median"].items()))
     lines.append("fastest on: " + ", ".join(f"{v} {n}/{len(result['rows'])}" for v, n in summary["wins"].items()))
     lines.append(f"best/copy: median {summary['best_over_copy_median']:.2f}, worst {summary['best_over_copy_worst']:.2f}; "
                  f"best/clone: median {summary['best_over_clone_median']:.2f}; winners: {', '.join(summary['winners'])}")
+    if "cpu_native_out_over_copy_median" in summary:
+        lines.append(f"cpu_native out=/copy median {summary['cpu_native_out_over_copy_median']:.2f}; "
+                     f"one thread (vs a one-thread copy) median {summary['cpu_native_1thread_over_copy_median']:.2f}")
     if "aten_over_cpu_native_median" in summary:
         slow = summary["cpu_native_slower_than_aten_by_10pct"]
         lines.append(f"aten/cpu_native: median {summary['aten_over_cpu_native_median']:.2f}x; "
@@ -167,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     kv.reload()
     timing = TimingConfig(warmup=args.warmup, windows=args.windows, iters=args.iters,
                           window_budget_s=args.window_budget)
-    results, sections, data = [], [], {}
+    results, sections, data = [], [], {"isa_path": isa_path()}
+    print(f"cpu_native ISA path: {data['isa_path']}", flush=True)
     for name in args.sweeps.split(","):
         dtypes = args.dtypes.split(",")
         for dt in dtypes:
@@ -177,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             sections.append(to_markdown(res, summary))
             data[f"{name}/{dt}"] = {"summary": summary, **res}
             print(sections[-1].split("\n\n", 1)[-1].split("\n\n", 1)[-1], flush=True)
-    text = "# CPU sweep: each variant against a copy of the same bytes\n\n" + "\n\n".join(sections)
+    text = (f"# CPU sweep: each variant against a copy of the same bytes\n\ncpu_native ISA path: {data['isa_path']}\n\n"
+            + "\n\n".join(sections))
     md, js = write_report(args.out, "sweep_cpu", text, data)
     png = os.path.join(args.out, "sweep_cpu.png")
     why = plot(results, png)

@@ -35,13 +35,17 @@ def causal_conv1d_fn(
     query_start_loc: torch.Tensor | None = None,
     activation: str | None = None,
     pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [B, L, D] or [T, D] with query_start_loc [B+1]; weight: [D, W]; bias: [D];
-    conv_states: [N, S, D] updated in place (any strides). Returns x's shape."""
+    conv_states: [N, S, D] updated in place (any strides). Returns x's shape: ``out`` when given
+    (x's shape and dtype, any strides; it may be x itself, then x is overwritten)."""
     if x.stride(-1) != 1:  # the kernel vectorises along D; weight, bias and state take any strides
         x = _dense(x)
-    return _build.load_extension().fwd(x, weight, bias, conv_states, cache_indices, has_initial_state,
-                                       query_start_loc, activation is not None, pad_slot_id)
+    kernel_out, out = _kernel_out(out)
+    res = _build.load_extension().fwd(x, weight, bias, conv_states, cache_indices, has_initial_state,
+                                      query_start_loc, activation is not None, pad_slot_id, kernel_out)
+    return res if out is None or res is out else out.copy_(res)
 
 
 def causal_conv1d_update(
@@ -54,13 +58,32 @@ def causal_conv1d_update(
     conv_state_indices: torch.Tensor | None = None,
     num_accepted_tokens: torch.Tensor | None = None,
     pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place (any strides);
-    weight: [D, W]; conv_state_indices, num_accepted_tokens: [B]. Returns x's shape."""
+    weight: [D, W]; conv_state_indices, num_accepted_tokens: [B]. Returns x's shape: ``out``
+    when given (x's shape and dtype, any strides; it may be x itself, updated in place)."""
     if x.stride(-1) != 1:
         x = _dense(x)
-    return _build.load_extension().update(x, conv_state, weight, bias, activation is not None,
-                                          conv_state_indices, num_accepted_tokens, pad_slot_id)
+    kernel_out, out = _kernel_out(out)
+    res = _build.load_extension().update(x, conv_state, weight, bias, activation is not None,
+                                         conv_state_indices, num_accepted_tokens, pad_slot_id, kernel_out)
+    return res if out is None or res is out else out.copy_(res)
+
+
+def _kernel_out(out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(what the kernel writes into, the caller's out). The kernel takes any row strides but a
+    unit channel stride; for another ``out`` it writes a new tensor that is then copied over,
+    which also keeps an ``out`` that is a strided x from being read after it is written."""
+    if out is None or out.stride(-1) == 1 or out.shape[-1] <= 1:
+        return out, out
+    return None, out
+
+
+def isa_path() -> str:
+    """Which build of the conv kernel runs on this CPU: "avx512-bf16" (bf16 data), "avx512",
+    "avx2" or "scalar" (builds the extension if needed)."""
+    return _build.load_extension().isa_path()
 
 
 _CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)

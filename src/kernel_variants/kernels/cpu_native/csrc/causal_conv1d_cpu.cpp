@@ -11,7 +11,9 @@
 // weight [D, W], bias [D] and the index tensors may have any strides;
 // conv_states is read and written in place through all three of its strides
 // (stride(-1) != 1 works, on a slower scalar path). out is a new contiguous
-// tensor of x's shape and dtype.
+// tensor of x's shape and dtype, or the caller's (x's shape and dtype, unit
+// channel stride, any other strides), which may be x itself.
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -208,6 +210,25 @@ void fill_state(Params& p, const at::Tensor& st, const at::Tensor& x,
   p.st_rows = st.size(1);
 }
 
+// The caller's output tensor, or a new one. `out` may be x itself (both kernels read a
+// row's x values before writing its outputs, see fwd); any other overlap is refused.
+at::Tensor output_for(const at::Tensor& x, const c10::optional<at::Tensor>& out) {
+  if (!out.has_value() || !out->defined()) return kv_cpu::alloc_out(x);
+  const at::Tensor& o = *out;
+  TORCH_CHECK(o.device().is_cpu(), "out must be a CPU tensor");
+  TORCH_CHECK(o.scalar_type() == x.scalar_type(), "out dtype ", o.scalar_type(),
+              " must match x dtype ", x.scalar_type());
+  TORCH_CHECK(o.sizes() == x.sizes(), "out must have x's shape ", x.sizes(), ", got ",
+              o.sizes());
+  TORCH_CHECK(o.stride(-1) == 1 || o.size(-1) <= 1, "out must have stride(-1) == 1");
+  if (o.numel() > 0 && o.data_ptr() == x.data_ptr()) {
+    TORCH_CHECK(o.strides() == x.strides(), "out may be x itself but must not partly overlap it");
+  } else {
+    at::assert_no_partial_overlap(o, x);
+  }
+  return o;
+}
+
 void run(const Params& p, int64_t n_items, int64_t work, bool upd) {
   const int di = static_cast<int>(p.dtype);
   const RangeFn fn = upd ? impl().upd[di] : impl().fwd[di];
@@ -228,7 +249,7 @@ at::Tensor fwd(const at::Tensor& x, const at::Tensor& weight,
                const c10::optional<at::Tensor>& cache_indices,
                const c10::optional<at::Tensor>& has_initial_state,
                const c10::optional<at::Tensor>& query_start_loc, bool silu,
-               int64_t pad_slot_id) {
+               int64_t pad_slot_id, const c10::optional<at::Tensor>& out_arg) {
   const bool varlen = query_start_loc.has_value() && query_start_loc->defined();
   TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor");
   TORCH_CHECK(x.dim() == (varlen ? 2 : 3), "x must be ",
@@ -243,11 +264,12 @@ at::Tensor fwd(const at::Tensor& x, const at::Tensor& weight,
   p.silu = silu;
   p.dim = D;
 
-  at::Tensor out = kv_cpu::alloc_out(x);
+  at::Tensor out = output_for(x, out_arg);
+  const bool in_place = x.numel() > 0 && out.data_ptr() == x.data_ptr();
   p.x = x.data_ptr();
   p.out = out.data_ptr();
   p.x_rs = x.stride(-2);
-  p.out_rs = D;
+  p.out_rs = out.stride(-2);
 
   int64_t B = 0;
   IndexView qsl;
@@ -280,11 +302,11 @@ at::Tensor fwd(const at::Tensor& x, const at::Tensor& weight,
       if (b == 0) covered_lo = lo;
       covered_hi = hi;
       s.x_off = lo * x.stride(0);
-      s.out_off = lo * D;
+      s.out_off = lo * out.stride(0);
       s.len = hi - lo;
     } else {
       s.x_off = b * x.stride(0);
-      s.out_off = b * x.size(1) * D;
+      s.out_off = b * out.stride(0);
       s.len = x.size(1);
     }
     s.slot = ci.present() ? ci[b] : b;
@@ -323,6 +345,13 @@ at::Tensor fwd(const at::Tensor& x, const at::Tensor& weight,
   const int64_t nthr = at::get_num_threads();
   int64_t chunk_t = kChunkT;
   while (chunk_t > kMinChunkT && count_items(chunk_t) < 4 * nthr) chunk_t /= 2;
+  if (in_place) {
+    // A later chunk would read its halo rows of x after the chunk before it overwrote them
+    // with outputs, and a non-final first chunk copies x's last rows into the state: one
+    // chunk per sequence reads every x row just before writing that row's outputs.
+    chunk_t = 1;
+    for (const Seq& s : seqs) chunk_t = std::max(chunk_t, s.len);
+  }
   p.chunk_t = std::max<int64_t>(chunk_t, W - 1);
 
   int64_t per_tile = 0;
@@ -340,7 +369,7 @@ at::Tensor update(const at::Tensor& x, const at::Tensor& conv_state,
                   const c10::optional<at::Tensor>& bias, bool silu,
                   const c10::optional<at::Tensor>& conv_state_indices,
                   const c10::optional<at::Tensor>& num_accepted_tokens,
-                  int64_t pad_slot_id) {
+                  int64_t pad_slot_id, const c10::optional<at::Tensor>& out_arg) {
   TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor");
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "x must be [B, L, D] or [B, D], got ",
               x.sizes());
@@ -358,11 +387,13 @@ at::Tensor update(const at::Tensor& x, const at::Tensor& conv_state,
   const int64_t S = p.st_rows;
   const int64_t n_slots = conv_state.size(0);
 
-  at::Tensor out = kv_cpu::alloc_out(x);
+  // In place (out is x) is safe: each batch row's slot shift, which copies x, runs before
+  // that row's outputs are stored, and rows never read one another.
+  at::Tensor out = output_for(x, out_arg);
   p.x = x.data_ptr();
   p.out = out.data_ptr();
   p.x_rs = x.dim() == 3 ? x.stride(1) : 0;
-  p.out_rs = D;
+  p.out_rs = x.dim() == 3 ? out.stride(1) : 0;
 
   const IndexView ci = index_view(conv_state_indices, "conv_state_indices", B);
   const IndexView nat = index_view(num_accepted_tokens, "num_accepted_tokens", B);
@@ -374,7 +405,7 @@ at::Tensor update(const at::Tensor& x, const at::Tensor& conv_state,
   for (int64_t b = 0; b < B; ++b) {
     Seq& s = seqs[b];
     s.x_off = b * x.stride(0);
-    s.out_off = b * L * D;
+    s.out_off = b * out.stride(0);
     s.len = L;
     s.slot = ci.present() ? ci[b] : b;
     s.pad = ci.present() && s.slot == pad_slot_id;
@@ -414,6 +445,21 @@ at::Tensor update(const at::Tensor& x, const at::Tensor& conv_state,
   return out;
 }
 
+// Which build of the kernel runs here: "avx512-bf16" (bf16 data on the AVX512-BF16 build,
+// other dtypes on the AVX-512 one), "avx512", "avx2" or "scalar" (the portable build).
+std::string isa_path() {
+  switch (kv_cpu::isa_level()) {
+    case 3:
+      return "avx512-bf16";
+    case 2:
+      return "avx512";
+    case 1:
+      return "avx2";
+    default:
+      return "scalar";
+  }
+}
+
 }  // namespace kv_cconv
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -421,13 +467,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &kv_cconv::fwd, py::arg("x"), py::arg("weight"),
         py::arg("bias"), py::arg("conv_states"), py::arg("cache_indices"),
         py::arg("has_initial_state"), py::arg("query_start_loc"),
-        py::arg("silu"), py::arg("pad_slot_id"),
+        py::arg("silu"), py::arg("pad_slot_id"), py::arg("out") = py::none(),
         py::call_guard<py::gil_scoped_release>(),
         "Causal depthwise conv1d prefill (batched [B,L,D] or varlen [T,D]); "
         "updates conv_states in place.");
   m.def("update", &kv_cconv::update, py::arg("x"), py::arg("conv_state"),
         py::arg("weight"), py::arg("bias"), py::arg("silu"),
         py::arg("conv_state_indices"), py::arg("num_accepted_tokens"),
-        py::arg("pad_slot_id"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("pad_slot_id"), py::arg("out") = py::none(),
+        py::call_guard<py::gil_scoped_release>(),
         "Causal depthwise conv1d decode step; shifts conv_state in place.");
+  m.def("isa_path", &kv_cconv::isa_path,
+        "The kernel build chosen on this CPU (capped by ATEN_CPU_CAPABILITY).");
 }

@@ -665,6 +665,11 @@ KV_INLINE void decode_group(const T* x, T* out, T* st, int64_t st_ss,
     a0 = at::vec::fmadd(fVec::loadu(wt + k * kTileC), v0, a0);
     a1 = at::vec::fmadd(fVec::loadu(wt + k * kTileC + VF), v1, a1);
   }
+  // The slot shift (which copies x) comes before the output store: `out` may be `x` itself
+  // (in-place update), and the history it overwrites is already in registers.
+  for (int64_t r = 0; r + 1 < S; ++r)
+    copy_group<T, FULL>(st + (r + 1) * st_ss, st + r * st_ss, n);
+  copy_group<T, FULL>(x, st + (S - 1) * st_ss, n);
   if constexpr (SILU) {
     a0 = silu<T>(a0);
     a1 = silu<T>(a1);
@@ -674,9 +679,6 @@ KV_INLINE void decode_group(const T* x, T* out, T* st, int64_t st_ss,
   } else {
     IO<T>::store(out, a0, a1, n);
   }
-  for (int64_t r = 0; r + 1 < S; ++r)
-    copy_group<T, FULL>(st + (r + 1) * st_ss, st + r * st_ss, n);
-  copy_group<T, FULL>(x, st + (S - 1) * st_ss, n);
 }
 
 template <typename T, int W, bool SILU>
@@ -733,11 +735,9 @@ void update_item(const Params& p, int64_t b0, int64_t b1, int64_t tile) {
       std::fill(wr + nc, wr + kTileC, 0.f);
     }
 
-    run_tile<T, W, SILU>(x + c0, p.x_rs, out + c0, p.out_rs, L, nc, wt, bt,
-                         win);
-
-    // Shift the slot after all history reads of this tile. Row r takes old
-    // row r+shift (ascending r only reads rows not yet overwritten) or x.
+    // Shift the slot once the history sits in `win`, and before the outputs: they may
+    // overwrite x (out is x), whose rows the shift copies. Row r takes old row r+shift
+    // (ascending r only reads rows not yet overwritten) or x.
     const int64_t keep = std::max<int64_t>(S - L, 0);
     for (int64_t r = 0; r < S; ++r) {
       T* dst = st + r * p.st_ss;
@@ -747,6 +747,9 @@ void update_item(const Params& p, int64_t b0, int64_t b1, int64_t tile) {
         copy_row(x + (L - S + r) * p.x_rs + c0, 1, dst, p.st_sd, nc);
       }
     }
+
+    run_tile<T, W, SILU>(x + c0, p.x_rs, out + c0, p.out_rs, L, nc, wt, bt,
+                         win);
   }
 }
 

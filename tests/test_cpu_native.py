@@ -1,0 +1,173 @@
+"""cpu_native's own surface: ``out=`` (a preallocated output, or x itself) gives bit for bit
+the result of the plain call, with the same state write-back, for every dtype, both ops,
+batched / varlen / decode / speculative shapes, strided inputs and outputs, one and several
+threads; and the extension says which ISA build it runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_variants.kernels import cpu_native
+from kernel_variants.kernels.cpu_native import _build
+
+pytestmark = pytest.mark.skipif(_build.toolchain_missing() is not None, reason="no C++ toolchain")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _filter(dim: int, width: int, dtype: torch.dtype, g: torch.Generator):
+    w = (torch.randn(dim, width, generator=g) / width).to(dtype)
+    b = torch.randn(dim, generator=g).to(dtype)
+    return w, b
+
+
+def _row_strided(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` with unit channel stride but padded rows (not contiguous)."""
+    big = torch.full((*shape[:-1], shape[-1] + 8), float("nan"), dtype=dtype)
+    return big[..., 3 : 3 + shape[-1]]
+
+
+def _chan_strided(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    big = torch.full((*shape[:-1], 2 * shape[-1]), float("nan"), dtype=dtype)
+    return big[..., ::2]
+
+
+def _fwd_call(case: str, dtype: torch.dtype, seed: int):
+    g = _gen(seed)
+    dim, width = (70, 4) if case != "wide" else (4200, 4)
+    w, b = _filter(dim, width, dtype, g)
+    pool = torch.randn(6, width - 1 + 1, dim, generator=g).to(dtype)
+    kw = dict(activation="silu" if seed % 2 else None, conv_states=pool)
+    if case == "varlen":
+        lengths = [5, 0, 1, 300]
+        x = torch.randn(sum(lengths) + 2, dim, generator=g).to(dtype)  # rows past the last sequence
+        kw.update(query_start_loc=torch.tensor([0, 5, 5, 6, 306], dtype=torch.int32),
+                  cache_indices=torch.tensor([3, -1, 0, 5], dtype=torch.int32),
+                  has_initial_state=torch.tensor([True, False, True, False]))
+    else:
+        x = torch.randn(3, 300 if case != "short" else 2, dim, generator=g).to(dtype)
+        kw.update(cache_indices=torch.tensor([4, 1, 2], dtype=torch.int32),
+                  has_initial_state=torch.tensor([True, False, True]))
+    return x, w, b, kw
+
+
+def _update_call(case: str, dtype: torch.dtype, seed: int):
+    g = _gen(seed)
+    dim, width = 70, 4
+    w, b = _filter(dim, width, dtype, g)
+    kw = dict(activation="silu" if seed % 2 else None)
+    if case == "decode":
+        x = torch.randn(5, dim, generator=g).to(dtype)
+        pool = torch.randn(7, width - 1, dim, generator=g).to(dtype)
+        kw.update(conv_state_indices=torch.tensor([6, 0, -1, 3, 2], dtype=torch.int32))
+    else:  # speculative verify: L tokens, accepted counts
+        x = torch.randn(4, 3, dim, generator=g).to(dtype)
+        pool = torch.randn(5, width - 1 + 2, dim, generator=g).to(dtype)
+        kw.update(conv_state_indices=torch.tensor([1, 4, 0, 2], dtype=torch.int32),
+                  num_accepted_tokens=torch.tensor([1, 3, 2, 3], dtype=torch.int32))
+    return x, pool, w, b, kw
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                       b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+
+
+def _clone_kw(kw: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["batched", "short", "varlen", "wide"])
+@pytest.mark.parametrize("where", ["fresh", "strided", "chan_strided", "alias"])
+def test_fwd_out_is_bit_exact(dtype, case, where, threads):
+    x, w, b, kw = _fwd_call(case, dtype, seed=len(case) + len(where))
+    want_kw = _clone_kw(kw)
+    want = cpu_native.causal_conv1d_fn(x.clone(), w, b, **want_kw)
+    if where == "alias":
+        out = x.clone()
+        got = cpu_native.causal_conv1d_fn(out, w, b, out=out, **kw)
+    else:
+        out = {"fresh": torch.empty_like(x), "strided": _row_strided(x.shape, dtype),
+               "chan_strided": _chan_strided(x.shape, dtype)}[where]
+        got = cpu_native.causal_conv1d_fn(x, w, b, out=out, **kw)
+    assert got is out
+    _same(got, want)
+    _same(kw["conv_states"], want_kw["conv_states"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fwd_alias_of_strided_x(dtype):
+    """x with padded rows, overwritten in place; and x with a channel stride (copied first)."""
+    for make in (_row_strided, _chan_strided):
+        x0, w, b, kw = _fwd_call("batched", dtype, seed=7)
+        want_kw = _clone_kw(kw)
+        want = cpu_native.causal_conv1d_fn(x0, w, b, **want_kw)
+        x = make(x0.shape, dtype)
+        x.copy_(x0)
+        got = cpu_native.causal_conv1d_fn(x, w, b, out=x, **kw)
+        assert got is x
+        _same(got, want)
+        _same(kw["conv_states"], want_kw["conv_states"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["decode", "spec"])
+@pytest.mark.parametrize("where", ["fresh", "strided", "alias", "alias_strided"])
+def test_update_out_is_bit_exact(dtype, case, where, threads):
+    x, pool, w, b, kw = _update_call(case, dtype, seed=len(case) + len(where))
+    want_pool = pool.clone()
+    want = cpu_native.causal_conv1d_update(x.clone(), want_pool, w, b, **kw)
+    if where == "alias":
+        out = x.clone()
+        got = cpu_native.causal_conv1d_update(out, pool, w, b, out=out, **kw)
+    elif where == "alias_strided":
+        out = _row_strided(x.shape, dtype)
+        out.copy_(x)
+        got = cpu_native.causal_conv1d_update(out, pool, w, b, out=out, **kw)
+    else:
+        out = torch.empty_like(x) if where == "fresh" else _row_strided(x.shape, dtype)
+        got = cpu_native.causal_conv1d_update(x, pool, w, b, out=out, **kw)
+    assert got is out
+    _same(got, want)
+    _same(pool, want_pool)
+
+
+def test_big_decode_in_place_matches(threads):
+    """Enough rows for the parallel path, with a ragged channel tail."""
+    g = _gen(3)
+    x = torch.randn(64, 4100, generator=g).to(torch.bfloat16)
+    pool = torch.randn(64, 3, 4100, generator=g).to(torch.bfloat16)
+    w, b = _filter(4100, 4, torch.bfloat16, g)
+    want_pool = pool.clone()
+    want = cpu_native.causal_conv1d_update(x.clone(), want_pool, w, b, activation="silu")
+    got = cpu_native.causal_conv1d_update(x, pool, w, b, activation="silu", out=x)
+    assert got is x
+    _same(got, want)
+    _same(pool, want_pool)
+
+
+def test_partial_overlap_is_refused():
+    w = torch.randn(16, 4)
+    flat = torch.randn(2 * 9 * 16 + 16)
+    x = flat[:-16].view(2, 9, 16)
+    with pytest.raises(RuntimeError, match="overlap|single memory location"):
+        cpu_native.causal_conv1d_fn(x, w, out=flat[16:].view(2, 9, 16))
+
+
+def test_isa_path_is_named():
+    assert cpu_native.isa_path() in {"avx512-bf16", "avx512", "avx2", "scalar"}
