@@ -4,7 +4,8 @@ variant measured fastest for its shape on this device.
 Public API: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`,
 :func:`gemma_rms_norm`, :func:`add_gemma_rms_norm`), inspection
 (:func:`variants`, :func:`explain`), pinning (:func:`force`), calibration (:func:`calibrate`,
-:func:`table`), ranks' agreement under torch.distributed (:func:`check_agreement`), and for plugin authors the :mod:`kernel_variants.registry` module.
+:func:`table`), ranks' agreement under torch.distributed (:func:`check_agreement`), bad index
+values met on an accelerator (:func:`check_errors`), and for plugin authors the :mod:`kernel_variants.registry` module.
 
 Names are imported on first use, so ``import kernel_variants`` (and ``kv --help``) does not pay
 for importing torch until something needs it.
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from kernel_variants.dispatch import Decision, NoVariantError, VariantFailed, explain, force
     from kernel_variants.dispatch._api import TableRow, calibrate, clear_table, table
     from kernel_variants.dispatch._calibrate import CalibrationResult, Progress
+    from kernel_variants.dispatch._device_errors import check_errors
     from kernel_variants.dispatch._distributed import check_agreement
     from kernel_variants.dispatch._table import CalibrationWarning, Measurement
     from kernel_variants.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
@@ -61,6 +63,7 @@ _LAZY = {
     "table": "kernel_variants.dispatch._api",
     "CalibrationResult": "kernel_variants.dispatch._calibrate",
     "check_agreement": "kernel_variants.dispatch._distributed",
+    "check_errors": "kernel_variants.dispatch._device_errors",
     "Progress": "kernel_variants.dispatch._calibrate",
     "CalibrationWarning": "kernel_variants.dispatch._table",
     "Measurement": "kernel_variants.dispatch._table",
@@ -125,6 +128,7 @@ __all__ = [
     "causal_conv1d_fn",
     "causal_conv1d_update",
     "check_agreement",
+    "check_errors",
     "clear_table",
     "explain",
     "force",

@@ -103,7 +103,11 @@ class Dispatcher:
         self._registry = registry
         self._force_raw = env.get("KV_FORCE", "")
         self._env_pins: dict[str, str] | None = None
-        self.check_values = _flag(env.get("KV_CHECK_VALUES", "1"))
+        # KV_CHECK_VALUES unset (or "auto"): host value checks on the CPU, the op's device rule
+        # elsewhere (no sync); "1": host checks everywhere (syncs); "0": neither off the CPU.
+        values = env.get("KV_CHECK_VALUES", "auto").strip().lower()
+        self.device_values = values == "auto"
+        self.check_values = not self.device_values and _flag(values)
         tune = env.get("KV_TUNE", "0").strip().lower()
         self.tune = tune == "local" or _flag(tune)
         self.tune_ranks = tune != "local"  # under torch.distributed: rank 0 measures, all follow

@@ -63,7 +63,7 @@ def guard_writes(spec: OpSpec, args: tuple[Any, ...]) -> None:
 
 def _on_cpu(spec: OpSpec, args: tuple[Any, ...]) -> bool:
     # Value checks read index tensors: free on the CPU, so always on there; a device sync
-    # elsewhere, where KV_CHECK_VALUES decides.
+    # elsewhere, where KV_CHECK_VALUES decides (by default the op's device rule runs instead).
     return getattr(args[spec.tensor_indices[0]], "is_cpu", True)
 
 
@@ -88,6 +88,8 @@ def call(spec: OpSpec, args: tuple[Any, ...]) -> Any:
         args = list(args)
         for i, value in subs:
             args[i] = value
+    if not values and d.device_values and spec.device_values is not None:  # off the CPU: no host read
+        args = spec.device_values(args, d.registry.get(spec.name, vid).variant.capabilities)
     try:
         return invoke(fn, args)
     except Exception as exc:
@@ -160,4 +162,6 @@ def explain(op_name: str, *args: object, **kwargs: object) -> Decision:
 def call_key(op_name: str, *args: object, **kwargs: object):
     """Validate a call to ``op_name`` given as it would be written, and return its key."""
     d = dispatcher()
-    return d.registry.spec(op_name).key_of(*args, values=d.check_values, **kwargs)
+    spec = d.registry.spec(op_name)
+    bound = spec.bind(*args, **kwargs)
+    return spec.key(bound, d.check_values or _on_cpu(spec, bound))

@@ -13,10 +13,12 @@ slot is built from, then (after a barrier) writes the slot and the output.
 
 Every tensor is addressed through its strides, so the state lands in the caller's pool also when
 it is a non-contiguous view. Arithmetic in fp32, results cast to x's dtype. A slot id outside
-``[0, N)`` (or, in decode, a ``num_accepted_tokens`` outside ``1..L``), which only a call with
-the value checks off (``KV_CHECK_VALUES=0``) can bring, is treated as a pad, as vLLM's kernels
-mask ``coord < num_cache_lines``: zero output, nothing read or written, never memory outside
-the pool. Launches run under ``x``'s device (``torch.cuda.device``), so a tensor on another GPU
+``[0, N)`` (or, in decode, a ``num_accepted_tokens`` outside ``1..L``), which reaches a kernel
+only off the CPU (where the dispatcher counts such values on the device instead of reading
+them) or with ``KV_CHECK_VALUES=0``, is treated as a pad, as vLLM's kernels mask
+``coord < num_cache_lines``: zero output, nothing read or written, never memory outside the
+pool. The variants declare it (``slot_bounds_safe``), so the dispatcher hands them the caller's
+indices as they are instead of rewriting them first. Launches run under ``x``'s device (``torch.cuda.device``), so a tensor on another GPU
 than the current one is never handed to a kernel compiled and launched for the current one.
 Nothing reads a tensor's values on the host: the variants are declared graph_safe.
 
@@ -436,7 +438,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, c
 def _caps(**extra) -> ConvCapabilities:
     devices = {"cuda", "cpu"} if interpreting() else {"cuda"}
     return ConvCapabilities(devices=devices, dtypes={"float32", "bfloat16", "float16"}, width=(1, MAX_WIDTH),
-                            noncontiguous_states=True, graph_safe=True, **extra)
+                            noncontiguous_states=True, graph_safe=True, slot_bounds_safe=True, **extra)
 
 
 def _bind(fn, blocks):

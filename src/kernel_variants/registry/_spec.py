@@ -183,6 +183,10 @@ class OpSpec:
       parts (device type, dtype name, features, shape, extra); raise ``TypeError``/``ValueError``
       naming the argument. With ``values`` it also reads index tensors (``check_values(*args)``
       does only that, for memoised calls).
+    - ``device_values(args, capabilities) -> args``: optional; off the CPU, unless
+      KV_CHECK_VALUES says otherwise, replaces the host value checks: makes bad index values
+      harmless with device ops (no sync) for the chosen variant (``capabilities``), counting them
+      for ``kv.check_errors()``.
     - ``normalize``: per non-tensor parameter, the value variants receive (``"swish"`` ->
       ``"silu"``); applied once per memoised signature.
     - ``reference``: the oracle, registered as the variant ``reference`` (never blockable).
@@ -211,6 +215,7 @@ class OpSpec:
     axis_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     aliases: tuple[str, ...] = ()
     description: str = ""
+    device_values: Callable[[Sequence[Any], Capabilities], Sequence[Any]] | None = None
 
     def __post_init__(self) -> None:
         check_id(self.name, "op name")

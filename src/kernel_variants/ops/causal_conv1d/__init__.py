@@ -73,6 +73,10 @@ class ConvCapabilities(Capabilities):
     num_accepted_tokens_width: tuple[int, int] | None = None
     bias: bool = True
     activations: frozenset[Literal["none", "silu"]] = frozenset({"none", "silu"})
+    # Its kernel treats a slot outside [0, N) (and, in decode, a num_accepted_tokens outside
+    # 1..L) as a pad, never addressing memory outside the pool: off the CPU the dispatcher then
+    # only counts such values instead of rewriting the index tensors first.
+    slot_bounds_safe: bool = False
 
     @field_validator("width", "num_accepted_tokens_width")
     @classmethod
@@ -193,6 +197,7 @@ FN_SPEC = OpSpec(
     capabilities=ConvCapabilities,
     check=lambda *a, values: _checks.check_fn(FnFeatures, *a, values=values),
     check_values=lambda x, w, b, cs, ci, his, qsl, act, pad: _checks.check_fn_values(x, cs, ci, qsl, pad),
+    device_values=_checks.device_fn_values,
     reference=Variant(id="reference", op=FN, version="1", fn=_reference.causal_conv1d_fn, priority=-100,
                       capabilities=ConvCapabilities(varlen=True, **_REFERENCE_CAPS), description=_ORACLE),
     make_case=_cases.spec_case(FN),
@@ -214,6 +219,7 @@ UPDATE_SPEC = OpSpec(
     capabilities=ConvCapabilities,
     check=lambda *a, values: _checks.check_update(UpdateFeatures, *a, values=values),
     check_values=lambda x, cs, w, b, act, csi, nat, pad: _checks.check_update_values(x, cs, csi, nat, pad),
+    device_values=_checks.device_update_values,
     reference=Variant(id="reference", op=UPDATE, version="1", fn=_reference.causal_conv1d_update, priority=-100,
                       capabilities=ConvCapabilities(num_accepted_tokens=True, **_REFERENCE_CAPS),
                       description=_ORACLE),

@@ -2,8 +2,11 @@
 
 Checks come in two kinds. Metadata checks (ndim, sizes, dtypes, devices) are pure Python on
 shapes. Value checks read the index tensors (slot ranges, duplicates, query_start_loc order,
-num_accepted_tokens range); on an accelerator that costs a device sync, which is why
-``KV_CHECK_VALUES=0`` can turn them off where a scheduler already guarantees them.
+num_accepted_tokens range) on the host: free on the CPU, where they always run, but a device
+sync on an accelerator. There, by default, the device rule (:func:`device_fn_values`,
+:func:`device_update_values`) runs instead: it makes every bad value harmless with device ops
+and counts it for ``kv.check_errors()``, without a sync. ``KV_CHECK_VALUES=1`` runs the host
+checks everywhere (debugging); ``KV_CHECK_VALUES=0`` runs neither off the CPU.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 from kernel_variants._capture import capturing
 from kernel_variants._dtypes import dtype_name
 from kernel_variants._validate import floating, like_x, shape_str, tensor
+from kernel_variants.dispatch import _device_errors as errors
 from kernel_variants.registry import Features
 from kernel_variants.registry._spec import KeyParts
 
@@ -191,6 +195,7 @@ def check_fn_values(x, conv_states, cache_indices, query_start_loc, pad_slot_id)
     """Value checks of a ``causal_conv1d_fn`` call whose metadata already passed."""
     if not x.is_cpu and capturing(x.device.type):
         return
+    errors.raise_pending(x.device)
     if query_start_loc is not None:
         starts = query_start_loc.tolist()
         total = x.shape[0]
@@ -213,6 +218,7 @@ def check_update_values(x, conv_state, conv_state_indices, num_accepted_tokens, 
     """Value checks of a ``causal_conv1d_update`` call whose metadata already passed."""
     if not x.is_cpu and capturing(x.device.type):
         return
+    errors.raise_pending(x.device)
     _slots("conv_state_indices", conv_state_indices, x.shape[0], conv_state.shape[0], pad_slot_id, "conv_state")
     if num_accepted_tokens is not None:
         length = x.shape[1] if x.ndim == 3 else 1
@@ -221,3 +227,117 @@ def check_update_values(x, conv_state, conv_state_indices, num_accepted_tokens, 
                 raise ValueError(
                     f"num_accepted_tokens: expected values in 1..L={length}, got {n} at position {b}"
                 )
+
+
+# ------------------------------------------------------------------------------------------
+# The device rule: what runs instead of the value checks off the CPU, without a host sync
+# ------------------------------------------------------------------------------------------
+
+
+def _bad_slots(idx: torch.Tensor, n_slots: int, pad_slot_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bad, live): bool ``[B]``: a slot outside ``[0, N)`` that is not the pad id; a slot in the
+    pool that is not the pad id."""
+    not_pad = idx != pad_slot_id
+    outside = (idx < 0) | (idx >= n_slots)
+    return not_pad & outside, not_pad & ~outside
+
+
+def _duplicates(idx: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """0-d int64: how many live entries repeat the slot of an earlier one (sorted, so O(B log B)
+    on the device; -1 stands in for the other entries, never equal to a slot of the pool)."""
+    ordered = torch.where(live, idx, -1).sort().values
+    return ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).sum()
+
+
+def _as_pads(idx: torch.Tensor | None, drop: torch.Tensor, pad_slot_id: int, batch: int,
+             device: torch.device) -> tuple[torch.Tensor, int]:
+    """(slot ids ``[B]`` with every ``drop`` entry a pad, the pad id that goes with them).
+
+    Without indices (slot b) they are made, and the pad id becomes -1: the caller's may be one
+    of 0..B-1, a live slot there. A pad id that the index dtype cannot hold equals no entry, so
+    every entry was live: -1 (outside the pool, so never a live slot) marks the dropped ones."""
+    if idx is None:
+        seq = torch.arange(batch, dtype=torch.int32, device=device)
+        return torch.where(drop, -1, seq), -1
+    info = torch.iinfo(idx.dtype)
+    if not info.min <= pad_slot_id <= info.max:
+        return torch.where(drop, -1, idx), -1
+    return torch.where(drop, pad_slot_id, idx), pad_slot_id
+
+
+def device_fn_values(args, capabilities) -> tuple:
+    """The device rule of ``causal_conv1d_fn``; ``args`` in signature order, device tensors.
+
+    - ``cache_indices`` ``[B]``: a slot outside ``[0, N)`` that is not ``pad_slot_id`` makes its
+      sequence a pad (zero output rows, no state read or written). Rewritten here, unless the
+      chosen variant declares ``slot_bounds_safe`` (its kernel does the same).
+    - ``query_start_loc`` ``[B+1]``: repaired to ``0 = start <= ... <= end = T`` (values clamped
+      to ``[0, T]``, the ends set, then a running maximum), so that no kernel reads outside x;
+      a sequence whose bounds changed is a pad when there is a state pool (without one there is
+      no state to protect: its rows are computed over the repaired bounds).
+    - live slots used twice are counted, not repaired (the memory touched stays inside the pool;
+      the duplicated slot ends with one of the writes).
+    Each kind is counted on the device for :func:`kernel_variants.check_errors`. No host read.
+    """
+    x, _, _, conv_states, cache_indices, _, query_start_loc, _, pad = args
+    device = x.device
+    must_drop = may_drop = None
+    qsl = query_start_loc
+    if qsl is not None:
+        total = x.shape[0]
+        fixed = qsl.clamp(0, total)
+        fixed[0] = 0
+        fixed[-1] = total
+        fixed = fixed.cummax(0).values
+        moved = fixed != qsl
+        must_drop = moved[:-1] | moved[1:]
+        errors.add(device, errors.QUERY_START, must_drop.sum())
+        qsl = fixed
+    if conv_states is not None and cache_indices is not None:
+        bad, live = _bad_slots(cache_indices, conv_states.shape[0], pad)
+        errors.add(device, errors.SLOT, bad.sum())
+        if cache_indices.shape[0] > 1:
+            errors.add(device, errors.DUPLICATE, _duplicates(cache_indices, live))
+        if not capabilities.slot_bounds_safe:
+            may_drop = bad
+    drop = must_drop if may_drop is None else (may_drop if must_drop is None else must_drop | may_drop)
+    if qsl is query_start_loc and drop is None:
+        return args
+    out = list(args)
+    out[6] = qsl
+    if drop is not None and conv_states is not None:
+        out[4], out[8] = _as_pads(cache_indices, drop, pad, drop.shape[0], device)
+    return tuple(out)
+
+
+def device_update_values(args, capabilities) -> tuple:
+    """The device rule of ``causal_conv1d_update``; ``args`` in signature order, device tensors.
+
+    - ``conv_state_indices`` ``[B]``: a slot outside ``[0, N)`` that is not ``pad_slot_id``
+      makes its sequence a pad (zero output, no state read or written).
+    - ``num_accepted_tokens`` ``[B]``: a count outside ``1..L`` makes its sequence a pad too
+      (any other count would address rows outside the slot), and is handed to the variant as 1.
+    - live slots used twice are counted, not repaired (see :func:`device_fn_values`).
+    Rewritten here unless the chosen variant declares ``slot_bounds_safe``; counted on the
+    device for :func:`kernel_variants.check_errors` in every case. No host read.
+    """
+    x, conv_state, _, _, _, indices, accepted, pad = args
+    device = x.device
+    drop = bad_count = None
+    if indices is not None:
+        drop, live = _bad_slots(indices, conv_state.shape[0], pad)
+        errors.add(device, errors.SLOT, drop.sum())
+        if indices.shape[0] > 1:
+            errors.add(device, errors.DUPLICATE, _duplicates(indices, live))
+    if accepted is not None:
+        length = x.shape[1] if x.ndim == 3 else 1
+        bad_count = (accepted < 1) | (accepted > length)
+        errors.add(device, errors.ACCEPTED, bad_count.sum())
+        drop = bad_count if drop is None else drop | bad_count
+    if drop is None or capabilities.slot_bounds_safe:
+        return args
+    out = list(args)
+    out[5], out[7] = _as_pads(indices, drop, pad, drop.shape[0], device)
+    if bad_count is not None:
+        out[6] = torch.where(bad_count, 1, accepted)
+    return tuple(out)
