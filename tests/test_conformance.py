@@ -100,3 +100,110 @@ def test_the_suite_catches_a_variant_that_reads_a_history_it_must_not():
 
     case = make_case("causal_conv1d_fn", batch=3, dim=8, seqlen=4, poison=True)
     assert "NaN" in (verify(always_initial, case) or "")
+
+
+def _outs_like(spec, full, make):
+    """One out tensor per output, each ``make(like)`` (like: the parameter the results are shaped after)."""
+    like = full[spec.out_like_index]
+    outs = tuple(make(like) for _ in spec.outputs)
+    return outs, (outs[0] if len(outs) == 1 else outs)
+
+
+def _strided(like):
+    """A non-contiguous tensor of ``like``'s shape: every other element of a wider buffer."""
+    wide = torch.full((*like.shape[:-1], 2 * like.shape[-1]) if like.ndim else (2,), float("nan"),
+                      dtype=like.dtype, device=like.device)
+    return wide[..., ::2]
+
+
+def _returned(got, outs):
+    got = got if isinstance(got, tuple) else (got,)
+    return len(got) == len(outs) and all(g is o for g, o in zip(got, outs, strict=True))
+
+
+def _in_place_args(spec, full):
+    """The call with each aliasable input replaced by a dense copy, and out = those copies; None
+    when the op lets no output alias an input."""
+    if not spec.out_aliases:
+        return None
+    args = list(full)
+    outs = []
+    for i in spec.out_alias_indices:
+        if i is None:
+            return None
+        args[i] = args[i].clone(memory_format=torch.contiguous_format)
+        outs.append(args[i])
+    return tuple(args), tuple(outs)
+
+
+def _variant_with_out(rv, in_place):
+    """``rv``'s fn called as the dispatcher calls a variant that takes ``out``: a dense out, or
+    (in place) out being exactly the inputs the op lets it alias. Fails unless ``out`` comes back."""
+    spec = _spec(rv)
+
+    def run(*args, **kwargs):
+        full = spec.bind(*args, **kwargs)
+        if in_place:
+            full, outs = _in_place_args(spec, full)
+        else:
+            outs, _ = _outs_like(spec, full, lambda t: torch.full_like(t, float("nan"),
+                                                                       memory_format=torch.contiguous_format))
+        got = spec.invoke_out(rv.variant.fn, full, outs[0] if len(outs) == 1 else outs)
+        assert _returned(got, outs), f"{rv.id} did not return the out tensors it was given"
+        return got
+
+    return run
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "out=input"])
+def test_variant_writes_into_out_as_it_claims(variant, device, in_place):
+    """A variant that declares ``takes_out`` (and ``in_place``) is handed ``out`` by the
+    dispatcher: on every case it claims, writing there must match the reference."""
+    caps, spec = variant.variant.capabilities, _spec(variant)
+    if device not in caps.devices or not (caps.in_place if in_place else caps.takes_out):
+        pytest.skip(f"{variant.id} does not claim {'in_place' if in_place else 'takes_out'} on {device}")
+    if in_place and not spec.out_aliases:
+        pytest.skip(f"{spec.name} lets no output alias an input")
+    failures, ran = [], 0
+    for label, case in _claimed_cases(variant, device):
+        ran += 1
+        why = verify(_variant_with_out(variant, in_place), case)
+        if why is not None:
+            failures.append(f"{label}: {why}")
+    assert ran > 0
+    assert not failures, f"{variant.id} with out= failed {len(failures)} of {ran} cases:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("form", ["dense", "strided", "in_place"])
+def test_dispatched_call_with_out_matches_reference(variant, device, form):
+    """Through the public op, pinned to this variant, every variant honours ``out=`` (written
+    directly by one that takes it, copied for the rest): a dense out, a strided one, and out being
+    exactly the input the op lets it alias."""
+    caps, spec = variant.variant.capabilities, _spec(variant)
+    if device not in caps.devices:
+        pytest.skip(f"{variant.id} does not claim {device}")
+    if form == "in_place" and not spec.out_aliases:
+        pytest.skip(f"{spec.name} lets no output alias an input")
+    op = getattr(kernel_variants, variant.op)
+
+    def run(*args, **kwargs):
+        full = spec.bind(*args, **kwargs)
+        if form == "in_place":
+            full, outs = _in_place_args(spec, full)
+        else:
+            make = _strided if form == "strided" else (lambda t: torch.full_like(t, float("nan")))
+            outs, _ = _outs_like(spec, full, make)
+        kw = {n: full[i] for i, n in enumerate(spec.params) if n not in spec.positional}
+        with kernel_variants.force(**{variant.op: variant.id}):
+            got = op(*full[:len(spec.positional)], **kw, out=outs[0] if len(outs) == 1 else outs)
+        assert _returned(got, outs), "the op did not return out"
+        return got
+
+    failures, ran = [], 0
+    for label, case in _claimed_cases(variant, device):
+        ran += 1
+        why = verify(run, case)
+        if why is not None:
+            failures.append(f"{label}: {why}")
+    assert ran > 0
+    assert not failures, f"{variant.id} dispatched with out= ({form}) failed {len(failures)} of {ran}:\n" + "\n".join(failures)

@@ -318,3 +318,25 @@ def test_no_counter_is_made_inside_a_graph_capture(monkeypatch):
     with pytest.raises(ValueError, match="3 x slot index"):
         kv.check_errors("cpu")
     kv.check_errors(torch.device("cuda", 0))  # a device never used: nothing to report
+
+
+@pytest.mark.parametrize("with_out", [False, True])
+def test_a_bound_op_applies_the_device_rule_on_every_call(accelerator, with_out):
+    """kv.bind off the CPU: no host read per call, and a bad slot is a pad and counted, as in the
+    dispatched op (the example is decided once; the values change from call to call)."""
+    torch.manual_seed(0)
+    good = torch.tensor([2, 4], dtype=torch.int32)
+    kwargs = dict(x=torch.randn(2, D).to(DT), conv_state=_pool(W - 1), weight=torch.randn(D, W).to(DT),
+                  bias=torch.randn(D).to(DT), activation="silu", conv_state_indices=good, pad_slot_id=PAD)
+    with kv.force(**{UP: "fake"}):
+        bound = kv.bind(UP, **kwargs)
+    assert bound.variant == "fake"
+    bad = torch.tensor([2, N + 5], dtype=torch.int32)
+    before = kwargs["conv_state"].clone()
+    expected = _expect(UP, kwargs, conv_state_indices=torch.tensor([2, PAD], dtype=torch.int32))
+    out = torch.empty(2, D).to(DT) if with_out else None
+    with NoHostSync():
+        got = bound(**{**kwargs, "conv_state_indices": bad}, **({"out": out} if with_out else {}))
+    assert got is out or not with_out
+    _assert_matches(got, kwargs["conv_state"], before, expected, live=[2], dead_rows=[1])
+    _counted(SLOT=1)

@@ -3,9 +3,10 @@ variant measured fastest for its shape on this device.
 
 Public API: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`,
 :func:`gemma_rms_norm`, :func:`add_gemma_rms_norm`), inspection
-(:func:`variants`, :func:`explain`), pinning (:func:`force`), calibration (:func:`calibrate`,
-:func:`table`), ranks' agreement under torch.distributed (:func:`check_agreement`), bad index
-values met on an accelerator (:func:`check_errors`), and for plugin authors the :mod:`kernel_variants.registry` module.
+(:func:`variants`, :func:`explain`), pinning (:func:`force`), a fixed choice for a loop (:func:`bind`),
+calibration (:func:`calibrate`, :func:`table`), ranks' agreement under torch.distributed
+(:func:`check_agreement`), bad index values met on an accelerator (:func:`check_errors`), and for
+plugin authors the :mod:`kernel_variants.registry` module.
 
 Names are imported on first use, so ``import kernel_variants`` (and ``kv --help``) does not pay
 for importing torch until something needs it.
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from kernel_variants.dispatch._calibrate import CalibrationResult, Progress
     from kernel_variants.dispatch._device_errors import check_errors
     from kernel_variants.dispatch._distributed import check_agreement
+    from kernel_variants.dispatch._op import BoundOp, bind
     from kernel_variants.dispatch._table import CalibrationWarning, Measurement
     from kernel_variants.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
     from kernel_variants.ops.gemma_rms_norm import add_gemma_rms_norm, gemma_rms_norm
@@ -62,6 +64,8 @@ _LAZY = {
     "clear_table": "kernel_variants.dispatch._api",
     "table": "kernel_variants.dispatch._api",
     "CalibrationResult": "kernel_variants.dispatch._calibrate",
+    "BoundOp": "kernel_variants.dispatch._op",
+    "bind": "kernel_variants.dispatch._op",
     "check_agreement": "kernel_variants.dispatch._distributed",
     "check_errors": "kernel_variants.dispatch._device_errors",
     "Progress": "kernel_variants.dispatch._calibrate",
@@ -109,6 +113,7 @@ def reload() -> None:
 
 
 __all__ = [
+    "BoundOp",
     "CalibrationResult",
     "CalibrationWarning",
     "Capabilities",
@@ -124,6 +129,7 @@ __all__ = [
     "VariantFailed",
     "__version__",
     "add_gemma_rms_norm",
+    "bind",
     "calibrate",
     "causal_conv1d_fn",
     "causal_conv1d_update",

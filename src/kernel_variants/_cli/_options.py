@@ -157,6 +157,9 @@ def add_timing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cold-l2", action="store_true",
                    help="rotate as many input copies as make twice the device's L2, so no window reads its inputs "
                         "from L2 (CUDA only)")
+    g.add_argument("--with-out", action="store_true",
+                   help="time each call writing into a preallocated out= as the dispatcher runs it (passed to a "
+                        "variant that takes out, else its result copied there), for callers that pass out=")
 
 
 def timing(args: argparse.Namespace) -> TimingConfig:
@@ -164,7 +167,7 @@ def timing(args: argparse.Namespace) -> TimingConfig:
         raise ValueError(f"--rotate: expected a count >= 0, got {args.rotate}")
     try:
         config = TimingConfig(warmup=args.warmup, windows=args.windows, iters=args.iters,
-                              mode=args.timing_mode, cold_l2=args.cold_l2)
+                              mode=args.timing_mode, cold_l2=args.cold_l2, with_out=args.with_out)
     except ValueError as exc:
         raise ValueError(f"--{exc}") from None
     check_mode(config, device(args.device))

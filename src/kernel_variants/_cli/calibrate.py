@@ -297,7 +297,8 @@ def _run_job(job: Job, args, timing, prune, left: float | None, bar) -> tuple[Ca
             part = kv.calibrate(job.op, shapes, device=job.device, warmup=timing.warmup, windows=timing.windows,
                                 iters=timing.iters, rotate=args.rotate, margin=args.margin, dtype=job.dtype,
                                 variants=list(ids), progress=bar, prune=prune, budget_s=left,
-                                timing_mode=timing.mode, cold_l2=timing.cold_l2, **job.features.model_dump())
+                                timing_mode=timing.mode, cold_l2=timing.cold_l2, with_out=timing.with_out,
+                                **job.features.model_dump())
         result.measurements += part.measurements
         result.winners.update(part.winners)
         result.skipped += part.skipped

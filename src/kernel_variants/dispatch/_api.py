@@ -48,6 +48,7 @@ def calibrate(
     budget_s: float | None = None,
     timing_mode: Mode = "eager",
     cold_l2: bool = False,
+    with_out: bool = False,
     **features: object,
 ) -> CalibrationResult:
     """Measure ``variants`` (default: every available one) of ``op`` on each shape (a tuple over
@@ -67,12 +68,14 @@ def calibrate(
 
     ``timing_mode="graph"`` (CUDA) times the replay of a captured CUDA graph of each window's
     calls instead of eager launches; ``cold_l2`` (CUDA) rotates as many input copies as make
-    twice the device's L2. Each measurement's ``method`` says how it was taken.
+    twice the device's L2. ``with_out`` times each call writing into a preallocated ``out=``,
+    as the dispatcher runs it (handed to a variant that takes it, else copied there): for callers
+    that always pass ``out``. Each measurement's ``method`` says how it was taken.
     """
     d = dispatcher()
     spec = d.registry.spec(op)
     timing = TimingConfig(warmup=warmup, windows=windows, iters=iters, window_budget_s=window_budget_s,
-                          mode=timing_mode, cold_l2=cold_l2)
+                          mode=timing_mode, cold_l2=cold_l2, with_out=with_out)
     try:
         return run_calibration(d.registry.variants(spec.name), d.table, spec, check_shapes(shapes, spec.axes),
                                dtype=dtype, device=str(torch.device(device)), features=spec.features(**features),

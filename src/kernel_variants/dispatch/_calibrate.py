@@ -122,7 +122,12 @@ def measure_shape(
     for rv in timed:
         mine = [c.fresh() for c in copies]  # its own state pools; the read-only inputs are shared
         fn = rv.variant.fn
-        calls[rv.id] = [(lambda c=c, fn=fn: fn(*c.args, **c.kwargs)) for c in mine]
+        if timing.with_out:
+            calls[rv.id] = [_with_out(spec, rv.variant.capabilities.takes_out, fn, c) for c in mine]
+        else:
+            calls[rv.id] = [(lambda c=c, fn=fn: fn(*c.args, **c.kwargs)) for c in mine]
+    if timing.with_out:
+        note += ", out="
     eager_only = [rv.id for rv in timed if not rv.variant.capabilities.graph_safe]
     # A verification call is a fair first figure only where one-time costs cannot dominate it: a
     # call of at least FIRST_CALL_MIN_S, by a variant this process has run before (on any shape).
@@ -146,6 +151,24 @@ def measure_shape(
             d["method"] += note
             emit(Measurement(status="ok", measured_at=at, **d, **base[vid]))
     return out
+
+
+def _with_out(spec: OpSpec, takes_out: bool, fn: Callable[..., Any], case: Case) -> Callable[[], Any]:
+    """One timed call of ``case`` into a preallocated dense ``out``, as the dispatcher runs it."""
+    like = spec.bind(*case.args, **case.kwargs)[spec.out_like_index]
+    outs = tuple(torch.empty_like(like, memory_format=torch.contiguous_format) for _ in spec.outputs)
+    args, kwargs = case.args, case.kwargs
+    if takes_out:
+        out = outs[0] if len(outs) == 1 else outs
+        return lambda: fn(*args, **kwargs, out=out)
+    if len(outs) == 1:
+        return lambda: outs[0].copy_(fn(*args, **kwargs))
+
+    def copied() -> None:
+        for o, r in zip(outs, fn(*args, **kwargs), strict=True):
+            o.copy_(r)
+
+    return copied
 
 
 FIRST_CALL_MIN_S = 0.005

@@ -9,7 +9,9 @@ output checks) cost ~35 us per call where this kernel adds ~3 us over an eager c
 - The schema is made from the op spec's signature (its annotations): ``Tensor``, ``Tensor?``,
   ``int``, ``float``, ``bool``, ``str`` (and their optional forms), ``Tensor(a!)`` /
   ``Tensor(a!)?`` for the spec's ``mutates`` parameters, and one ``Tensor`` per name in
-  ``spec.outputs``. Every parameter is positional and required in the schema, as the public
+  ``spec.outputs``. A call with ``out=`` goes to the op ``<name>_into`` (overloads alike):
+  the same parameters and one ``Tensor(z!)`` per output at the end, returning nothing; the
+  traced wrapper returns ``out`` itself. Every parameter is positional and required in the schema, as the public
   function passes them all. Functionalization and Inductor's re-inplacing read the mutation
   from it, so a compiled graph writes the state pool in place and never copies it.
 - The fake kernel returns new contiguous tensors like the first tensor argument, one per output,
@@ -78,10 +80,17 @@ def _schema_type(hint: Any, where: str) -> str:
                     f"got {hint!r}")
 
 
-def schema(spec: OpSpec, unwritten: frozenset[str] = frozenset()) -> str:
+def out_params(spec: OpSpec) -> list[str]:
+    """The schema's names of ``out``: ``out``, or ``out0``, ``out1``... for several outputs."""
+    return ["out"] if len(spec.outputs) == 1 else [f"out{k}" for k in range(len(spec.outputs))]
+
+
+def schema(spec: OpSpec, unwritten: frozenset[str] = frozenset(), *, out: bool = False) -> str:
     """The op's schema after its name: ``(Tensor x, Tensor(a!) conv_state, ...) -> Tensor``;
     ``unwritten``: optional mutated parameters declared as plain ``Tensor?`` (for a call that
-    passes None there).
+    passes None there). ``out``: the ``out=`` form, each out tensor a mutated argument at the
+    end and nothing returned (the Python wrapper returns ``out``: a schema cannot return an
+    alias of an argument only when one is given).
 
     Without the signature's defaults: the public function passes every argument, and with
     defaults in the schema a compiled graph passes the trailing ones by keyword, ~1 us more per
@@ -102,6 +111,9 @@ def schema(spec: OpSpec, unwritten: frozenset[str] = frozenset()) -> str:
         parts.append(f"{typ} {name}")
     if not spec.outputs:
         raise TypeError(f"op {spec.name}: expected at least one output")
+    if out:
+        parts += [f"Tensor({next(aliases)}!) {name}" for name in out_params(spec)]
+        return f"({', '.join(parts)}) -> ()"
     returns = "Tensor" if len(spec.outputs) == 1 else "(" + ", ".join("Tensor" for _ in spec.outputs) + ")"
     return f"({', '.join(parts)}) -> {returns}"
 
@@ -133,48 +145,78 @@ def _fresh_source(spec: OpSpec, out: str) -> str:
     return f"({out}.clone() if {out}.untyped_storage().data_ptr() in ({', '.join(ptrs)},) else {out})"
 
 
+def into_name(spec: OpSpec) -> str:
+    """The op of the ``out=`` form: its own name, not an overload of the op's. With both forms as
+    overloads of one name, torch 2.13 aborts at exit (TorchScript's deregistration reads the
+    schema of an overload already gone)."""
+    return f"{spec.name}_into"
+
+
+def _qualified(name: str, overload: str) -> str:
+    return name if overload == "default" else f"{name}.{overload}"
+
+
 def _register(spec: OpSpec) -> Callable[..., Any]:
     overloads = [(frozenset(), "default"), *unwritten_overloads(spec)]
-    schemas = [schema(spec, unwritten) for unwritten, _ in overloads]  # all made (or refused) before any is defined
-    for (_, overload), text in zip(overloads, schemas, strict=True):
-        LIB.define((spec.name if overload == "default" else f"{spec.name}.{overload}") + text)
+    into = into_name(spec)  # each overload has an out= form there: ``<name>_into.no_conv_states``
+    texts = [(_qualified(spec.name, overload), schema(spec, unwritten)) for unwritten, overload in overloads]
+    texts += [(_qualified(into, overload), schema(spec, unwritten, out=True)) for unwritten, overload in overloads]
+    for name, text in texts:  # all made (or refused) above, before any is defined
+        LIB.define(name + text)
     names = ", ".join(spec.params)
+    outs = ", ".join(out_params(spec))
     n_out = len(spec.outputs)
     # Generated from the spec's parameter names (the same source make_op generates from).
     namespace: dict[str, Any] = {"_call": call, "_spec": spec, "_torch": torch, "_eager": _eager(spec)}
     if n_out == 1:
-        ret = f"    return {_fresh_source(spec, 'out')}\n"
+        ret = f"    return {_fresh_source(spec, 'res')}\n"
+        out_arg, pass_out = "out", "out"
     else:
-        ret = (f"    outs = tuple(out)\n"
+        ret = (f"    outs = tuple(res)\n"
                f"    return ({', '.join(_fresh_source(spec, f'outs[{k}]') for k in range(n_out))},)\n")
+        out_arg, pass_out = f"({outs},)", ", ".join(f"out[{k}]" for k in range(n_out))
     empty = "_torch.empty_like(like, memory_format=_torch.contiguous_format)"
     first = spec.params[spec.tensor_indices[0]]
     # What a traced call runs (Dynamo inlines it: the tests below are decided while tracing).
-    branches = []
+    branches, out_branches = [], []
     for unwritten, overload in overloads[1:]:
         namespace[f"_op_{overload}"] = op_overload(spec.name, overload)
+        namespace[f"_into_{overload}"] = op_overload(into, overload)
         cond = " and ".join(f"{n} is None" for n in sorted(unwritten))
         branches.append(f"    if {cond}:\n        return _op_{overload}({names})\n")
+        out_branches.append(f"        if {cond}:\n            _into_{overload}({names}, {pass_out})\n"
+                            f"            return out\n")
     namespace["_op_default"] = op_overload(spec.name)
+    namespace["_into_default"] = op_overload(into)
     src = (f"def kernel({names}):\n"
-           f"    out = _call(_spec, ({names},))\n"
+           f"    res = _call(_spec, ({names},))\n"
            f"{ret}"
+           f"def kernel_out({names}, {outs}):\n"
+           f"    _call(_spec, ({names},), {out_arg})\n"
            f"def fake({names}):\n"
            f"    like = {first}\n"
            f"    return {empty if n_out == 1 else '(' + ', '.join([empty] * n_out) + ',)'}\n"
-           f"def traced({names}):\n"
+           f"def fake_out({names}, {outs}):\n"
+           f"    return None\n"
+           f"def traced({names}, out):\n"
            f"    if _torch.is_grad_enabled() and ({_grad_source(spec)}):\n"
-           f"        return _eager(({names},))\n"
+           f"        return _eager(({names},), out)\n"
+           f"    if out is not None:\n"
+           f"{''.join(out_branches)}"
+           f"        _into_default({names}, {pass_out})\n"
+           f"        return out\n"
            f"{''.join(branches)}"
            f"    return _op_default({names})\n")
     exec(src, namespace)  # noqa: S102 - source made from the spec's parameter names only
     kernel, fake, traced = namespace["kernel"], namespace["fake"], namespace["traced"]
-    for fn in (kernel, fake, traced):
+    kernel_out, fake_out = namespace["kernel_out"], namespace["fake_out"]
+    for fn in (kernel, fake, traced, kernel_out, fake_out):
         fn.__qualname__ = fn.__name__ = f"{spec.name}_{fn.__name__}"
     for _, overload in overloads:
-        name = spec.name if overload == "default" else f"{spec.name}.{overload}"
-        LIB.impl(name, kernel, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=LIB)
+        for name, k, f in ((spec.name, kernel, fake), (into, kernel_out, fake_out)):
+            qualified = _qualified(name, overload)
+            LIB.impl(qualified, k, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"{NAMESPACE}::{qualified}", f, lib=LIB)
     return traced
 
 
@@ -190,16 +232,16 @@ def _grad_source(spec: OpSpec) -> str:
     return " or ".join(parts)
 
 
-def _eager(spec: OpSpec) -> Callable[[tuple[Any, ...]], Any]:
+def _eager(spec: OpSpec) -> Callable[[tuple[Any, ...], Any], Any]:
     """The eager call, hidden from Dynamo: a traced call that needs a gradient graph-breaks and
     runs eagerly (the op has no autograd formula; the eager call chooses among the variants that
     support autograd). With ``fullgraph=True`` the compile fails with this reason instead."""
     reason = (f"{NAMESPACE}::{spec.name} has no autograd formula: a call that needs a gradient runs eagerly "
               f"(a graph break); call it under torch.no_grad() or torch.inference_mode() to keep it in the graph")
     try:
-        return torch.compiler.disable(lambda args: call(spec, args), reason=reason)
+        return torch.compiler.disable(lambda args, out: call(spec, args, out), reason=reason)
     except TypeError:  # torch < 2.7 takes no reason
-        return torch.compiler.disable(lambda args: call(spec, args))
+        return torch.compiler.disable(lambda args, out: call(spec, args, out))
 
 
 for _spec in MADE:

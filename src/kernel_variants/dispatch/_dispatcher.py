@@ -25,14 +25,15 @@ from typing import Any
 
 from kernel_variants._capture import capturing
 from kernel_variants.registry import CallKey
-from kernel_variants.registry._registry import Registry, make_plugin_manager
+from kernel_variants.registry._registry import RegisteredVariant, Registry, make_plugin_manager
 
 from ._fingerprint import fingerprint, fingerprint_id
 from ._select import Decision, NoVariantError, TraceRow, select
 from ._store import CalibrationWarning, Recorder
 from ._table import DEFAULT_MARGIN, DEFAULT_PRUNE, CalibrationTable, Found, Group
 
-Hit = tuple[str, Callable[..., Any], Callable[..., Any], tuple[tuple[int, Any], ...]]
+# (variant id, its fn, how to call it, argument substitutions, the per-call write guard or None)
+Hit = tuple[str, Callable[..., Any], Callable[..., Any], tuple[tuple[int, Any], ...], Callable[..., Any] | None]
 _MEMO_LIMIT = 65536  # varlen batches make many distinct keys; a bound keeps serving memory flat
 
 # Pins set by force(), as a hashable tuple of (op, id) pairs so that it can be part of a memo key.
@@ -202,8 +203,10 @@ class Dispatcher:
                         rotate=0, margin=DEFAULT_MARGIN, progress=None, prune=DEFAULT_PRUNE)
         self.invalidate()  # signatures memoised from nearest or priority decisions may change
 
-    def resolve(self, sig: tuple[Any, ...] | None, key: CallKey, args: tuple[Any, ...]) -> Hit:
-        """Decide for a validated call and remember the decision under its signature ``sig``."""
+    def resolve(self, sig: tuple[Any, ...] | None, key: CallKey, args: tuple[Any, ...],
+                finish: Callable[[RegisteredVariant, Hit], Hit] | None = None) -> Hit:
+        """Decide for a validated call and remember the decision under its signature ``sig``;
+        ``finish(chosen, hit)`` may adapt the hit to the call (its ``out=``) before it is kept."""
         decision = self.decide(key, self.pinned(key.op))
         # A variant compiled here is built before its first call (announced on stderr); one whose
         # build fails is unavailable from then on, and the call goes to the next choice.
@@ -220,7 +223,9 @@ class Dispatcher:
         spec = key.spec
         # Normalised arguments depend only on values that are part of the signature.
         subs = tuple((i, spec.normalize[n](args[i])) for i, n in enumerate(spec.params) if n in spec.normalize)
-        hit = (decision.chosen.id, decision.chosen.variant.fn, spec.invoke, subs)
+        hit: Hit = (decision.chosen.id, decision.chosen.variant.fn, spec.invoke, subs, None)
+        if finish is not None:
+            hit = finish(decision.chosen, hit)
         if sig is not None:
             if len(self.memo) >= _MEMO_LIMIT:
                 self.memo.clear()

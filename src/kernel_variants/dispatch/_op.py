@@ -12,53 +12,173 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from kernel_variants.registry import OpSpec
 
-from ._dispatcher import VariantFailed, dispatcher, pins_in_context
+from ._dispatcher import Hit, VariantFailed, dispatcher, pins_in_context
 from ._select import Decision
 
 _compiling = torch.compiler.is_compiling
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """[first byte, past the last byte] that ``t``'s elements can occupy."""
+    """[first byte, past the last byte] that ``t``'s elements can occupy (strides are never
+    negative in torch, so the first element is the lowest address)."""
     start = t.data_ptr()
-    span = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
-    return start, start + (span + 1) * t.element_size()
+    return start, start + _span(t)
 
 
-def guard_writes(spec: OpSpec, args: tuple[Any, ...]) -> None:
-    """Before anything runs: no argument may share memory with a tensor the op writes (the
-    answer would depend on the order a variant reads and writes in), and an inference tensor
-    cannot be written outside inference mode. One behaviour whichever variant runs. Only
-    tensors of the written tensor's dtype are compared (index tensors cannot alias a float pool
-    but by a deliberate reinterpretation), each by its storage first: a pointer compare."""
+def _span(t: torch.Tensor) -> int:
+    """How many bytes from ``t``'s first element to past its last one."""
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+
+
+def _inference_error(name: str) -> ValueError:
+    return ValueError(f"{name}: an inference tensor (made under torch.inference_mode) cannot be "
+                      "updated outside inference mode; allocate it outside, or call inside inference_mode")
+
+
+def _overlap_error(spec: OpSpec, i: int, written: str) -> ValueError:
+    return ValueError(f"{spec.params[i]}: expected memory apart from {written}, which the op writes, got a view "
+                      f"that overlaps it; pass a copy")
+
+
+def guard_writes(spec: OpSpec, args: tuple[Any, ...], out: Any = None) -> bool:
+    """Before anything runs: no argument may share memory with a tensor the op writes (a mutated
+    state, or ``out``): the answer would depend on the order a variant reads and writes in. The
+    one exception is an ``out`` that is exactly the input the spec lets it alias (same first
+    byte, shape and strides: in place). An inference tensor cannot be written outside inference
+    mode. One behaviour whichever variant runs. Only tensors of the written tensor's dtype are
+    compared (index tensors cannot alias a float pool but by a deliberate reinterpretation).
+    Returns whether an ``out`` is exactly an input."""
     for mi in spec.mutated_indices:
         m = args[mi]
         if m is None or m.numel() == 0:
             continue
         if m.is_inference() and not torch.is_inference_mode_enabled():
-            raise ValueError(f"{spec.params[mi]}: an inference tensor (made under torch.inference_mode) cannot be "
-                             "updated outside inference mode; allocate it outside, or call inside inference_mode")
-        dtype = m.dtype
-        storage = m.untyped_storage().data_ptr()
-        lo = hi = None
+            raise _inference_error(spec.params[mi])
+        lo, hi = _extent(m)
         for i in spec.tensor_indices:
             a = args[i]
-            if i == mi or a is None or a.dtype != dtype or a.untyped_storage().data_ptr() != storage:
+            if i == mi or a is None or a.dtype != m.dtype or a.numel() == 0:
                 continue
-            if a.numel() == 0:
-                continue
-            if lo is None:
-                lo, hi = _extent(m)
             a_lo, a_hi = _extent(a)
             if a_lo < hi and lo < a_hi:
-                raise ValueError(f"{spec.params[i]}: expected memory apart from {spec.params[mi]}, which the op "
-                                 f"writes, got a view that overlaps it; pass a copy")
+                raise _overlap_error(spec, i, spec.params[mi])
+    return False if out is None else _guard_out(spec, args, spec.out_tensors(out))
+
+
+def _guard_out(spec: OpSpec, args: tuple[Any, ...], outs: tuple[torch.Tensor, ...]) -> bool:
+    aliased = False
+    several = len(outs) > 1
+    done: list[tuple[str, int, int]] = []
+    for k, o in enumerate(outs):
+        name = f"out[{k}]" if several else "out"
+        if o.numel() == 0:
+            continue
+        if o.is_inference() and not torch.is_inference_mode_enabled():
+            raise _inference_error(name)
+        if not o.is_contiguous() and torch._debug_has_internal_overlap(o) == 1:  # 1: certainly overlaps
+            raise ValueError(f"{name}: expected a tensor whose elements are apart in memory, got one whose "
+                             f"strides {list(o.stride())} make elements share memory (an expand()?)")
+        lo, hi = _extent(o)
+        allowed = spec.out_alias_indices[k]
+        for i in spec.tensor_indices:
+            a = args[i]
+            if a is None or a.dtype != o.dtype or a.numel() == 0:
+                continue
+            a_lo, a_hi = _extent(a)
+            if not (a_lo < hi and lo < a_hi):
+                continue
+            if i == allowed and a_lo == lo and a.shape == o.shape and a.stride() == o.stride():
+                aliased = True
+                continue
+            what = "memory apart from" if i != allowed else "exactly (in place) or memory apart from"
+            raise ValueError(f"{name}: expected {what} {spec.params[i]}, got a view that overlaps it "
+                             f"{'partially' if i == allowed else ''}".rstrip() + "; pass another tensor")
+        for other, o_lo, o_hi in done:
+            if o_lo < hi and lo < o_hi:
+                raise ValueError(f"{name}: expected memory apart from {other}, got a view that overlaps it")
+        done.append((name, lo, hi))
+    return aliased
+
+
+def _write_plan(spec: OpSpec, args: tuple[Any, ...], out: Any) -> Callable[..., bool] | None:
+    """The per-call part of :func:`guard_writes` for one memo signature. What depends only on
+    metadata (which tensors share the written tensor's dtype, how many bytes it spans) is
+    worked out here, once; a call then reads data pointers (and a tensor's span only when it
+    starts inside the written tensor's allocation, before it). ``None``: nothing to guard."""
+    checks = []
+    for mi in spec.mutated_indices:
+        m = args[mi]
+        if m is None or m.numel() == 0:
+            continue
+        near = tuple(i for i in spec.tensor_indices
+                     if i != mi and args[i] is not None and args[i].dtype == m.dtype and args[i].numel() > 0)
+        checks.append((mi, _span(m), near))
+    if not checks and out is None:
+        return None
+    checks_t = tuple(checks)
+    inference_mode = torch.is_inference_mode_enabled
+
+    def plan(args: tuple[Any, ...], out: Any) -> bool:
+        for mi, span, near in checks_t:
+            m = args[mi]
+            if m.is_inference() and not inference_mode():
+                raise _inference_error(spec.params[mi])
+            lo = m.data_ptr()
+            hi = lo + span
+            base = m.untyped_storage().data_ptr()
+            for i in near:
+                a = args[i]
+                a_lo = a.data_ptr()
+                if a_lo >= hi or a_lo < base:
+                    # Past m's last byte, or in another allocation (allocations are disjoint,
+                    # and a tensor never reaches below its first byte: strides are >= 0).
+                    continue
+                if a_lo >= lo or a_lo + _span(a) > lo:
+                    raise _overlap_error(spec, i, spec.params[mi])
+        return False if out is None else _guard_out(spec, args, spec.out_tensors(out))
+
+    return plan
+
+
+def _finish(spec: OpSpec, args: tuple[Any, ...], out: Any) -> Callable[[Any, Hit], Hit]:
+    """What ``Dispatcher.resolve`` keeps for this call: the write guard, and with ``out`` a
+    runner that hands ``out`` to a variant that takes it, else copies the result into it."""
+
+    def finish(chosen: Any, hit: Hit) -> Hit:
+        vid, fn, invoke, subs, _ = hit
+        plan = _write_plan(spec, args, out)
+        if out is None:
+            return vid, fn, invoke, subs, plan
+        caps = chosen.variant.capabilities
+        outs = spec.out_tensors(out)
+        direct = caps.takes_out and all(o.is_contiguous() for o in outs)
+        return vid, fn, _out_runner(spec, direct, caps.in_place), subs, plan
+
+    return finish
+
+
+def _out_runner(spec: OpSpec, direct: bool, in_place: bool) -> Callable[..., Any]:
+    invoke, invoke_out = spec.invoke, spec.invoke_out
+    several = len(spec.outputs) > 1
+
+    def run(fn: Callable[..., Any], args: Any, out: Any, aliased: bool) -> Any:
+        if direct and (in_place or not aliased):
+            invoke_out(fn, args, out)
+        elif several:
+            # The result is complete before the first copy, so an out that is an input is safe.
+            for o, r in zip(out, invoke(fn, args), strict=True):
+                o.copy_(r)
+        else:
+            out.copy_(invoke(fn, args))
+        return tuple(out) if several else out
+
+    return run
 
 
 def _on_cpu(spec: OpSpec, args: tuple[Any, ...]) -> bool:
@@ -67,23 +187,27 @@ def _on_cpu(spec: OpSpec, args: tuple[Any, ...]) -> bool:
     return getattr(args[spec.tensor_indices[0]], "is_cpu", True)
 
 
-def call(spec: OpSpec, args: tuple[Any, ...]) -> Any:
-    """Validate, decide (memoised) and run one call of ``spec``; ``args`` in signature order."""
+def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None) -> Any:
+    """Validate, decide (memoised) and run one call of ``spec``; ``args`` in signature order,
+    ``out`` as the public function takes it (None, a tensor, or one per output)."""
     d = dispatcher()
     values = d.check_values or _on_cpu(spec, args)
     try:
         sig = spec.memo_key(args, pins_in_context())
+        if out is not None:
+            sig = (sig, spec.out_key(out))
         hit = d.memo.get(sig)
     except (AttributeError, TypeError):  # not a tensor, or unhashable: validation says what is wrong
         sig = hit = None
     if hit is None:
         key = spec.key(args, values)
-        hit = d.resolve(sig, key, args)
+        if out is not None:
+            spec.check_out(args, out)
+        hit = d.resolve(sig, key, args, _finish(spec, args, out))
     elif values:
         spec.check_values(*args)
-    if spec.mutated_indices:
-        guard_writes(spec, args)
-    vid, fn, invoke, subs = hit
+    vid, fn, invoke, subs, plan = hit
+    aliased = plan is not None and plan(args, out)
     if subs:
         args = list(args)
         for i, value in subs:
@@ -91,7 +215,7 @@ def call(spec: OpSpec, args: tuple[Any, ...]) -> Any:
     if not values and d.device_values and spec.device_values is not None:  # off the CPU: no host read
         args = spec.device_values(args, d.registry.get(spec.name, vid).variant.capabilities)
     try:
-        return invoke(fn, args)
+        return invoke(fn, args) if out is None else invoke(fn, args, out, aliased)
     except Exception as exc:
         raise VariantFailed(f"variant {vid!r} of {spec.name} failed: {type(exc).__name__}: {exc}") from exc
 
@@ -125,21 +249,40 @@ def make_op(spec: OpSpec) -> Callable[..., Any]:
     src = (f"def {spec.name}({params}):\n"
            f"    if _compiling():\n"
            f"        from kernel_variants.dispatch import _custom_ops\n"
-           f"        return _custom_ops.OPS[{spec.name!r}]({names})\n"
-           f"    return _call(_spec, ({names},))\n")
+           f"        return _custom_ops.OPS[{spec.name!r}]({names}, out)\n"
+           f"    if out is None:\n"
+           f"        return _call(_spec, ({names},))\n"
+           f"    return _call(_spec, ({names},), out)\n")
     exec(src, namespace)  # noqa: S102 - source made from the spec's own signature
     fn = namespace[spec.name]
     stub = spec.signature
-    fn.__doc__ = stub.__doc__
+    fn.__doc__ = (stub.__doc__ or "").rstrip() + "\n\n" + out_doc(spec)
     fn.__module__ = stub.__module__
     fn.__qualname__ = spec.name
-    fn.__annotations__ = dict(getattr(stub, "__annotations__", {}))
+    fn.__annotations__ = {**getattr(stub, "__annotations__", {}), "out": spec.py_signature.parameters["out"].annotation}
     fn.__signature__ = spec.py_signature
     MADE.append(spec)
     custom_ops = sys.modules.get("kernel_variants.dispatch._custom_ops")
     if custom_ops is not None:  # a compile already happened: this op needs its custom op now
         custom_ops.register(spec)
     return fn
+
+
+def out_doc(spec: OpSpec) -> str:
+    """The ``out=`` paragraph of an op's docstring, the same rules for every op."""
+    like = spec.params[spec.out_like_index]
+    if len(spec.outputs) == 1:
+        what = f"a tensor of the result's shape, dtype and device ({like}'s)"
+        alias = spec.out_aliases.get(spec.outputs[0])
+        may = f" It may be exactly ``{alias}`` (in place)." if alias else ""
+    else:
+        what = (f"a tuple ({', '.join(spec.outputs)}) of tensors of the results' shape, dtype and device "
+                f"({like}'s), returned as that tuple")
+        pairs = [f"``out[{k}]`` exactly ``{spec.out_aliases[n]}``" for k, n in enumerate(spec.outputs)
+                 if n in spec.out_aliases]
+        may = f" It may have {' and '.join(pairs)} (in place)." if pairs else ""
+    return (f"    Keyword ``out`` (default None): {what}; the result is written there and ``out`` is returned.{may}\n"
+            f"    Any other overlap with an argument is a ValueError; nothing is written then.")
 
 
 # Every op made so far. Registering torch.library ops costs tens of milliseconds, so it happens
@@ -150,18 +293,146 @@ MADE: list[OpSpec] = []
 def explain(op_name: str, *args: object, **kwargs: object) -> Decision:
     """The decision the dispatcher makes for this call, with every variant's verdict and reason.
 
-    Takes the op's arguments exactly as the op would; runs nothing. ``print()`` it for a trace.
+    Takes the op's arguments exactly as the op would (``out=`` included: checked, never written;
+    it changes no decision); runs nothing. ``print()`` it for a trace.
     """
     d = dispatcher()
     spec = d.registry.spec(op_name)
+    out = kwargs.pop("out", None)
     bound = spec.bind(*args, **kwargs)
     key = spec.key(bound, d.check_values or _on_cpu(spec, bound))
+    if out is not None:
+        spec.check_out(bound, out)
     return d.decide(key, d.pinned(spec.name), tune=False)
 
 
 def call_key(op_name: str, *args: object, **kwargs: object):
     """Validate a call to ``op_name`` given as it would be written, and return its key."""
     d = dispatcher()
+    kwargs.pop("out", None)
     spec = d.registry.spec(op_name)
     bound = spec.bind(*args, **kwargs)
     return spec.key(bound, d.check_values or _on_cpu(spec, bound))
+
+
+class BoundOp(Protocol):
+    """What :func:`bind` returns: the op's public signature, calling one variant directly."""
+
+    op: str
+    variant: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any) -> BoundOp:
+    """The variant the dispatcher chooses for this example call, as a function with the op's
+    signature, for a loop whose shapes do not change.
+
+    The example (``out=`` included) is validated and decided once, as the op would. Each call of
+    the result then checks only what can change without changing shapes: index values where the
+    op checks them (always on the CPU; on accelerators when ``KV_CHECK_VALUES`` is on), that
+    every non-tensor argument equals the example's (``ValueError`` otherwise), and a given
+    ``out`` (its shape, dtype, device and overlap). It does not re-check the tensors' shapes,
+    dtypes, devices, strides, whether they require grad, or overlap with a written state: pass
+    tensors like the example's.
+    The choice is fixed: calibration, ``force`` or ``reload`` after ``bind`` do not change it
+    (bind again). ``op`` is the op's name or its public function; ``.variant`` says what runs.
+    """
+    d = dispatcher()
+    name = op if isinstance(op, str) else getattr(op, "__name__", None)
+    if not isinstance(name, str):
+        raise TypeError(f"op: expected an op name or an op function, got {type(op).__name__}")
+    spec = d.registry.spec(name)
+    out = example_kwargs.pop("out", None)
+    args = spec.bind(*example_args, **example_kwargs)
+    values = d.check_values or _on_cpu(spec, args)
+    key = spec.key(args, values)
+    if out is not None:
+        spec.check_out(args, out)
+    vid, fn, _, subs, _ = d.resolve(None, key, args, _finish(spec, args, None))
+    guard_writes(spec, args, out)
+    caps = d.registry.get(spec.name, vid).variant.capabilities
+    # Off the CPU the op's device rule runs on every call, as in the dispatched op (no host read).
+    rule = (lambda a: spec.device_values(a, caps)) if (
+        not values and d.device_values and spec.device_values is not None) else None
+    tensors = set(spec.tensor_indices)
+    fixed = [i for i in range(len(spec.params)) if i not in tensors]
+    normalized = dict(subs)
+    namespace: dict[str, Any] = {
+        "_with": _with, "_fn": fn, "_check_values": spec.check_values, "_fixed": tuple(args[i] for i in fixed),
+        "_changed": _changed(spec, fixed, tuple(args[i] for i in fixed)), "_out": _bound_out(spec, vid, fn, caps, subs, rule), "_Failed": VariantFailed,
+        "_rule": rule, "_invoke": spec.invoke, "_subs": subs,
+        "_failed": f"variant {vid!r} of {spec.name} failed: ",
+    }
+    params = _params_source(spec, namespace)
+    pos = set(spec.positional)
+    call_args = []
+    for i, n in enumerate(spec.params):
+        value = n
+        if i in normalized:  # already normalised once, from the example
+            namespace[f"_n{i}"] = normalized[i]
+            value = f"_n{i}"
+        call_args.append(value if n in pos else f"{n}={value}")
+    names = ", ".join(spec.params)
+    fixed_src = f"({', '.join(spec.params[i] for i in fixed)},)" if fixed else "()"
+    run = (f"_invoke(_fn, _rule(_with(({names},), _subs)))" if rule is not None
+           else f"_fn({', '.join(call_args)})")
+    src = (f"def bound({params}):\n"
+           f"    if {fixed_src} != _fixed:\n"
+           f"        raise _changed({fixed_src})\n"
+           + (f"    _check_values({names})\n" if values else "")
+           + "    if out is not None:\n"
+           f"        return _out(({names},), out)\n"
+           "    try:\n"
+           f"        return {run}\n"
+           "    except Exception as exc:\n"
+           "        raise _Failed(_failed + f'{type(exc).__name__}: {exc}') from exc\n")
+    exec(src, namespace)  # noqa: S102 - source made from the spec's own signature
+    bound = namespace["bound"]
+    bound.__doc__ = f"{spec.name}, bound to variant {vid!r} for calls shaped like the example (kernel_variants.bind)."
+    bound.__qualname__ = bound.__name__ = f"{spec.name}_bound"
+    bound.__signature__ = spec.py_signature
+    bound.op, bound.variant = spec.name, vid
+    return bound
+
+
+def _changed(spec: OpSpec, fixed: list[int], expected: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], ValueError]:
+    names = [spec.params[i] for i in fixed]
+
+    def error(got: tuple[Any, ...]) -> ValueError:
+        which = [n for n, e, g in zip(names, expected, got, strict=True) if e != g]
+        return ValueError(f"{', '.join(which)}: a bound op runs with the example's values; expected "
+                          f"{ {n: e for n, e in zip(names, expected, strict=True) if n in which} }, got "
+                          f"{ {n: g for n, g in zip(names, got, strict=True) if n in which} }; "
+                          "call kernel_variants.bind again for other values")
+
+    return error
+
+
+def _with(args: tuple[Any, ...], subs: tuple[tuple[int, Any], ...]) -> tuple[Any, ...]:
+    """``args`` with the normalised values of ``subs`` in place."""
+    if not subs:
+        return args
+    out = list(args)
+    for i, value in subs:
+        out[i] = value
+    return tuple(out)
+
+
+def _bound_out(spec: OpSpec, vid: str, fn: Callable[..., Any], caps: Any, subs: tuple[tuple[int, Any], ...],
+               rule: Callable[[tuple[Any, ...]], Any] | None) -> Callable[[tuple[Any, ...], Any], Any]:
+    """A bound call with ``out``: ``out`` checked against the call (and for overlap) each time."""
+
+    def run(args: tuple[Any, ...], out: Any) -> Any:
+        spec.check_out(args, out)
+        aliased = guard_writes(spec, args, out)
+        direct = caps.takes_out and all(o.is_contiguous() for o in spec.out_tensors(out))
+        args = _with(args, subs)
+        if rule is not None:
+            args = rule(args)
+        try:
+            return _out_runner(spec, direct, caps.in_place)(fn, args, out, aliased)
+        except Exception as exc:
+            raise VariantFailed(f"variant {vid!r} of {spec.name} failed: {type(exc).__name__}: {exc}") from exc
+
+    return run

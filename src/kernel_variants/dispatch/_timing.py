@@ -50,6 +50,9 @@ class TimingConfig:
     window_budget_s: float | None = 0.25
     mode: Mode = "eager"
     cold_l2: bool = False
+    # Time calls with a preallocated ``out=`` as the dispatcher makes them: handed to a variant
+    # that takes it, else the variant's result copied into it (what a caller passing out pays).
+    with_out: bool = False
 
     def __post_init__(self) -> None:
         for name in ("warmup", "windows", "iters"):

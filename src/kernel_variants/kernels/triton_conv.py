@@ -365,9 +365,11 @@ def device_guard(t: torch.Tensor):
 
 
 def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=None, has_initial_state=None,
-                     query_start_loc=None, activation=None, pad_slot_id=-1, blocks: FnBlocks | None = None):
+                     query_start_loc=None, activation=None, pad_slot_id=-1, blocks: FnBlocks | None = None,
+                     out=None):
     """x: [B, L, D], or [T, D] with query_start_loc; weight: [D, W]; conv_states: [N, S, D]
-    updated in place; returns x's shape and dtype (contiguous)."""
+    updated in place; returns x's shape and dtype (contiguous), or writes ``out`` (contiguous,
+    x's shape and dtype, not x) and returns it."""
     k = kernels(interpreting())
     width = weight.shape[1]
     varlen = query_start_loc is not None
@@ -376,7 +378,8 @@ def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=No
     length = 1 if varlen else x.shape[1]
     batch = query_start_loc.shape[0] - 1 if varlen else x.shape[0]
     blocks = blocks or fn_heuristic(tokens, dim)
-    out = torch.empty((tokens, dim), dtype=x.dtype, device=x.device)
+    given = out
+    out = torch.empty((tokens, dim), dtype=x.dtype, device=x.device) if given is None else given.view(tokens, dim)
     has_states = conv_states is not None
     has_hist = has_states and has_initial_state is not None
     dummy = out  # stands in for absent pointers; never dereferenced
@@ -405,12 +408,15 @@ def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=No
                 x2, st, ci, init, qsl, dim, length, rows, n_slots, pad_slot_id, x2.stride(0), x2.stride(1), *ss,
                 W=width, HAS_HIST=has_hist, HAS_CI=cache_indices is not None, VARLEN=varlen,
                 BLOCK_R=_pow2(width - 1), BLOCK_D=blocks.d)
+    if given is not None:
+        return given
     return out if varlen else out.view(x.shape)
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, conv_state_indices=None,
-                         num_accepted_tokens=None, pad_slot_id=-1, blocks: UpdateBlocks | None = None):
-    """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place; weight: [D, W]."""
+                         num_accepted_tokens=None, pad_slot_id=-1, blocks: UpdateBlocks | None = None, out=None):
+    """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place; weight: [D, W]. Returns
+    x's shape and dtype, or writes ``out`` (x's shape and dtype, not x; any strides)."""
     k = kernels(interpreting())
     x3 = x.unsqueeze(1) if x.ndim == 2 else x
     batch, length, dim = x3.shape
@@ -418,7 +424,11 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, c
     rows = conv_state.shape[1]
     spec = num_accepted_tokens is not None
     blocks = blocks or update_heuristic(batch, dim)
-    out = torch.empty((batch, length, dim), dtype=x.dtype, device=x.device)
+    given = out
+    if given is None:
+        out = torch.empty((batch, length, dim), dtype=x.dtype, device=x.device)
+    else:
+        out = given.unsqueeze(1) if x.ndim == 2 else given
     kept = max(rows - length, 0) if spec else rows  # rows of the old slot in the stream old ++ x
     offset = kept + length - rows  # first stream row of the new slot
     dummy = out
@@ -432,13 +442,15 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, c
             *x3.stride(), weight.stride(0), weight.stride(1), *conv_state.stride(), *out.stride(),
             W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_CI=conv_state_indices is not None,
             SPEC=spec, BLOCK_L=_pow2(length), BLOCK_S=_pow2(rows), BLOCK_D=blocks.d)
+    if given is not None:
+        return given
     return out.squeeze(1) if x.ndim == 2 else out
 
 
 def _caps(**extra) -> ConvCapabilities:
     devices = {"cuda", "cpu"} if interpreting() else {"cuda"}
     return ConvCapabilities(devices=devices, dtypes={"float32", "bfloat16", "float16"}, width=(1, MAX_WIDTH),
-                            noncontiguous_states=True, graph_safe=True, slot_bounds_safe=True, **extra)
+                            noncontiguous_states=True, graph_safe=True, slot_bounds_safe=True, takes_out=True, **extra)
 
 
 def _bind(fn, blocks):

@@ -171,9 +171,11 @@ def _guard(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
 
 
-def _launch(x, weight, residual, eps, max_block_d):
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+def _launch(x, weight, residual, eps, max_block_d, out=None, summed=None):
+    # A given out/summed is contiguous (the dispatcher hands only dense ones): row stride D.
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    if residual is not None and summed is None:
+        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return out, summed
     x2 = _rows(x)
@@ -192,7 +194,7 @@ def _launch(x, weight, residual, eps, max_block_d):
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
-                   max_block_d: int | None = None) -> torch.Tensor:
+                   max_block_d: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Gemma RMSNorm over the last dim.
 
     x: [..., D] (T = product of the leading dims; any row stride), float32/bfloat16/float16.
@@ -200,25 +202,27 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     Returns a new contiguous tensor of x's shape and dtype:
     ``x * rsqrt(mean(x^2, -1) + eps) * (1 + weight)``, computed in fp32.
     max_block_d: a power of two; rows wider than it are normalised in chunks of it (default
-    ``MAX_BLOCK_D``).
+    ``MAX_BLOCK_D``). out: a contiguous tensor of x's shape and dtype (not x) to write instead.
     """
     _check(x, weight)
-    return _launch(x, weight, None, eps, max_block_d)[0]
+    return _launch(x, weight, None, eps, max_block_d, out)[0]
 
 
 def add_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, eps: float = 1e-6, *,
-                       max_block_d: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       max_block_d: int | None = None,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add, then Gemma RMSNorm over the last dim. Nothing is written in place.
 
     x, residual: [..., D], same shape and dtype (float32/bfloat16/float16), any row strides.
     weight: [D], floating point, any stride.
     Returns ``(out, residual_sum)``, both new contiguous tensors of x's shape and dtype:
     ``residual_sum = x + residual`` (rounded to x's dtype, bit-equal to torch's ``x + residual``)
-    and ``out = gemma_rms_norm(residual_sum, weight, eps)``.
+    and ``out = gemma_rms_norm(residual_sum, weight, eps)``. out: a pair of contiguous tensors
+    of x's shape and dtype (neither an input) to write instead.
     """
     _check(x, weight, residual)
-    out, summed = _launch(x, weight, residual, eps, max_block_d)
-    return out, summed
+    given = (None, None) if out is None else out
+    return _launch(x, weight, residual, eps, max_block_d, *given)
 
 
 @hookimpl
@@ -226,7 +230,7 @@ def kv_register_variants(register) -> None:
     # Under the interpreter the kernel claims the CPU too, where it is far slower than any native
     # variant: ranked below them, it runs there only when forced or measured.
     devices = {"cuda", "cpu"} if interpreting() else {"cuda"}
-    caps = Capabilities(devices=devices, dtypes={"float32", "bfloat16", "float16"})
+    caps = Capabilities(devices=devices, dtypes={"float32", "bfloat16", "float16"}, takes_out=True)
     common = dict(id="triton", version="1", depends=DEPENDS, probe=probe, capabilities=caps,
                   priority=-50 if interpreting() else 15)
     register(Variant(op="gemma_rms_norm", fn=gemma_rms_norm, description="Triton, one pass per row", **common))

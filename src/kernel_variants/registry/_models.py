@@ -75,6 +75,20 @@ class Capabilities(BaseModel):
     # nonzero() or boolean-mask indexing), no allocation a replay would not repeat. Under
     # capture the dispatcher chooses only among variants that say so.
     graph_safe: bool = False
+    # Its fn accepts keyword ``out=`` (one dense tensor, or one per output, of the result's shape,
+    # dtype and device) and writes the result there. Without it, a call with ``out=`` runs the
+    # variant as usual and the dispatcher copies the result into ``out``: no variant is
+    # excluded by ``out=``, this only spares the copy.
+    takes_out: bool = False
+    # With takes_out: it is also correct when ``out`` is exactly the input the op lets it alias
+    # (``x``: in place). Without it, such a call is computed apart and copied into ``out``.
+    in_place: bool = False
+
+    @model_validator(mode="after")
+    def _in_place_takes_out(self) -> Capabilities:
+        if self.in_place and not self.takes_out:
+            raise ValueError("in_place is set but takes_out is False: in place means writing out=x")
+        return self
 
     @field_validator("limits")
     @classmethod

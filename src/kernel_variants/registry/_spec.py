@@ -29,15 +29,6 @@ AUTOGRAD = frozenset({"autograd"})  # a CallKey extra: some input requires grad,
 CAPTURE = frozenset({"capture"})  # a CallKey extra: a CUDA/NPU graph is being captured
 
 
-def _capture_of(t: Any) -> bool:
-    """Whether a graph is being captured on ``t``'s device (never for the CPU: no lookup)."""
-    if t.is_cpu:
-        return False
-    from kernel_variants._capture import capturing
-
-    return capturing(t.device.type)
-
-
 def device_index(t: Any) -> int | None:
     """The ordinal of the device ``t`` is on (``cuda:1`` -> 1), None on the CPU."""
     return getattr(t.device, "index", None)
@@ -195,6 +186,11 @@ class OpSpec:
       ``(label, options)`` for the suite to try (it keeps those ``caps`` cover).
     - ``sweeps``: named shape lists; ``default_sweep`` is calibrated when none is named.
     - ``mutates``: parameters written in place; ``outputs``: names of the returned tensors.
+    - ``out``: every op takes a keyword-only ``out=`` that the core adds to the public signature
+      (the stub must not declare it): one tensor, or with several outputs a tuple of one tensor
+      per output, each with the shape, dtype and device of the parameter ``out_like`` (default:
+      the first tensor parameter). ``out_aliases`` maps an output to the input its ``out`` may
+      be exactly (``{"out": "x"}``: in place over x); any other overlap is refused.
     """
 
     name: str
@@ -216,6 +212,8 @@ class OpSpec:
     aliases: tuple[str, ...] = ()
     description: str = ""
     device_values: Callable[[Sequence[Any], Capabilities], Sequence[Any]] | None = None
+    out_like: str | None = None
+    out_aliases: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_id(self.name, "op name")
@@ -224,9 +222,15 @@ class OpSpec:
         params = list(sig.parameters.values())
         if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
             raise ValueError(f"op {self.name}: the signature must name every parameter (no *args/**kwargs)")
-        for name in (*self.mutates, *self.normalize):
+        for name in (*self.mutates, *self.normalize, *self.out_aliases.values(), *filter(None, [self.out_like])):
             if name not in sig.parameters:
                 raise ValueError(f"op {self.name}: {name!r} is not a parameter of its signature")
+        if "out" in sig.parameters:
+            raise ValueError(f"op {self.name}: the signature must not declare 'out': the core adds it to every op")
+        for name in self.out_aliases:
+            if name not in self.outputs:
+                raise ValueError(f"op {self.name}: out_aliases names {name!r}, which is not one of its outputs")
+        object.__setattr__(self, "_public_sig", _with_out(sig, len(self.outputs)))
         if self.reference.id != "reference" or self.reference.op != self.name:
             raise ValueError(f"op {self.name}: the reference must be registered as variant 'reference' of this op")
         if not isinstance(self.reference.capabilities, self.capabilities):
@@ -250,7 +254,54 @@ class OpSpec:
 
     @property
     def py_signature(self) -> inspect.Signature:
-        return self._sig
+        """The public function's signature: the stub's parameters, then keyword-only ``out``."""
+        return self._public_sig
+
+    @functools.cached_property
+    def out_like_index(self) -> int:
+        """The parameter whose shape, dtype and device each output has."""
+        return self.params.index(self.out_like) if self.out_like is not None else self.tensor_indices[0]
+
+    @functools.cached_property
+    def out_alias_indices(self) -> tuple[int | None, ...]:
+        """Per output, the index of the input its ``out`` may be exactly (None: no input)."""
+        return tuple(self.params.index(self.out_aliases[n]) if n in self.out_aliases else None
+                     for n in self.outputs)
+
+    def out_tensors(self, out: Any) -> tuple[Any, ...]:
+        """``out`` as a tuple of one tensor per output (a single output's ``out`` is one tensor)."""
+        return (out,) if len(self.outputs) == 1 else tuple(out)
+
+    def check_out(self, args: Sequence[Any], out: Any) -> None:
+        """``out`` must hold one tensor per output with the result's shape, dtype and device;
+        ``TypeError``/``ValueError`` naming ``out`` otherwise."""
+        import torch
+
+        n = len(self.outputs)
+        if n > 1 and (not isinstance(out, tuple | list) or len(out) != n):
+            got = f"{type(out).__name__} of {len(out)}" if isinstance(out, tuple | list) else type(out).__name__
+            raise TypeError(f"out: expected a tuple of {n} tensors ({', '.join(self.outputs)}), got {got}")
+        like = args[self.out_like_index]
+        for k, o in enumerate(self.out_tensors(out)):
+            name = "out" if n == 1 else f"out[{k}] ({self.outputs[k]})"
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(f"{name}: expected a tensor, got {type(o).__name__}")
+            if o.shape != like.shape:
+                raise ValueError(f"{name}: expected shape {list(like.shape)} (the result's), got {list(o.shape)}")
+            if o.dtype != like.dtype:
+                raise TypeError(f"{name}: expected dtype {str(like.dtype)[6:]} (the result's), got {str(o.dtype)[6:]}")
+            if o.device != like.device:
+                raise ValueError(f"{name}: expected device {like.device} (the result's), got {o.device}")
+
+    @functools.cached_property
+    def out_key(self) -> Callable[[Any], tuple[Any, ...]]:
+        """``out_key(out)``: the part of a memo signature that ``out`` adds: each out tensor's
+        shape, dtype, device and contiguity (a kernel that takes ``out`` writes a dense one)."""
+        if len(self.outputs) == 1:
+            return lambda o: (o.shape, o.dtype, o.device, o.is_contiguous())
+        n = len(self.outputs)
+        return lambda out: (type(out), len(out), *((o.shape, o.dtype, o.device, o.is_contiguous())
+                                                    for o in out[:n]))
 
     @functools.cached_property
     def _tensor_params(self) -> tuple[tuple[int, bool], ...]:
@@ -287,21 +338,30 @@ class OpSpec:
         import torch
 
         tensors = dict(self._tensor_params)
+        names = [f"a{i}" for i in range(len(self.params))]
+        first = names[self.tensor_indices[0]]
         # Inline, short-circuiting on grad mode: serving runs under no_grad/inference_mode.
-        grads = " or ".join(f"(a[{i}] is not None and a[{i}].requires_grad)" if opt else f"a[{i}].requires_grad"
-                            for i, opt in self._tensor_params)
-        parts = ["self", f"(_grad_enabled() and ({grads}))", f"_capturing(a[{self.tensor_indices[0]}])"]
+        grads = " or ".join(f"({names[i]} is not None and {names[i]}.requires_grad)" if opt
+                            else f"{names[i]}.requires_grad" for i, opt in self._tensor_params)
+        # The first tensor's device is read once: it is part of the key and says whether a graph
+        # capture can be under way (never on the CPU: no lookup there).
+        parts = ["self", f"(_grad_enabled() and ({grads}))", "(_d.type != 'cpu' and _capturing(_d.type))"]
         for i, name in enumerate(self.params):
-            a = f"a[{i}]"
-            meta = f"{a}.shape, {a}.dtype, {a}.device" + (f", {a}.stride()" if name in self.mutates else "")
+            a = names[i]
+            device = "_d" if a == first else f"{a}.device"
+            meta = f"{a}.shape, {a}.dtype, {device}" + (f", {a}.stride()" if name in self.mutates else "")
             if i not in tensors:
                 parts.append(f"{a}, type({a})")
             elif tensors[i]:
                 parts.append(f"None if {a} is None else ({meta})")
             else:
                 parts.append(meta)
-        namespace: dict[str, Any] = {"self": self, "_grad_enabled": torch.is_grad_enabled, "_capturing": _capture_of}
-        exec(f"def memo_key(a, pins):\n    return (pins, {', '.join(parts)})\n", namespace)  # noqa: S102 - from the signature
+        from kernel_variants._capture import capturing
+
+        namespace: dict[str, Any] = {"self": self, "_grad_enabled": torch.is_grad_enabled, "_capturing": capturing}
+        src = (f"def memo_key(a, pins):\n    {', '.join(names)}, = a\n    _d = {first}.device\n"
+               f"    return (pins, {', '.join(parts)})\n")
+        exec(src, namespace)  # noqa: S102 - from the signature
         return namespace["memo_key"]
 
     def needs_grad(self, args: Sequence[Any]) -> bool:
@@ -312,6 +372,15 @@ class OpSpec:
         if not torch.is_grad_enabled():
             return False
         return any(args[i] is not None and args[i].requires_grad for i in self.tensor_indices)
+
+    @functools.cached_property
+    def invoke_out(self) -> Callable[[Callable[..., Any], Sequence[Any], Any], Any]:
+        """``invoke_out(fn, args, out)``: as :attr:`invoke`, with ``out=out`` by keyword."""
+        pos = set(self.positional)
+        call_args = ", ".join(f"a[{i}]" if n in pos else f"{n}=a[{i}]" for i, n in enumerate(self.params))
+        namespace: dict[str, Any] = {}
+        exec(f"def invoke_out(fn, a, out):\n    return fn({call_args}, out=out)\n", namespace)  # noqa: S102
+        return namespace["invoke_out"]
 
     @functools.cached_property
     def invoke(self) -> Callable[[Callable[..., Any], Sequence[Any]], Any]:
@@ -358,6 +427,13 @@ class OpSpec:
                    seed: int = 0) -> Case:
         """The call a calibration measures for ``shape`` with ``features``."""
         return self.make_case(tuple(shape), dtype=dtype, device=device, seed=seed, **features.model_dump())
+
+
+def _with_out(sig: inspect.Signature, n_outputs: int) -> inspect.Signature:
+    # A string annotation: declaring an op imports no torch.
+    hint = "torch.Tensor | None" if n_outputs == 1 else f"tuple[{', '.join(['torch.Tensor'] * n_outputs)}] | None"
+    out = inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hint)
+    return sig.replace(parameters=[*sig.parameters.values(), out])
 
 
 def read_shapes(header: Sequence[str], rows: Sequence[Mapping[str, str | None]], axes: Sequence[str],

@@ -86,7 +86,8 @@ def isa_path() -> str:
     return _build.load_extension().isa_path()
 
 
-_CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)
+_CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True,
+             takes_out=True, in_place=True)  # the C++ writes into out, out=x included (reads before writes)
 
 
 def _native(ext: _build.Extension) -> dict:

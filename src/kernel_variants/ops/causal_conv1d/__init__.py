@@ -179,7 +179,7 @@ def _update_signature(
 
 
 _REFERENCE_CAPS = dict(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16", "float64"},
-                       width=(1, None), noncontiguous_states=True, autograd=True)
+                       width=(1, None), noncontiguous_states=True, autograd=True, takes_out=True)
 _ORACLE = "the contract in plain torch, per sequence; the oracle for every other variant"
 _SWEEPS = _sweeps.sweeps()
 
@@ -221,7 +221,7 @@ UPDATE_SPEC = OpSpec(
     check_values=lambda x, cs, w, b, act, csi, nat, pad: _checks.check_update_values(x, cs, csi, nat, pad),
     device_values=_checks.device_update_values,
     reference=Variant(id="reference", op=UPDATE, version="1", fn=_reference.causal_conv1d_update, priority=-100,
-                      capabilities=ConvCapabilities(num_accepted_tokens=True, **_REFERENCE_CAPS),
+                      capabilities=ConvCapabilities(num_accepted_tokens=True, in_place=True, **_REFERENCE_CAPS),
                       description=_ORACLE),
     make_case=_cases.spec_case(UPDATE),
     conformance=_cases.conformance(_cases.UPDATE_CASES),
@@ -229,6 +229,7 @@ UPDATE_SPEC = OpSpec(
     default_sweep="decode",
     normalize={"activation": _normalize_activation},
     mutates=("conv_state",),
+    out_aliases={"out": "x"},  # sgl-kernel-npu's update writes its output over x
     aliases=("update", "decode"),
     description="decode / speculative verify: a few tokens per sequence, state shifted in place",
 )

@@ -45,10 +45,11 @@ def causal_conv1d_fn(
     query_start_loc: torch.Tensor | None = None,
     activation: str | None = None,
     pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill. x: [B, L, D], or [T, D] with query_start_loc [B+1]; weight: [D, W]; bias: [D];
     conv_states: [N, S, D] (updated in place); cache_indices, has_initial_state: [B].
-    Returns [B, L, D] or [T, D] in x's dtype."""
+    Returns [B, L, D] or [T, D] in x's dtype (written into ``out``, x's shape, when given)."""
     width = weight.shape[1]
     keep = width - 1
     acc = acc_dtype(x.dtype)
@@ -62,7 +63,7 @@ def causal_conv1d_fn(
     if conv_states is not None:
         _in_pool(slots, conv_states.shape[0], pad_slot_id if cache_indices is not None else None, "cache_indices")
     init = has_initial_state.tolist() if has_initial_state is not None else [False] * len(bounds)
-    out = torch.zeros_like(x)
+    out = torch.zeros_like(x) if out is None else out.zero_()
     writes: list[tuple[int, torch.Tensor]] = []
     for b, start, end in bounds:
         slot = slots[b]
@@ -96,10 +97,12 @@ def causal_conv1d_update(
     conv_state_indices: torch.Tensor | None = None,
     num_accepted_tokens: torch.Tensor | None = None,
     pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode / speculative verify. x: [B, D] or [B, L, D]; conv_state: [N, S, D] (updated in
     place); weight: [D, W]; bias: [D]; conv_state_indices, num_accepted_tokens: [B].
-    Returns x's shape and dtype."""
+    Returns x's shape and dtype, written into ``out`` when given (which may be x itself: each
+    sequence's rows are read before its output rows are written)."""
     width = weight.shape[1]
     keep = width - 1
     acc = acc_dtype(x.dtype)
@@ -111,14 +114,16 @@ def causal_conv1d_update(
     _in_pool(slots, conv_state.shape[0], pad_slot_id if conv_state_indices is not None else None,
              "conv_state_indices")
     accepted = num_accepted_tokens.tolist() if num_accepted_tokens is not None else None
-    out = torch.zeros_like(x3)
+    given = out
+    out = torch.empty_like(x3) if given is None else (given.unsqueeze(1) if x.ndim == 2 else given)
     writes: list[tuple[int, torch.Tensor]] = []
     for b in range(batch):
         slot = slots[b]
         if conv_state_indices is not None and slot == pad_slot_id:
+            out[b] = 0
             continue
         state = conv_state[slot].to(acc)
-        xb = x3[b].to(acc)
+        xb = x3[b].to(acc, copy=True)  # a copy: out may be x, and out[b] is written below
         if accepted is None:
             hist = state[rows - keep :]
             stream = torch.cat([state, xb])
@@ -131,4 +136,6 @@ def causal_conv1d_update(
         writes.append((slot, new_state.detach()))  # states never join a graph
     for slot, new_state in writes:
         conv_state[slot] = new_state.to(conv_state.dtype)
+    if given is not None:
+        return given
     return out.squeeze(1) if x.ndim == 2 else out

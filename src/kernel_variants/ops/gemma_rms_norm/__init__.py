@@ -44,12 +44,17 @@ def _add_signature(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
 
     Returns:
         ``(out, residual_sum)``: new tensors of x's shape and dtype, ``residual_sum`` being ``s``.
-        No input is written.
+        No input is written, unless ``out=`` names it.
+
+    ``out=(o, r)`` writes the norm into ``o`` and the sum into ``r``, both ``[..., D]`` like x,
+    and returns ``(o, r)``. ``out=(x, residual)`` is sglang's in-place fused add-RMSNorm: x
+    becomes the norm and residual the sum (both are read before either is written).
     """
     raise NotImplementedError  # a signature: the dispatched function is made from it
 
 
 _ANY = dict(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"}, autograd=True)
+_IN_PLACE = dict(takes_out=True, in_place=True)  # the reference computes apart, then writes out
 _ORACLE = "the contract in plain torch, fp32; the oracle for every other variant"
 
 FN_SPEC = OpSpec(
@@ -61,12 +66,13 @@ FN_SPEC = OpSpec(
     check=_spec.check_fn,
     check_values=_spec.no_values,
     reference=Variant(id="reference", op=FN, version="1", fn=_spec.reference_fn, priority=-100,
-                      capabilities=Capabilities(**_ANY), description=_ORACLE),
+                      capabilities=Capabilities(**_ANY, **_IN_PLACE), description=_ORACLE),
     make_case=_spec.spec_case(FN),
     conformance=_spec.conformance,
     sweeps=_spec.sweeps(FN),
     default_sweep="rms-smoke",
     normalize={"eps": float},
+    out_aliases={"out": "x"},
     aliases=("rms",),
     description="Gemma RMSNorm (scale 1 + weight)",
 )
@@ -80,13 +86,15 @@ ADD_SPEC = OpSpec(
     check=_spec.check_add,
     check_values=_spec.no_values,
     reference=Variant(id="reference", op=ADD, version="1", fn=_spec.reference_add, priority=-100,
-                      capabilities=Capabilities(**_ANY), description=_ORACLE),
+                      capabilities=Capabilities(**_ANY, **_IN_PLACE), description=_ORACLE),
     make_case=_spec.spec_case(ADD),
     conformance=_spec.conformance,
     sweeps=_spec.sweeps(ADD),
     default_sweep="add-rms-smoke",
     normalize={"eps": float},
     outputs=("out", "residual_sum"),
+    # sglang's fused add-rmsnorm runs in place: the norm over x, the sum over residual.
+    out_aliases={"out": "x", "residual_sum": "residual"},
     aliases=("add_rms",),
     description="residual add, then Gemma RMSNorm; returns (out, residual_sum)",
 )

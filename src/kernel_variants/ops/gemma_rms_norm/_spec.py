@@ -82,25 +82,33 @@ def no_values(*args: object) -> None:
     """No index tensors: nothing to check beyond the metadata."""
 
 
-def _normalize(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _normalize(s: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """s: [..., D] in x's dtype; the normalisation in fp32 (fp64 for fp64, for gradcheck),
-    returned in s's dtype."""
+    returned in s's dtype: a new tensor, or written into ``out`` (the rounding to s's dtype is
+    then the copy's, the same round-to-nearest-even)."""
     acc = acc_dtype(s.dtype)
     f = s.to(acc)
     rms = torch.rsqrt(f.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (f * rms * (1.0 + weight.to(acc))).to(s.dtype)
+    y = f * rms * (1.0 + weight.to(acc))
+    return y.to(s.dtype) if out is None else out.copy_(y)
 
 
-def reference_fn(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x: [..., D]; weight: [D]. Returns a new tensor of x's shape and dtype."""
-    return _normalize(x, weight, eps)
+def reference_fn(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., D]; weight: [D]. Returns a new tensor of x's shape and dtype, or ``out`` (x's
+    shape and dtype; it may be x) written."""
+    return _normalize(x, weight, eps, out)
 
 
-def reference_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [..., D]; weight: [D]. Returns (out, residual_sum), both of x's shape and dtype."""
+def reference_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, eps: float = 1e-6, *,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [..., D]; weight: [D]. Returns (out, residual_sum), both of x's shape and
+    dtype: new tensors, or the pair ``out`` written (it may be ``(x, residual)``: in place)."""
     s = x + residual  # in x's dtype, rounded: that is the residual stream the caller continues with
-    return _normalize(s, weight, eps), s
+    if out is None:
+        return _normalize(s, weight, eps), s
+    _normalize(s, weight, eps, out[0])  # s is a new tensor: out[0] may be x
+    return out[0], out[1].copy_(s)
 
 
 def make_case(op: str, shape: tuple[int, ...], *, dtype: torch.dtype, device: str | torch.device = "cpu",
