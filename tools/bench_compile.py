@@ -37,7 +37,7 @@ from _report import markdown_table, write_report  # a sibling module: tools/ is 
 
 import kernel_variants as kv
 from kernel_variants.dispatch import _custom_ops, dispatcher
-from kernel_variants.dispatch._op import call
+from kernel_variants.dispatch._op import _params_source, call
 from kernel_variants.registry import OpSpec
 
 MODES = ("eager", "compiled", "custom_op", "floor")
@@ -47,24 +47,10 @@ POOL_BYTES = 50 * 2**20
 # --- each op three ways: the public function, a custom_op twin (the old registration), a no-op
 
 
-def _signature_source(spec: OpSpec, namespace: dict[str, Any]) -> str:
-    parts, star = [], False
-    for i, p in enumerate(spec.py_signature.parameters.values()):
-        if p.kind is p.KEYWORD_ONLY and not star:
-            parts.append("*")
-            star = True
-        if p.default is p.empty:
-            parts.append(p.name)
-        else:
-            namespace[f"_d{i}"] = p.default
-            parts.append(f"{p.name}=_d{i}")
-    return ", ".join(parts)
-
-
 def _public_like(spec: OpSpec, target: Callable[..., Any]) -> Callable[..., Any]:
     """A function with the op's signature that calls ``target`` with every argument in order."""
     namespace: dict[str, Any] = {"_target": target}
-    params = _signature_source(spec, namespace)
+    params = _params_source(spec, namespace)
     exec(f"def {spec.name}({params}):\n    return _target({', '.join(spec.params)})\n", namespace)  # noqa: S102
     return namespace[spec.name]
 

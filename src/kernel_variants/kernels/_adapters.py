@@ -64,6 +64,11 @@ def import_reason(modules: Sequence[str]) -> str | None:
     return None
 
 
+# What an sgl-kernel-npu kernel's speed depends on besides our adapter's source: its rows go
+# stale when one of these changes.
+SGL_NPU_DEPENDS = ("sgl-kernel-npu", "torch_npu", "cann", "torch")
+
+
 def dist_version(*dists: str) -> str:
     """The installed version of the first of ``dists`` found (package metadata only: nothing is
     imported), for variant versions, so that upgrading a kernel package makes old timings stale."""

@@ -56,6 +56,7 @@ from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.registry import Variant, hookimpl
 
 from ._adapters import (
+    SGL_NPU_DEPENDS,
     FirstDevice,
     LazyKernel,
     OpRef,
@@ -72,9 +73,6 @@ from ._adapters import (
     spec_shift,
     zero_dead_rows,
 )
-
-# What the kernel's speed depends on besides its source: its rows go stale when one changes.
-DEPENDS = ("sgl-kernel-npu", "torch_npu", "cann", "torch")
 
 SCHEMA = (
     Param("x", "Tensor"),
@@ -189,10 +187,10 @@ def variants(adapter: AscAdapter, *, vid: str = "asc", devices=frozenset({"npu"}
                   graph_safe=True)
     sources = (str(Path(__file__).with_name("_adapters.py")),)
     return [
-        Variant(id=vid, op="causal_conv1d_fn", version=version, depends=DEPENDS, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
+        Variant(id=vid, op="causal_conv1d_fn", version=version, depends=SGL_NPU_DEPENDS, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
                 priority=priority, sources=sources, capabilities=ConvCapabilities(varlen=True, **common),
                 description="sgl-kernel-npu Ascend C causal_conv1d (PR #592), run_mode=0"),
-        Variant(id=vid, op="causal_conv1d_update", version=version, depends=DEPENDS, fn=adapter.causal_conv1d_update,
+        Variant(id=vid, op="causal_conv1d_update", version=version, depends=SGL_NPU_DEPENDS, fn=adapter.causal_conv1d_update,
                 probe=adapter.probe, priority=priority, sources=sources,
                 capabilities=ConvCapabilities(num_accepted_tokens=True, num_accepted_tokens_width=(SPEC_WIDTH, SPEC_WIDTH),
                                           **common),

@@ -52,6 +52,7 @@ from kernel_variants.registry import Variant, hookimpl
 
 from ._adapters import (
     COMPACT_PAD,
+    SGL_NPU_DEPENDS,
     FirstDevice,
     LazyKernel,
     OpRef,
@@ -65,9 +66,6 @@ from ._adapters import (
     spec_shift,
     zero_dead_rows,
 )
-
-# What the kernel's speed depends on besides its source: its rows go stale when one changes.
-DEPENDS = ("sgl-kernel-npu", "torch_npu", "cann", "torch")
 
 SCHEMA = (
     Param("x", "Tensor"),
@@ -139,7 +137,7 @@ def variants(adapter: NpuConvUpdateAdapter, *, vid: str = "npu_conv_update", dev
     """The decode variant of ``adapter``; tests build it on a CPU double with ``devices={"cpu"}``."""
     version = "1"  # what the kernel's speed depends on is declared below (depends=...)
     return [
-        Variant(id=vid, op="causal_conv1d_update", version=version, depends=DEPENDS, fn=adapter.causal_conv1d_update,
+        Variant(id=vid, op="causal_conv1d_update", version=version, depends=SGL_NPU_DEPENDS, fn=adapter.causal_conv1d_update,
                 probe=adapter.probe, priority=priority, sources=(str(Path(__file__).with_name("_adapters.py")),),
                 capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 4),
                                               num_accepted_tokens=True, noncontiguous_states=True, graph_safe=True),

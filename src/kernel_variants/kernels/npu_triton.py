@@ -38,6 +38,7 @@ from kernel_variants.registry import Variant, hookimpl
 
 from ._adapters import (
     COMPACT_PAD,
+    SGL_NPU_DEPENDS,
     FunctionRef,
     LazyKernel,
     Slots,
@@ -48,9 +49,6 @@ from ._adapters import (
     spec_shift,
     zero_dead_rows,
 )
-
-# What the kernel's speed depends on besides its source: its rows go stale when one changes.
-DEPENDS = ("sgl-kernel-npu", "torch_npu", "cann", "torch")
 
 LEADING = ("x", "conv_state", "weight", "bias", "activation", "conv_state_indices", "num_accepted_tokens")
 ALSO = ("pad_slot_id",)
@@ -106,7 +104,7 @@ def variants(adapter: NpuTritonAdapter, *, vid: str = "npu_triton_update", devic
              priority: int = 10) -> list[Variant]:
     version = "1"  # what the kernel's speed depends on is declared below (depends=...)
     return [
-        Variant(id=vid, op="causal_conv1d_update", version=version, depends=DEPENDS, fn=adapter.causal_conv1d_update,
+        Variant(id=vid, op="causal_conv1d_update", version=version, depends=SGL_NPU_DEPENDS, fn=adapter.causal_conv1d_update,
                 probe=adapter.probe, priority=priority, sources=(str(Path(__file__).with_name("_adapters.py")),),
                 capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 6),
                                               num_accepted_tokens=True, noncontiguous_states=True, graph_safe=True),

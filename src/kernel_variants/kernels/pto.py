@@ -50,10 +50,15 @@ import torch
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.registry import Variant, hookimpl
 
-from ._adapters import LazyKernel, OpRef, Param, dist_version, prefill_rows0, schema_mismatch
-
-# What the kernel's speed depends on besides its source: its rows go stale when one changes.
-DEPENDS = ("sgl-kernel-npu", "torch_npu", "cann", "torch")
+from ._adapters import (
+    SGL_NPU_DEPENDS,
+    LazyKernel,
+    OpRef,
+    Param,
+    dist_version,
+    prefill_rows0,
+    schema_mismatch,
+)
 
 SCHEMA = (
     Param("x", "Tensor"),
@@ -140,7 +145,7 @@ class PtoAdapter(LazyKernel):
 def variants(adapter: PtoAdapter, *, vid: str = "pto", devices=frozenset({"npu"}), priority: int = 10) -> list[Variant]:
     version = "1"  # what the kernel's speed depends on is declared below (depends=...)
     return [
-        Variant(id=vid, op="causal_conv1d_fn", version=version, depends=DEPENDS, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
+        Variant(id=vid, op="causal_conv1d_fn", version=version, depends=SGL_NPU_DEPENDS, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
                 priority=priority, sources=(str(Path(__file__).with_name("_adapters.py")),),
                 capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 64),
                                               varlen=True, noncontiguous_states=True, graph_safe=True),
