@@ -161,6 +161,44 @@ def test_a_memoised_signature_still_checks_index_values():
         kernel_variants.causal_conv1d_fn(*args, **kw)
 
 
+def _memoised_cases():
+    """(op, a valid call, the same signature with bad index values, the error): a memoised (or
+    bound) call checks the values it reads every time, from what its signature fixed once."""
+    x, w, pool = torch.randn(2, 5, 8), torch.randn(8, 4), torch.randn(4, 3, 8)
+    idx = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    fn = dict(x=x, weight=w, conv_states=pool)
+    upd = dict(x=torch.randn(2, 2, 8), conv_state=torch.randn(4, 4, 8), weight=w)
+    xv = torch.randn(7, 8)
+    return [
+        ("causal_conv1d_fn", {**fn, "cache_indices": idx(0, 3)}, {"cache_indices": idx(0, 4)},
+         r"cache_indices: expected slot indices in \[0, 4\) or pad_slot_id=-1, got 4 at position 1"),
+        ("causal_conv1d_fn", {**fn, "cache_indices": idx(0, 3)}, {"cache_indices": idx(3, 3)},
+         "cache_indices: expected distinct slots, got slot 3 twice"),
+        ("causal_conv1d_fn", {"x": xv, "weight": w, "conv_states": pool, "query_start_loc": idx(0, 3, 7)},
+         {"query_start_loc": idx(0, 5, 4)}, "query_start_loc: expected non-decreasing values"),
+        ("causal_conv1d_fn", {"x": xv, "weight": w, "conv_states": pool, "query_start_loc": idx(0, 3, 7)},
+         {"query_start_loc": idx(0, 3, 6)}, r"query_start_loc: expected to end at T=7"),
+        ("causal_conv1d_update", {**upd, "conv_state_indices": idx(1, 2)}, {"conv_state_indices": idx(-2, 2)},
+         r"conv_state_indices: expected slot indices in \[0, 4\)"),
+        ("causal_conv1d_update", {**upd, "num_accepted_tokens": idx(1, 2)}, {"num_accepted_tokens": idx(1, 3)},
+         r"num_accepted_tokens: expected values in 1\.\.L=2, got 3 at position 1"),
+    ]
+
+
+@pytest.mark.parametrize("how", ["dispatched", "bound"])
+@pytest.mark.parametrize("case", range(6))
+def test_every_index_value_check_runs_on_a_memoised_or_bound_call(case, how):
+    op, good, bad, error = _memoised_cases()[case]
+    call = getattr(kernel_variants, op) if how == "dispatched" else kernel_variants.bind(op, **good)
+    call(**good)
+    call(**good)  # a memo hit
+    pool = "conv_states" if op == "causal_conv1d_fn" else "conv_state"
+    before = good[pool].clone()
+    with pytest.raises(ValueError, match=error):
+        call(**{**good, **bad})
+    assert torch.equal(good[pool], before), "nothing is written before the values are checked"
+
+
 def test_update_op_dispatches_and_matches_reference():
     x, w = torch.randn(3, 16), torch.randn(16, 4)
     state = torch.randn(3, 3, 16)

@@ -9,7 +9,8 @@ Interleaved in one run, so machine noise hits all alike:
 - on a tiny real shape, the dispatched call against the chosen variant called directly.
 Value checks on (the default; always on on the CPU) and KV_CHECK_VALUES=0, in grad mode (as a
 plain script runs) and under torch.inference_mode (as serving runs). Minimum over windows.
-Target: <= 1.0 us added, value checks on.
+Target: <= 1.0 us added, value checks on. The bound call is how a fixed-shape loop meets it; the
+dispatched call cannot in Python (see 'metadata read').
 
     python tools/bench_dispatch_overhead.py [--out reports]
 """
@@ -94,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             mode = torch.inference_mode() if grad == "inference_mode" else torch.enable_grad()
             reset(Registry(make_plugin_manager(extra_plugins=[("noop", NoopPlugin())])))
             spec = dispatcher().registry.spec("causal_conv1d_fn")
+            call_args = (x, w, b, pool, idx, init, None, "silu", -1)
+            value_check = spec.value_checks(*call_args)
             with kv.force(causal_conv1d_fn="noop"), mode:
                 bound = kv.bind(kv.causal_conv1d_fn, x, w, b, **kwargs)
                 floor = _floor(noop)
@@ -103,13 +106,18 @@ def main(argv: list[str] | None = None) -> int:
                     "floor": lambda: floor(x, w, b, **kwargs),
                     "direct": lambda: noop(x, w, b, **kwargs),
                     # the op's own index value check, which every CPU call runs (bound ones too)
-                    "value check": lambda: spec.check_values(x, w, b, pool, idx, init, None, "silu", -1),
+                    "value check": lambda: value_check(call_args),
+                    # what any per-call signature check must read: each tensor's shape, dtype, device
+                    "metadata read": lambda: (x.shape, x.dtype, x.device, w.shape, w.dtype, w.device,
+                                              b.shape, b.dtype, b.device, pool.shape, pool.dtype, pool.device,
+                                              idx.shape, idx.dtype, idx.device, init.shape, init.dtype,
+                                              init.device),
                 }
                 calls["dispatched"]()
                 t = _measure(calls, args.number, args.repeat)
             added = {k: t[k] - t["direct"] for k in ("dispatched", "bound", "floor")}
             rows.append(["no-op", label, t["dispatched"], t["bound"], t["direct"], added["dispatched"],
-                         added["bound"], added["floor"], t["value check"]])
+                         added["bound"], added["floor"], t["value check"], t["metadata read"]])
             data[f"noop/{label}"] = {**{f"{k}_us": v for k, v in t.items()},
                                      **{f"{k}_added_us": v for k, v in added.items()}}
 
@@ -123,19 +131,21 @@ def main(argv: list[str] | None = None) -> int:
                 t = _measure({"dispatched": dispatched, "bound": lambda: bound(x, w, b, **kwargs),
                               "direct": lambda: fn(x, w, b, **kwargs)}, args.number // 10, args.repeat)
             rows.append([f"{vid} (chosen)", "value checks on, inference_mode", t["dispatched"], t["bound"],
-                         t["direct"], t["dispatched"] - t["direct"], t["bound"] - t["direct"], "", ""])
+                         t["direct"], t["dispatched"] - t["direct"], t["bound"] - t["direct"], "", "", ""])
             data[f"{vid}/value checks on"] = {**{f"{k}_us": v for k, v in t.items()},
                                               "added_us": t["dispatched"] - t["direct"]}
     os.environ.pop("KV_CHECK_VALUES", None)
 
     table = markdown_table(["variant", "mode", "dispatched us", "bound us", "direct us", "dispatched added",
-                            "bound added", "floor added", "value check us"], rows)
+                            "bound added", "floor added", "value check us", "metadata read us"], rows)
     text = (f"# Dispatch overhead (causal_conv1d_fn, B={B}, L={L}, D={D}, W={W}, fp32, states + indices, "
             f"1 thread)\n\n{table}\n\n"
             f"Target: <= {TARGET_US} us added per call, value checks on (eager, signature already seen); "
             "minimum over windows. 'bound' is kv.bind's function; 'floor' is the op's signature plus one "
             "dict lookup around the variant, the least any Python-level dispatcher adds here; 'value check' is "
-            "the op's index value check alone (it reads cache_indices with .tolist()), which every CPU call runs.")
+            "the op's index value check alone (it reads cache_indices with .tolist()), which every CPU call runs; "
+            "'metadata read' is reading shape, dtype and device of the call's six tensors, which a dispatched "
+            "call's signature must do before it can look anything up (a bound call does not).")
     print(text)
     md, js = write_report(args.out, "dispatch_overhead", text, data)
     print(f"\nwrote {md} and {js}")

@@ -87,6 +87,11 @@ def check_errors(device: str | torch.device | None = None) -> None:
                          + " (set KV_CHECK_VALUES=1 to find the call: every call then checks on the host)")
 
 
+def pending() -> bool:
+    """Whether the device rule has counted anywhere yet (a dict test: cheap enough per call)."""
+    return bool(_counters)
+
+
 def raise_pending(device: torch.device) -> None:
     """For a host value check: what the device rule counted on ``device`` is reported first."""
     if device in _counters:

@@ -21,7 +21,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kernel_variants._capture import capturing
 from kernel_variants.registry import CallKey
@@ -32,8 +32,19 @@ from ._select import Decision, NoVariantError, TraceRow, select
 from ._store import CalibrationWarning, Recorder
 from ._table import DEFAULT_MARGIN, DEFAULT_PRUNE, CalibrationTable, Found, Group
 
-# (variant id, its fn, how to call it, argument substitutions, the per-call write guard or None)
-Hit = tuple[str, Callable[..., Any], Callable[..., Any], tuple[tuple[int, Any], ...], Callable[..., Any] | None]
+
+class Hit(NamedTuple):
+    """A memoised decision and what each call with its signature runs around the variant."""
+
+    vid: str
+    fn: Callable[..., Any]
+    invoke: Callable[..., Any]  # how to call fn (spec.invoke, or an out= runner)
+    subs: tuple[tuple[int, Any], ...]  # normalised arguments: (index, value)
+    guard: Callable[..., bool] | None  # the write guard: (args, out) -> whether out is an input
+    checks: Callable[..., None] | None  # the index value checks: (args)
+    rule: Callable[..., Any] | None  # off the CPU, the device rule: args -> args
+
+
 _MEMO_LIMIT = 65536  # varlen batches make many distinct keys; a bound keeps serving memory flat
 
 # Pins set by force(), as a hashable tuple of (op, id) pairs so that it can be part of a memo key.
@@ -223,7 +234,7 @@ class Dispatcher:
         spec = key.spec
         # Normalised arguments depend only on values that are part of the signature.
         subs = tuple((i, spec.normalize[n](args[i])) for i, n in enumerate(spec.params) if n in spec.normalize)
-        hit: Hit = (decision.chosen.id, decision.chosen.variant.fn, spec.invoke, subs, None)
+        hit = Hit(decision.chosen.id, decision.chosen.variant.fn, spec.invoke, subs, None, None, None)
         if finish is not None:
             hit = finish(decision.chosen, hit)
         if sig is not None:

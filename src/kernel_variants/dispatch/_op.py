@@ -127,7 +127,7 @@ def _write_plan(spec: OpSpec, args: tuple[Any, ...], out: Any) -> Callable[..., 
     def plan(args: tuple[Any, ...], out: Any) -> bool:
         for mi, span, near in checks_t:
             m = args[mi]
-            if m.is_inference() and not inference_mode():
+            if not inference_mode() and m.is_inference():  # serving runs in inference mode
                 raise _inference_error(spec.params[mi])
             lo = m.data_ptr()
             hi = lo + span
@@ -146,19 +146,24 @@ def _write_plan(spec: OpSpec, args: tuple[Any, ...], out: Any) -> Callable[..., 
     return plan
 
 
-def _finish(spec: OpSpec, args: tuple[Any, ...], out: Any) -> Callable[[Any, Hit], Hit]:
-    """What ``Dispatcher.resolve`` keeps for this call: the write guard, and with ``out`` a
+def _finish(spec: OpSpec, args: tuple[Any, ...], out: Any, values: bool) -> Callable[[Any, Hit], Hit]:
+    """What ``Dispatcher.resolve`` keeps for this call: the write guard; the index value checks
+    (where they run: ``values``) or else, off the CPU, the op's device rule; and with ``out`` a
     runner that hands ``out`` to a variant that takes it, else copies the result into it."""
 
     def finish(chosen: Any, hit: Hit) -> Hit:
-        vid, fn, invoke, subs, _ = hit
-        plan = _write_plan(spec, args, out)
-        if out is None:
-            return vid, fn, invoke, subs, plan
         caps = chosen.variant.capabilities
-        outs = spec.out_tensors(out)
-        direct = caps.takes_out and all(o.is_contiguous() for o in outs)
-        return vid, fn, _out_runner(spec, direct, caps.in_place), subs, plan
+        checks = rule = None
+        if values:
+            checks = spec.value_checks(*args) if spec.value_checks is not None else None
+        elif dispatcher().device_values and spec.device_values is not None:  # off the CPU: no host read
+            def rule(a: Any) -> Any:
+                return spec.device_values(a, caps)
+        invoke = hit.invoke
+        if out is not None:
+            direct = caps.takes_out and all(o.is_contiguous() for o in spec.out_tensors(out))
+            invoke = _out_runner(spec, direct, caps.in_place)
+        return hit._replace(invoke=invoke, guard=_write_plan(spec, args, out), checks=checks, rule=rule)
 
     return finish
 
@@ -191,7 +196,6 @@ def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None) -> Any:
     """Validate, decide (memoised) and run one call of ``spec``; ``args`` in signature order,
     ``out`` as the public function takes it (None, a tensor, or one per output)."""
     d = dispatcher()
-    values = d.check_values or _on_cpu(spec, args)
     try:
         sig = spec.memo_key(args, pins_in_context())
         if out is not None:
@@ -200,20 +204,21 @@ def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None) -> Any:
     except (AttributeError, TypeError):  # not a tensor, or unhashable: validation says what is wrong
         sig = hit = None
     if hit is None:
-        key = spec.key(args, values)
+        values = d.check_values or _on_cpu(spec, args)
+        key = spec.key(args, values)  # validates, index values included where they run
         if out is not None:
             spec.check_out(args, out)
-        hit = d.resolve(sig, key, args, _finish(spec, args, out))
-    elif values:
-        spec.check_values(*args)
-    vid, fn, invoke, subs, plan = hit
-    aliased = plan is not None and plan(args, out)
+        hit = d.resolve(sig, key, args, _finish(spec, args, out, values))
+    elif hit.checks is not None:
+        hit.checks(args)
+    vid, fn, invoke, subs, guard, _, rule = hit
+    aliased = guard is not None and guard(args, out)
     if subs:
         args = list(args)
         for i, value in subs:
             args[i] = value
-    if not values and d.device_values and spec.device_values is not None:  # off the CPU: no host read
-        args = spec.device_values(args, d.registry.get(spec.name, vid).variant.capabilities)
+    if rule is not None:
+        args = rule(args)
     try:
         return invoke(fn, args) if out is None else invoke(fn, args, out, aliased)
     except Exception as exc:
@@ -349,17 +354,14 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     key = spec.key(args, values)
     if out is not None:
         spec.check_out(args, out)
-    vid, fn, _, subs, _ = d.resolve(None, key, args, _finish(spec, args, None))
+    vid, fn, _, subs, _, checks, rule = d.resolve(None, key, args, _finish(spec, args, None, values))
     guard_writes(spec, args, out)
     caps = d.registry.get(spec.name, vid).variant.capabilities
-    # Off the CPU the op's device rule runs on every call, as in the dispatched op (no host read).
-    rule = (lambda a: spec.device_values(a, caps)) if (
-        not values and d.device_values and spec.device_values is not None) else None
     tensors = set(spec.tensor_indices)
     fixed = [i for i in range(len(spec.params)) if i not in tensors]
     normalized = dict(subs)
     namespace: dict[str, Any] = {
-        "_with": _with, "_fn": fn, "_check_values": spec.check_values, "_fixed": tuple(args[i] for i in fixed),
+        "_with": _with, "_fn": fn, "_check_values": checks, "_fixed": tuple(args[i] for i in fixed),
         "_changed": _changed(spec, fixed, tuple(args[i] for i in fixed)), "_out": _bound_out(spec, vid, fn, caps, subs, rule), "_Failed": VariantFailed,
         "_rule": rule, "_invoke": spec.invoke, "_subs": subs,
         "_failed": f"variant {vid!r} of {spec.name} failed: ",
@@ -380,7 +382,7 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     src = (f"def bound({params}):\n"
            f"    if {fixed_src} != _fixed:\n"
            f"        raise _changed({fixed_src})\n"
-           + (f"    _check_values({names})\n" if values else "")
+           + (f"    _check_values(({names},))\n" if checks is not None else "")
            + "    if out is not None:\n"
            f"        return _out(({names},), out)\n"
            "    try:\n"

@@ -172,8 +172,13 @@ class OpSpec:
       op's capabilities model (a :class:`Capabilities` subclass, or the base).
     - ``check(*args, values)``: validate a call given in signature order and return its key's
       parts (device type, dtype name, features, shape, extra); raise ``TypeError``/``ValueError``
-      naming the argument. With ``values`` it also reads index tensors (``check_values(*args)``
-      does only that, for memoised calls).
+      naming the argument. With ``values`` it also checks the index tensors' values.
+    - ``value_checks(*args)``: optional (None: the op reads no index values); for a call whose
+      metadata passed, the function ``checks(args)`` that checks the index values of every call
+      with the same memo signature (args in signature order; raise ``ValueError`` naming the
+      argument), or None when such calls have nothing to read. Made once per signature, so it
+      may rely on the call's shapes, dtypes, devices and non-tensor arguments: a memoised call
+      then pays only for reading its indices. ``check`` with ``values`` runs the same checks.
     - ``device_values(args, capabilities) -> args``: optional; off the CPU, unless
       KV_CHECK_VALUES says otherwise, replaces the host value checks: makes bad index values
       harmless with device ops (no sync) for the chosen variant (``capabilities``), counting them
@@ -199,7 +204,6 @@ class OpSpec:
     features: type[Features]
     capabilities: type[Capabilities]
     check: Callable[..., KeyParts]
-    check_values: Callable[..., None]
     reference: Variant
     make_case: Callable[..., Case]
     conformance: Callable[[Capabilities], Iterable[tuple[str, dict[str, Any]]]]
@@ -211,6 +215,7 @@ class OpSpec:
     axis_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     aliases: tuple[str, ...] = ()
     description: str = ""
+    value_checks: Callable[..., Callable[[Sequence[Any]], None] | None] | None = None
     device_values: Callable[[Sequence[Any], Capabilities], Sequence[Any]] | None = None
     out_like: str | None = None
     out_aliases: Mapping[str, str] = field(default_factory=dict)

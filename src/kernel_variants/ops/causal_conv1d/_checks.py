@@ -11,6 +11,9 @@ checks everywhere (debugging); ``KV_CHECK_VALUES=0`` runs neither off the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 
 from kernel_variants._capture import capturing
@@ -83,13 +86,7 @@ def _enough_slots(name: str, idx: object, batch: int, pool: torch.Tensor, pool_n
         raise ValueError(f"{pool_name}: expected at least B={batch} slots when {name} is None, got N={pool.shape[0]}")
 
 
-def _slots(name: str, idx: torch.Tensor | None, batch: int, n_slots: int, pad_slot_id: int,
-           pool_name: str) -> None:
-    if idx is None:
-        return
-    slots = idx.tolist()
-    if len(slots) == 1 and (slots[0] == pad_slot_id or 0 <= slots[0] < n_slots):
-        return  # the common decode case, without building a set
+def _slot_values(name: str, slots: list[int], n_slots: int, pad_slot_id: int) -> None:
     seen: set[int] = set()
     for b, s in enumerate(slots):
         if s == pad_slot_id:
@@ -102,6 +99,98 @@ def _slots(name: str, idx: torch.Tensor | None, batch: int, n_slots: int, pad_sl
         if s in seen:
             raise ValueError(f"{name}: expected distinct slots, got slot {s} twice (second at position {b})")
         seen.add(s)
+
+
+def _slots_check(i: int, name: str, n_slots: int, pad_slot_id: int) -> Callable[[Sequence[Any]], None]:
+    """Checks ``args[i]``, slot ids ``[B]`` into a pool of ``n_slots``."""
+
+    def check(args: Sequence[Any]) -> None:
+        slots = args[i].tolist()
+        if len(slots) == 1 and (slots[0] == pad_slot_id or 0 <= slots[0] < n_slots):
+            return  # the common decode case, without building a set
+        _slot_values(name, slots, n_slots, pad_slot_id)
+
+    return check
+
+
+def _starts_check(i: int, total: int) -> Callable[[Sequence[Any]], None]:
+    """Checks ``args[i]``, ``query_start_loc`` ``[B+1]`` of a varlen batch of ``total`` tokens."""
+
+    def check(args: Sequence[Any]) -> None:
+        starts = args[i].tolist()
+        if starts[0] != 0:
+            raise ValueError(f"query_start_loc: expected to start at 0, got {starts[0]}")
+        for b in range(len(starts) - 1):
+            if starts[b + 1] < starts[b]:
+                raise ValueError(
+                    f"query_start_loc: expected non-decreasing values, got {starts[b]} then "
+                    f"{starts[b + 1]} at position {b + 1}"
+                )
+        if starts[-1] != total:
+            raise ValueError(f"query_start_loc: expected to end at T={total} (x.shape[0]), got {starts[-1]}")
+
+    return check
+
+
+def _accepted_check(i: int, length: int) -> Callable[[Sequence[Any]], None]:
+    """Checks ``args[i]``, ``num_accepted_tokens`` ``[B]``, against 1..L."""
+
+    def check(args: Sequence[Any]) -> None:
+        for b, n in enumerate(args[i].tolist()):
+            if not 1 <= n <= length:
+                raise ValueError(f"num_accepted_tokens: expected values in 1..L={length}, got {n} at position {b}")
+
+    return check
+
+
+def _plan(x: torch.Tensor, checks: list[Callable[[Sequence[Any]], None]]) -> Callable[[Sequence[Any]], None]:
+    """One function running ``checks`` on a call's arguments. It first reports what the device
+    rule counted on x's device, and off the CPU reads nothing while a graph is being captured."""
+    device = x.device
+    if device.type == "cpu":  # no capture; a single check runs without a loop
+        first = checks[0] if len(checks) == 1 else None
+
+        def run(args: Sequence[Any]) -> None:
+            if errors.pending():
+                errors.raise_pending(device)
+            if first is not None:
+                first(args)
+            else:
+                for check in checks:
+                    check(args)
+
+        return run
+
+    def run_off_cpu(args: Sequence[Any]) -> None:
+        if capturing(device.type):
+            return
+        errors.raise_pending(device)
+        for check in checks:
+            check(args)
+
+    return run_off_cpu
+
+
+def fn_value_checks(x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc, activation,
+                    pad_slot_id) -> Callable[[Sequence[Any]], None]:
+    """The value checks of ``causal_conv1d_fn`` calls with this call's metadata (which passed)."""
+    checks = []
+    if query_start_loc is not None:
+        checks.append(_starts_check(6, x.shape[0]))
+    if conv_states is not None and cache_indices is not None:
+        checks.append(_slots_check(4, "cache_indices", conv_states.shape[0], pad_slot_id))
+    return _plan(x, checks)
+
+
+def update_value_checks(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
+                        pad_slot_id) -> Callable[[Sequence[Any]], None]:
+    """The value checks of ``causal_conv1d_update`` calls with this call's metadata (which passed)."""
+    checks = []
+    if conv_state_indices is not None:
+        checks.append(_slots_check(5, "conv_state_indices", conv_state.shape[0], pad_slot_id))
+    if num_accepted_tokens is not None:
+        checks.append(_accepted_check(6, x.shape[1] if x.ndim == 3 else 1))
+    return _plan(x, checks)
 
 
 def check_fn(features: type[Features], x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc,
@@ -151,7 +240,9 @@ def check_fn(features: type[Features], x, weight, bias, conv_states, cache_indic
         if has_initial_state.device != x.device:
             raise ValueError(f"has_initial_state: expected device {x.device} (x's), got {has_initial_state.device}")
     if values:
-        check_fn_values(x, conv_states, cache_indices, query_start_loc, pad_slot_id)
+        args = (x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc, activation,
+                pad_slot_id)
+        fn_value_checks(*args)(args)
     noncontig = conv_states is not None and not conv_states.is_contiguous()
     flags = features(width=width, bias=bias is not None, activation=act, states=conv_states is not None,
                      varlen=varlen, spec=False)
@@ -185,48 +276,11 @@ def check_update(features: type[Features], x, conv_state, weight, bias, activati
     _index("conv_state_indices", conv_state_indices, batch, x)
     _index("num_accepted_tokens", num_accepted_tokens, batch, x)
     if values:
-        check_update_values(x, conv_state, conv_state_indices, num_accepted_tokens, pad_slot_id)
+        args = (x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens, pad_slot_id)
+        update_value_checks(*args)(args)
     flags = features(width=width, bias=bias is not None, activation=act, states=True, varlen=False, spec=spec_call)
     return x.device.type, dtype_name(x.dtype), flags, (batch, dim, seqlen), (
         _NONE if conv_state.is_contiguous() else _NONCONTIG)
-
-
-def check_fn_values(x, conv_states, cache_indices, query_start_loc, pad_slot_id) -> None:
-    """Value checks of a ``causal_conv1d_fn`` call whose metadata already passed."""
-    if not x.is_cpu and capturing(x.device.type):
-        return
-    errors.raise_pending(x.device)
-    if query_start_loc is not None:
-        starts = query_start_loc.tolist()
-        total = x.shape[0]
-        if starts[0] != 0:
-            raise ValueError(f"query_start_loc: expected to start at 0, got {starts[0]}")
-        for b in range(len(starts) - 1):
-            if starts[b + 1] < starts[b]:
-                raise ValueError(
-                    f"query_start_loc: expected non-decreasing values, got {starts[b]} then "
-                    f"{starts[b + 1]} at position {b + 1}"
-                )
-        if starts[-1] != total:
-            raise ValueError(f"query_start_loc: expected to end at T={total} (x.shape[0]), got {starts[-1]}")
-    if conv_states is not None:
-        batch = x.shape[0] if query_start_loc is None else query_start_loc.shape[0] - 1
-        _slots("cache_indices", cache_indices, batch, conv_states.shape[0], pad_slot_id, "conv_states")
-
-
-def check_update_values(x, conv_state, conv_state_indices, num_accepted_tokens, pad_slot_id) -> None:
-    """Value checks of a ``causal_conv1d_update`` call whose metadata already passed."""
-    if not x.is_cpu and capturing(x.device.type):
-        return
-    errors.raise_pending(x.device)
-    _slots("conv_state_indices", conv_state_indices, x.shape[0], conv_state.shape[0], pad_slot_id, "conv_state")
-    if num_accepted_tokens is not None:
-        length = x.shape[1] if x.ndim == 3 else 1
-        for b, n in enumerate(num_accepted_tokens.tolist()):
-            if not 1 <= n <= length:
-                raise ValueError(
-                    f"num_accepted_tokens: expected values in 1..L={length}, got {n} at position {b}"
-                )
 
 
 # ------------------------------------------------------------------------------------------

@@ -78,10 +78,6 @@ def check_add(x: object, weight: object, residual: object, eps: object, *, value
     return _key(x)
 
 
-def no_values(*args: object) -> None:
-    """No index tensors: nothing to check beyond the metadata."""
-
-
 def _normalize(s: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """s: [..., D] in x's dtype; the normalisation in fp32 (fp64 for fp64, for gradcheck),
     returned in s's dtype: a new tensor, or written into ``out`` (the rounding to s's dtype is
