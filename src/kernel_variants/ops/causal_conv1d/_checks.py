@@ -161,8 +161,10 @@ def _plan(x: torch.Tensor, checks: list[Callable[[Sequence[Any]], None]]) -> Cal
 
         return run
 
+    kind = device.type
+
     def run_off_cpu(args: Sequence[Any]) -> None:
-        if capturing(device.type):
+        if capturing(kind):
             return
         errors.raise_pending(device)
         for check in checks:
