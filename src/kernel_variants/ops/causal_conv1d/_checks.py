@@ -290,19 +290,29 @@ def check_update(features: type[Features], x, conv_state, weight, bias, activati
 # ------------------------------------------------------------------------------------------
 
 
-def _bad_slots(idx: torch.Tensor, n_slots: int, pad_slot_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bad, live): bool ``[B]``: a slot outside ``[0, N)`` that is not the pad id; a slot in the
-    pool that is not the pad id."""
-    not_pad = idx != pad_slot_id
-    outside = (idx < 0) | (idx >= n_slots)
-    return not_pad & outside, not_pad & ~outside
+def _pad_value(idx: torch.Tensor, pad_slot_id: int) -> int:
+    """The id that marks a pad in rewritten slot ids: the caller's, or -1 (outside every pool, so
+    never a live slot) when the index dtype cannot hold it (then no entry equals it)."""
+    info = torch.iinfo(idx.dtype)
+    return pad_slot_id if info.min <= pad_slot_id <= info.max else -1
 
 
-def _duplicates(idx: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """0-d int64: how many live entries repeat the slot of an earlier one (sorted, so O(B log B)
-    on the device; -1 stands in for the other entries, never equal to a slot of the pool)."""
-    ordered = torch.where(live, idx, -1).sort().values
-    return ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).sum()
+def _slots_as_pads(device: torch.device, idx: torch.Tensor, n_slots: int, pad_slot_id: int,
+                   count_duplicates: bool) -> tuple[torch.Tensor, int]:
+    """(slot ids ``[B]`` with every entry outside ``[0, N)`` a pad, the pad id that goes with
+    them); counts the entries that were neither in the pool nor the pad id, and with
+    ``count_duplicates`` the live entries that repeat an earlier one's slot. Few device ops:
+    on an accelerator each is a launch on every call."""
+    pad = _pad_value(idx, pad_slot_id)
+    fixed = torch.where((idx >= 0) & (idx < n_slots), idx, pad)
+    # An entry changed iff it was outside the pool and not the pad id; with a pad id the dtype
+    # cannot hold, every entry outside the pool (-1 included) is bad.
+    bad = fixed != idx if pad == pad_slot_id else (idx < 0) | (idx >= n_slots)
+    errors.add(device, errors.SLOT, bad.sum())
+    if count_duplicates:
+        ordered = fixed.sort().values  # O(B log B) on the device; equal live slots end up adjacent
+        errors.add(device, errors.DUPLICATE, ((ordered[1:] == ordered[:-1]) & (ordered[1:] != pad)).sum())
+    return fixed, pad
 
 
 def _as_pads(idx: torch.Tensor | None, drop: torch.Tensor, pad_slot_id: int, batch: int,
@@ -310,15 +320,12 @@ def _as_pads(idx: torch.Tensor | None, drop: torch.Tensor, pad_slot_id: int, bat
     """(slot ids ``[B]`` with every ``drop`` entry a pad, the pad id that goes with them).
 
     Without indices (slot b) they are made, and the pad id becomes -1: the caller's may be one
-    of 0..B-1, a live slot there. A pad id that the index dtype cannot hold equals no entry, so
-    every entry was live: -1 (outside the pool, so never a live slot) marks the dropped ones."""
+    of 0..B-1, a live slot there."""
     if idx is None:
         seq = torch.arange(batch, dtype=torch.int32, device=device)
         return torch.where(drop, -1, seq), -1
-    info = torch.iinfo(idx.dtype)
-    if not info.min <= pad_slot_id <= info.max:
-        return torch.where(drop, -1, idx), -1
-    return torch.where(drop, pad_slot_id, idx), pad_slot_id
+    pad = _pad_value(idx, pad_slot_id)
+    return torch.where(drop, pad, idx), pad
 
 
 def device_fn_values(args, capabilities) -> tuple:
@@ -337,7 +344,7 @@ def device_fn_values(args, capabilities) -> tuple:
     """
     x, _, _, conv_states, cache_indices, _, query_start_loc, _, pad = args
     device = x.device
-    must_drop = may_drop = None
+    must_drop = None
     qsl = query_start_loc
     if qsl is not None:
         total = x.shape[0]
@@ -349,20 +356,18 @@ def device_fn_values(args, capabilities) -> tuple:
         must_drop = moved[:-1] | moved[1:]
         errors.add(device, errors.QUERY_START, must_drop.sum())
         qsl = fixed
+    idx = cache_indices
     if conv_states is not None and cache_indices is not None:
-        bad, live = _bad_slots(cache_indices, conv_states.shape[0], pad)
-        errors.add(device, errors.SLOT, bad.sum())
-        if cache_indices.shape[0] > 1:
-            errors.add(device, errors.DUPLICATE, _duplicates(cache_indices, live))
+        fixed, fixed_pad = _slots_as_pads(device, cache_indices, conv_states.shape[0], pad, cache_indices.shape[0] > 1)
         if not capabilities.slot_bounds_safe:
-            may_drop = bad
-    drop = must_drop if may_drop is None else (may_drop if must_drop is None else must_drop | may_drop)
-    if qsl is query_start_loc and drop is None:
+            idx, pad = fixed, fixed_pad
+    if qsl is query_start_loc and idx is cache_indices:
         return args
     out = list(args)
     out[6] = qsl
-    if drop is not None and conv_states is not None:
-        out[4], out[8] = _as_pads(cache_indices, drop, pad, drop.shape[0], device)
+    if must_drop is not None and conv_states is not None:
+        idx, pad = _as_pads(idx, must_drop, pad, must_drop.shape[0], device)
+    out[4], out[8] = idx, pad
     return tuple(out)
 
 
@@ -379,21 +384,18 @@ def device_update_values(args, capabilities) -> tuple:
     """
     x, conv_state, _, _, _, indices, accepted, pad = args
     device = x.device
-    drop = bad_count = None
+    idx, bad_count = indices, None
     if indices is not None:
-        drop, live = _bad_slots(indices, conv_state.shape[0], pad)
-        errors.add(device, errors.SLOT, drop.sum())
-        if indices.shape[0] > 1:
-            errors.add(device, errors.DUPLICATE, _duplicates(indices, live))
+        idx, pad = _slots_as_pads(device, indices, conv_state.shape[0], pad, indices.shape[0] > 1)
     if accepted is not None:
         length = x.shape[1] if x.ndim == 3 else 1
         bad_count = (accepted < 1) | (accepted > length)
         errors.add(device, errors.ACCEPTED, bad_count.sum())
-        drop = bad_count if drop is None else drop | bad_count
-    if drop is None or capabilities.slot_bounds_safe:
+    if capabilities.slot_bounds_safe or (indices is None and bad_count is None):
         return args
     out = list(args)
-    out[5], out[7] = _as_pads(indices, drop, pad, drop.shape[0], device)
     if bad_count is not None:
+        idx, pad = _as_pads(idx, bad_count, pad, bad_count.shape[0], device)
         out[6] = torch.where(bad_count, 1, accepted)
+    out[5], out[7] = idx, pad
     return tuple(out)
