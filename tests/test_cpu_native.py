@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_variants._tolerances import TOLERANCES
 from kernel_variants.kernels import cpu_native
 from kernel_variants.kernels.cpu_native import _build
 
@@ -171,3 +172,50 @@ def test_partial_overlap_is_refused():
 
 def test_isa_path_is_named():
     assert cpu_native.isa_path() in {"avx512-bf16", "avx512", "avx2", "scalar"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset_bytes", [0, 64, 1024, 2048, 3072, 4032])
+def test_out_at_any_page_offset(dtype, offset_bytes, threads):
+    """The block path picks its channel order and tap placement from (out - x) mod 4 KiB: every
+    placement gives the plain call's bits and the reference's values, state write-back included."""
+    g = _gen(offset_bytes)
+    B, L, D, W = 2, 300, 2048 + 64, 4
+    x = torch.randn(B, L, D, generator=g).to(dtype)
+    w, b = _filter(D, W, dtype, g)
+    states = torch.randn(B, W - 1, D, generator=g).to(dtype)
+    init = torch.tensor([True, False])
+    st_plain = states.clone()
+    ref = cpu_native.causal_conv1d_fn(x, w, b, conv_states=st_plain, has_initial_state=init, activation="silu")
+    buf = torch.empty(x.numel() + 4096, dtype=dtype)
+    out = buf[offset_bytes // x.element_size():][: x.numel()].view_as(x)
+    st_out = states.clone()
+    res = cpu_native.causal_conv1d_fn(x, w, b, conv_states=st_out, has_initial_state=init, activation="silu",
+                                      out=out)
+    assert res.data_ptr() == out.data_ptr()
+    _same(out, ref)
+    _same(st_out, st_plain)
+    # Against a float64 depthwise conv.
+    hist = torch.where(init[:, None, None], states, torch.zeros_like(states)).double()
+    xp = torch.cat([hist, x.double()], dim=1).transpose(1, 2)
+    y = torch.nn.functional.conv1d(xp, w.double().unsqueeze(1), b.double(), groups=D).transpose(1, 2)
+    y = torch.nn.functional.silu(y)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), y, rtol=rtol, atol=atol)
+    torch.testing.assert_close(st_out, x[:, -(W - 1):])
+
+
+@pytest.mark.parametrize("x_offset_bytes", [0, 64, 2048, 4032])
+def test_fresh_output_sits_half_a_page_from_x(x_offset_bytes):
+    """A new output (large enough) starts 2 KiB from x modulo 4 KiB, on a cache line, whatever
+    x's page offset: a plain, contiguous tensor with the result of an ``out=`` call."""
+    g = _gen(x_offset_bytes)
+    B, L, D, W = 1, 64, 1024, 4
+    buf = torch.randn(B * L * D + 4096, generator=g)
+    x = buf[x_offset_bytes // 4:][: B * L * D].view(B, L, D)
+    w, b = _filter(D, W, torch.float32, g)
+    got = cpu_native.causal_conv1d_fn(x, w, b, activation="silu")
+    assert got.shape == x.shape and got.is_contiguous()
+    assert got.data_ptr() % 64 == 0
+    assert (got.data_ptr() - (x.data_ptr() & ~63)) % 4096 == 2048
+    _same(got, cpu_native.causal_conv1d_fn(x, w, b, activation="silu", out=torch.empty_like(x)))

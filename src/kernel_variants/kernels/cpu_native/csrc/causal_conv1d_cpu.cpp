@@ -60,6 +60,9 @@ namespace {
 constexpr int64_t kSerialWork = int64_t{1} << 16;
 constexpr int64_t kChunkT = 256;
 constexpr int64_t kMinChunkT = 32;
+// Largest x (bytes) for the kernel's alias-safe block path (see the kernel header); above it
+// the call streams from DRAM, where the window path's row-wise sweep and prefetch do better.
+constexpr int64_t kBlockPathBytes = int64_t{8} << 20;
 
 // Kernel entry points per data dtype (indexed by DType).
 struct Impl {
@@ -213,7 +216,7 @@ void fill_state(Params& p, const at::Tensor& st, const at::Tensor& x,
 // The caller's output tensor, or a new one. `out` may be x itself (both kernels read a
 // row's x values before writing its outputs, see fwd); any other overlap is refused.
 at::Tensor output_for(const at::Tensor& x, const c10::optional<at::Tensor>& out) {
-  if (!out.has_value() || !out->defined()) return kv_cpu::alloc_out(x);
+  if (!out.has_value() || !out->defined()) return kv_cpu::alloc_out(x, /*apart=*/true);
   const at::Tensor& o = *out;
   TORCH_CHECK(o.device().is_cpu(), "out must be a CPU tensor");
   TORCH_CHECK(o.scalar_type() == x.scalar_type(), "out dtype ", o.scalar_type(),
@@ -360,6 +363,7 @@ at::Tensor fwd(const at::Tensor& x, const at::Tensor& weight,
     per_tile += std::max<int64_t>(1, (s.len + p.chunk_t - 1) / p.chunk_t);
   }
   p.items_per_tile = per_tile;
+  p.block_path = !in_place && rows * D * static_cast<int64_t>(x.element_size()) <= kBlockPathBytes;
   run(p, per_tile * p.n_tiles, std::max<int64_t>(rows, B) * D, /*upd=*/false);
   return out;
 }

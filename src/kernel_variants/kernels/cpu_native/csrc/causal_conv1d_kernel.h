@@ -73,7 +73,9 @@ static_assert(kTileC % VW == 0, "tile must hold whole channel groups");
 // a short polynomial exp2 and an approximate reciprocal, with accuracy tiered
 // by the output dtype (the result is rounded to it anyway):
 //   fp32: degree-5 exp2 (rel. err 2e-7) + Newton-refined reciprocal,
-//   fp16: degree-4 (3e-6),  bf16: degree-3 (8e-5), no refinement.
+//   fp16: degree-4 (3e-6), no refinement,
+//   bf16: degree-2 (1.7e-3, under half a bf16 ulp; one FMA less per vector
+//         than degree 3 in a loop bound by its FMA-port ops).
 // (An exact divide alone has a 5-10 cycle throughput on a single port.)
 template <typename T>
 struct Prec;
@@ -89,13 +91,20 @@ struct Prec<c10::Half> {
 };
 template <>
 struct Prec<c10::BFloat16> {
-  static constexpr int kDeg = 3;
+  static constexpr int kDeg = 2;
   static constexpr bool kRefine = false;
 };
 
 // Relative-minimax fits of 2^f: *Floor on f in [0, 1), *Round on [-.5, .5].
 template <int DEG>
 struct Exp2Poly;
+template <>
+struct Exp2Poly<2> {
+  static constexpr float kFloor[3] = {1.001724720e+00f, 6.576362848e-01f,
+                                      3.371894360e-01f};
+  static constexpr float kRound[3] = {1.000443101e+00f, 7.034479976e-01f,
+                                      2.384289652e-01f};
+};
 template <>
 struct Exp2Poly<3> {
   static constexpr float kFloor[4] = {9.999236065e-01f, 6.958683035e-01f,
@@ -564,6 +573,132 @@ inline void run_tile(const T* x, int64_t x_rs, T* out, int64_t o_rs,
   }
 }
 
+// ------------------------------------------------- alias-safe block path
+// With power-of-two row strides every row of x and of out falls on the same
+// 4 KiB page offsets, and a load whose address matches an in-flight store's
+// in bits 11:0 stalls on the store ("4K aliasing"; measured 3-4x slower for
+// D=4096 fp32 when out sits at x's page offset). This path keeps every load
+// out of the way of the stores still in the store buffer:
+//  * a block of kTimeBlock rows x one channel group loads ALL its inputs
+//    (the W-1 halo rows are re-read from x) before storing any output;
+//  * groups are walked in the direction that moves the loads away from the
+//    block's earlier stores, chosen from (out - x) mod 4 KiB;
+//  * the taps and bias are laid out so that a group's tap vectors sit at
+//    x's page offsets of that same group (one array per tap and vector half,
+//    each advancing sizeof(T)*VF bytes per half-group, like x), placed in a
+//    stack buffer at x's offset modulo 4 KiB.
+// It needs x intact behind the block (not in place) and whole groups, and
+// is only chosen for cache-sized calls (Params::block_path): its narrow
+// sub-tiles stream worse from DRAM than the row-wise window path, which
+// prefetches, and a large call is bound by DRAM, not by aliasing.
+constexpr int64_t kPage = 4096;
+constexpr int64_t kBandRows = 16;  // 8..32 measured; 16 and 32 best
+// Float offset of tap k, half h, group g in the split tap buffer.
+// Arrays (and, for 16-bit data, halves) sit one cache line apart modulo
+// 4 KiB, so the W+1 tap rows don't compete for one L1 set.
+constexpr int64_t kTapStride = kTileC + 32;
+template <typename T>
+constexpr int64_t kTapHalf = sizeof(T) == 4 ? VF : kTileC / 2 + 16;
+template <typename T>
+constexpr int64_t kTapGroup = sizeof(T) == 4 ? VW : VF;
+template <int W>
+constexpr int64_t kSplitTapFloats = (W + 1) * kTapStride + kPage / sizeof(float);
+
+
+template <typename T, int W>
+inline void split_taps(const float* wt, const float* bt, int64_t nc,
+                       float* dst) {
+  for (int k = 0; k <= W; ++k) {
+    const float* src = k < W ? wt + k * kTileC : bt;
+    float* d = dst + k * kTapStride;
+    for (int64_t g = 0; g * VW < nc; ++g)
+      for (int h = 0; h < 2; ++h)
+        std::memcpy(d + h * kTapHalf<T> + g * kTapGroup<T>,
+                    src + g * VW + h * VF, VF * sizeof(float));
+  }
+}
+
+template <typename T, int W, bool SILU, int TB>
+KV_INLINE void block_group(const T* xp, int64_t x_rs, T* op, int64_t o_rs,
+                           const float* tp) {
+  constexpr int H = W - 1;
+  fVec v[H + TB][2];
+#pragma GCC unroll 16
+  for (int j = 0; j < H + TB; ++j)
+    IO<T>::load(xp + (j - H) * x_rs, v[j][0], v[j][1]);
+  fVec w[W + 1][2];
+#pragma GCC unroll 8
+  for (int k = 0; k <= W; ++k) {
+    w[k][0] = fVec::loadu(tp + k * kTapStride);
+    w[k][1] = fVec::loadu(tp + k * kTapStride + kTapHalf<T>);
+  }
+  fVec a[TB][2];
+#pragma GCC unroll 16
+  for (int j = 0; j < TB; ++j) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      fVec s = at::vec::fmadd(w[H][h], v[j + H][h], w[W][h]);
+#pragma GCC unroll 8
+      for (int k = 0; k < H; ++k) s = at::vec::fmadd(w[k][h], v[j + k][h], s);
+      if constexpr (SILU) s = silu<T>(s);
+      a[j][h] = s;
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < TB; ++j) IO<T>::store(op + j * o_rs, a[j][0], a[j][1]);
+}
+
+template <typename T, int W, bool SILU, int TB>
+KV_INLINE void block_row(const T* x, int64_t x_rs, T* out, int64_t o_rs,
+                         int64_t ng, bool down, const float* tp) {
+  if (down) {
+    for (int64_t g = ng - 1; g >= 0; --g)
+      block_group<T, W, SILU, TB>(x + g * VW, x_rs, out + g * VW, o_rs,
+                                  tp + g * kTapGroup<T>);
+  } else {
+    for (int64_t g = 0; g < ng; ++g)
+      block_group<T, W, SILU, TB>(x + g * VW, x_rs, out + g * VW, o_rs,
+                                  tp + g * kTapGroup<T>);
+  }
+}
+
+// Rows [0, nrows) of a tile of nc (multiple of VW) channels; rows -H..-1
+// must be valid rows of x. The tile is swept in sub-tiles of kSubBytes per
+// row over all rows, so the halo rows a block re-reads and the sub-tile's
+// taps stay in L1; with out at x's page offset, a load of row t+1 also comes
+// a whole sub-tile row of stores after the store of row t at the same page
+// offset, by when that store has mostly left the store buffer.
+constexpr int64_t kSubBytes = 1024;  // 512..8192 measured; 1024 best
+template <typename T, int W, bool SILU>
+inline void run_tile_blocks(const T* x, int64_t x_rs, T* out, int64_t o_rs,
+                            int64_t nrows, int64_t nc, const float* tp) {
+  constexpr int64_t kSubG = std::max<int64_t>(1, kSubBytes / int64_t(sizeof(T) * VW));
+  const int64_t ng = nc / VW;
+  const uintptr_t d = (reinterpret_cast<uintptr_t>(out) -
+                       reinterpret_cast<uintptr_t>(x)) % kPage;
+  const bool down = d != 0 && d <= kPage / 2;
+  const int64_t nsub = (ng + kSubG - 1) / kSubG;
+  // Bands of rows keep the sweep close to a row-major stream (what the
+  // hardware prefetchers follow once x leaves the caches).
+  for (int64_t r0 = 0; r0 < nrows; r0 += kBandRows) {
+    const int64_t r1 = std::min(nrows, r0 + kBandRows);
+    for (int64_t si = 0; si < nsub; ++si) {
+      const int64_t sub = down ? nsub - 1 - si : si;
+      const int64_t g0 = sub * kSubG, sg = std::min(kSubG, ng - g0);
+      const T* xs = x + g0 * VW;
+      T* os = out + g0 * VW;
+      const float* ts = tp + g0 * kTapGroup<T>;
+      int64_t t = r0;
+      for (; t + kTimeBlock <= r1; t += kTimeBlock)
+        block_row<T, W, SILU, kTimeBlock>(xs + t * x_rs, x_rs, os + t * o_rs,
+                                          o_rs, sg, down, ts);
+      for (; t < r1; ++t)
+        block_row<T, W, SILU, 1>(xs + t * x_rs, x_rs, os + t * o_rs, o_rs,
+                                 sg, down, ts);
+    }
+  }
+}
+
 template <typename T>
 inline void zero_rows(T* out, int64_t o_rs, int64_t t0, int64_t t1,
                       int64_t c0, int64_t nc) {
@@ -573,9 +708,16 @@ inline void zero_rows(T* out, int64_t o_rs, int64_t t0, int64_t t1,
 
 // wt / bt: this tile's taps and bias, prepared by the caller (shared by
 // consecutive items of the same tile).
+// Split-tap buffer of a thread: where its taps sit and for which tile.
+struct SplitTaps {
+  float* buf;         // kSplitTapFloats<W> floats
+  float* base = nullptr;
+  int64_t tile = -1;
+};
+
 template <typename T, int W, bool SILU>
 void fwd_item(const Params& p, const Seq& sq, int64_t chunk, int64_t tile,
-              const float* wt, const float* bt) {
+              const float* wt, const float* bt, SplitTaps& sp) {
   constexpr int H = W - 1;
   const int64_t c0 = tile * kTileC;
   const int64_t nc = std::min(p.dim, c0 + kTileC) - c0;
@@ -608,8 +750,32 @@ void fwd_item(const Params& p, const Seq& sq, int64_t chunk, int64_t tile,
     std::fill(wr + nc, wr + kTileC, 0.f);
   }
 
+  // The first rows run on the window (their halo may be history); the rest
+  // on the alias-safe blocks when x stays intact and the groups are whole.
+  const bool blocks = p.block_path && nc % VW == 0 && t1 - t0 > kTimeBlock;
+  const int64_t head = blocks ? std::min<int64_t>(t1 - t0, kTimeBlock) : t1 - t0;
   run_tile<T, W, SILU>(x + t0 * p.x_rs + c0, p.x_rs, out + t0 * p.out_rs + c0,
-                       p.out_rs, t1 - t0, nc, wt, bt, win);
+                       p.out_rs, head, nc, wt, bt, win);
+  if (blocks) {
+    const T* xr = x + (t0 + head) * p.x_rs + c0;
+    // A sub-tile's x rows cover page offsets [0, S) from xr, its out rows
+    // [d, d + S): put the taps in the gap, clear of both (L1 sets and
+    // in-flight stores).
+    T* orow = out + (t0 + head) * p.out_rs + c0;
+    const uintptr_t d = (reinterpret_cast<uintptr_t>(orow) -
+                         reinterpret_cast<uintptr_t>(xr)) % kPage;
+    const uintptr_t shift = d >= kPage / 2 ? kSubBytes : d + kSubBytes;
+    const uintptr_t want = (reinterpret_cast<uintptr_t>(xr) + shift) % kPage;
+    const uintptr_t have = reinterpret_cast<uintptr_t>(sp.base) % kPage;
+    if (sp.tile != tile || sp.base == nullptr || have / 4 != want / 4) {
+      const uintptr_t b = reinterpret_cast<uintptr_t>(sp.buf);
+      sp.base = sp.buf + ((want - b % kPage + kPage) % kPage) / sizeof(float);
+      split_taps<T, W>(wt, bt, nc, sp.base);
+      sp.tile = tile;
+    }
+    run_tile_blocks<T, W, SILU>(xr, p.x_rs, out + (t0 + head) * p.out_rs + c0,
+                                p.out_rs, t1 - t0 - head, nc, sp.base);
+  }
 
   // Only the first chunk reads the history, so it alone writes the new
   // state, after its reads. If it is also the last chunk, the window now
@@ -617,7 +783,7 @@ void fwd_item(const Params& p, const Seq& sq, int64_t chunk, int64_t tile,
   if (chunk == 0 && st != nullptr) {
     for (int j = 0; j < H; ++j) {
       T* dst = st + (p.st_rows - H + j) * p.st_ss;
-      if (t1 == L) {
+      if (t1 == L && !blocks) {
         f32_to_row(win + j * kTileC, dst, p.st_sd, nc);
       } else {
         copy_row(x + (L - H + j) * p.x_rs + c0, 1, dst, p.st_sd, nc);
@@ -763,6 +929,8 @@ void fwd_range_t(const Params& p, int64_t begin, int64_t end) {
   alignas(64) float bt[kTileC];
   int64_t taps_tile = -1;
   int64_t s = -1;
+  alignas(64) float split_buf[kSplitTapFloats<W>];
+  SplitTaps sp{split_buf};
   for (int64_t it = begin; it < end; ++it) {
     const int64_t tile = it / per_tile;
     const int64_t r = it % per_tile;
@@ -779,7 +947,7 @@ void fwd_range_t(const Params& p, int64_t begin, int64_t end) {
       load_taps<W>(p, c0, std::min(p.dim, c0 + kTileC) - c0, wt, bt);
       taps_tile = tile;
     }
-    fwd_item<T, W, SILU>(p, sq, r - sq.item0, tile, wt, bt);
+    fwd_item<T, W, SILU>(p, sq, r - sq.item0, tile, wt, bt, sp);
   }
 }
 
