@@ -88,7 +88,8 @@ def check_errors(device: str | torch.device | None = None) -> None:
 
 
 def pending() -> bool:
-    """Whether the device rule has counted anywhere yet (a dict test: cheap enough per call)."""
+    """Whether any device has a counter yet, i.e. the device rule has run there (a dict test:
+    cheap enough per call)."""
     return bool(_counters)
 
 

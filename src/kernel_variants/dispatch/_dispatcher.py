@@ -128,7 +128,7 @@ class Dispatcher:
         self._recorded: set[str] = set()  # keys this process has recorded (or tried to)
         self._record_lock = threading.Lock()
         self._table: CalibrationTable | None = None
-        # call signature (op, pins, each argument's metadata) -> (id, fn, invoker, substitutions)
+        # call signature (op, pins, each argument's metadata) -> what runs for it (a Hit)
         self.memo: dict[tuple[Any, ...], Hit] = {}
         # key_text -> (key, the variant chosen): what this process ran, for check_agreement()
         self.decided: dict[str, tuple[CallKey, str]] = {}

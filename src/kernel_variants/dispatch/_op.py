@@ -337,7 +337,8 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     the result then checks only what can change without changing shapes: index values where the
     op checks them (always on the CPU; on accelerators when ``KV_CHECK_VALUES`` is on), that
     every non-tensor argument equals the example's (``ValueError`` otherwise), and a given
-    ``out`` (its shape, dtype, device and overlap). It does not re-check the tensors' shapes,
+    ``out`` (its shape, dtype, device and overlap). Index values are checked against the
+    example's sizes (slot count, T, L). It does not re-check the tensors' shapes,
     dtypes, devices, strides, whether they require grad, or overlap with a written state: pass
     tensors like the example's.
     The choice is fixed: calibration, ``force`` or ``reload`` after ``bind`` do not change it

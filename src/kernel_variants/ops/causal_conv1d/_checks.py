@@ -143,12 +143,15 @@ def _accepted_check(i: int, length: int) -> Callable[[Sequence[Any]], None]:
     return check
 
 
-def _plan(x: torch.Tensor, checks: list[Callable[[Sequence[Any]], None]]) -> Callable[[Sequence[Any]], None]:
-    """One function running ``checks`` on a call's arguments. It first reports what the device
-    rule counted on x's device, and off the CPU reads nothing while a graph is being captured."""
+def _plan(x: torch.Tensor, checks: list[Callable[[Sequence[Any]], None]]) -> Callable[[Sequence[Any]], None] | None:
+    """One function running ``checks`` on a call's arguments (None: no index tensors). It first
+    reports what the device rule counted on x's device, and off the CPU reads nothing while a
+    graph is being captured."""
+    if not checks:
+        return None
     device = x.device
     if device.type == "cpu":  # no capture; a single check runs without a loop
-        first = checks[0] if len(checks) == 1 else None
+        first = checks[0] if len(checks) == 1 else None  # the common case, without a loop
 
         def run(args: Sequence[Any]) -> None:
             if errors.pending():
@@ -173,8 +176,13 @@ def _plan(x: torch.Tensor, checks: list[Callable[[Sequence[Any]], None]]) -> Cal
     return run_off_cpu
 
 
+def _run(checks: Callable[[Sequence[Any]], None] | None, args: Sequence[Any]) -> None:
+    if checks is not None:
+        checks(args)
+
+
 def fn_value_checks(x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc, activation,
-                    pad_slot_id) -> Callable[[Sequence[Any]], None]:
+                    pad_slot_id) -> Callable[[Sequence[Any]], None] | None:
     """The value checks of ``causal_conv1d_fn`` calls with this call's metadata (which passed)."""
     checks = []
     if query_start_loc is not None:
@@ -185,7 +193,7 @@ def fn_value_checks(x, weight, bias, conv_states, cache_indices, has_initial_sta
 
 
 def update_value_checks(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
-                        pad_slot_id) -> Callable[[Sequence[Any]], None]:
+                        pad_slot_id) -> Callable[[Sequence[Any]], None] | None:
     """The value checks of ``causal_conv1d_update`` calls with this call's metadata (which passed)."""
     checks = []
     if conv_state_indices is not None:
@@ -244,7 +252,7 @@ def check_fn(features: type[Features], x, weight, bias, conv_states, cache_indic
     if values:
         args = (x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc, activation,
                 pad_slot_id)
-        fn_value_checks(*args)(args)
+        _run(fn_value_checks(*args), args)
     noncontig = conv_states is not None and not conv_states.is_contiguous()
     flags = features(width=width, bias=bias is not None, activation=act, states=conv_states is not None,
                      varlen=varlen, spec=False)
@@ -279,7 +287,7 @@ def check_update(features: type[Features], x, conv_state, weight, bias, activati
     _index("num_accepted_tokens", num_accepted_tokens, batch, x)
     if values:
         args = (x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens, pad_slot_id)
-        update_value_checks(*args)(args)
+        _run(update_value_checks(*args), args)
     flags = features(width=width, bias=bias is not None, activation=act, states=True, varlen=False, spec=spec_call)
     return x.device.type, dtype_name(x.dtype), flags, (batch, dim, seqlen), (
         _NONE if conv_state.is_contiguous() else _NONCONTIG)

@@ -58,6 +58,9 @@ constexpr int VW = 2 * VF;  // channels per register group
 #define KV_TIME_BLOCK 4
 #endif
 constexpr int64_t kTimeBlock = KV_TIME_BLOCK;
+// The block path's first block runs on the window, so it must cover the W-1 <= 3 halo rows
+// that may be history (fwd_item).
+static_assert(kTimeBlock >= 3, "kTimeBlock must cover the largest halo (W=4)");
 #ifndef KV_PF_ROWS
 #define KV_PF_ROWS 8
 #endif
