@@ -54,21 +54,8 @@ def guard_writes(spec: OpSpec, args: tuple[Any, ...], out: Any = None) -> bool:
     mode. One behaviour whichever variant runs. Only tensors of the written tensor's dtype are
     compared (index tensors cannot alias a float pool but by a deliberate reinterpretation).
     Returns whether an ``out`` is exactly an input."""
-    for mi in spec.mutated_indices:
-        m = args[mi]
-        if m is None or m.numel() == 0:
-            continue
-        if m.is_inference() and not torch.is_inference_mode_enabled():
-            raise _inference_error(spec.params[mi])
-        lo, hi = _extent(m)
-        for i in spec.tensor_indices:
-            a = args[i]
-            if i == mi or a is None or a.dtype != m.dtype or a.numel() == 0:
-                continue
-            a_lo, a_hi = _extent(a)
-            if a_lo < hi and lo < a_hi:
-                raise _overlap_error(spec, i, spec.params[mi])
-    return False if out is None else _guard_out(spec, args, spec.out_tensors(out))
+    plan = _write_plan(spec, args, out)
+    return plan is not None and plan(args, out)
 
 
 def _guard_out(spec: OpSpec, args: tuple[Any, ...], outs: tuple[torch.Tensor, ...]) -> bool:
@@ -107,7 +94,7 @@ def _guard_out(spec: OpSpec, args: tuple[Any, ...], outs: tuple[torch.Tensor, ..
 
 
 def _write_plan(spec: OpSpec, args: tuple[Any, ...], out: Any) -> Callable[..., bool] | None:
-    """The per-call part of :func:`guard_writes` for one memo signature. What depends only on
+    """:func:`guard_writes` split for one memo signature: what depends only on
     metadata (which tensors share the written tensor's dtype, how many bytes it spans) is
     worked out here, once; a call then reads data pointers (and a tensor's span only when it
     starts inside the written tensor's allocation, before it). ``None``: nothing to guard."""
@@ -214,9 +201,7 @@ def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None) -> Any:
     vid, fn, invoke, subs, guard, _, rule = hit
     aliased = guard is not None and guard(args, out)
     if subs:
-        args = list(args)
-        for i, value in subs:
-            args[i] = value
+        args = _with(args, subs)
     if rule is not None:
         args = rule(args)
     try:

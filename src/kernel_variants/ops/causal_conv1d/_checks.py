@@ -150,30 +150,18 @@ def _plan(x: torch.Tensor, checks: list[Callable[[Sequence[Any]], None]]) -> Cal
     if not checks:
         return None
     device = x.device
-    if device.type == "cpu":  # no capture; a single check runs without a loop
-        first = checks[0] if len(checks) == 1 else None  # the common case, without a loop
-
-        def run(args: Sequence[Any]) -> None:
-            if errors.pending():
-                errors.raise_pending(device)
-            if first is not None:
-                first(args)
-            else:
-                for check in checks:
-                    check(args)
-
-        return run
-
     kind = device.type
+    off_cpu = kind != "cpu"  # no graph capture on the CPU
 
-    def run_off_cpu(args: Sequence[Any]) -> None:
-        if capturing(kind):
+    def run(args: Sequence[Any]) -> None:
+        if off_cpu and capturing(kind):
             return
-        errors.raise_pending(device)
+        if errors.pending():
+            errors.raise_pending(device)
         for check in checks:
             check(args)
 
-    return run_off_cpu
+    return run
 
 
 def _run(checks: Callable[[Sequence[Any]], None] | None, args: Sequence[Any]) -> None:
