@@ -9,7 +9,9 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 log="$work/log"
 
-python3 -m pip wheel -qq --no-deps --no-build-isolation -w "$work/dist" "$root" >"$log" 2>&1 || { cat "$log"; exit 1; }
+# Build isolation: the backend comes from [build-system], not from whatever setuptools the host
+# python has (65.5 on one CI machine, too old to build a wheel without the `wheel` package).
+python3 -m pip wheel -qq --no-deps -w "$work/dist" "$root" >"$log" 2>&1 || { cat "$log"; exit 1; }
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
 "$py" -m pip install -qq -c "$root/constraints.txt" "$work"/dist/kernel_variants-*.whl "pytest>=8" >"$log" 2>&1 \
