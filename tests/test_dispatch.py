@@ -182,11 +182,17 @@ def _memoised_cases():
          r"conv_state_indices: expected slot indices in \[0, 4\)"),
         ("causal_conv1d_update", {**upd, "num_accepted_tokens": idx(1, 2)}, {"num_accepted_tokens": idx(1, 3)},
          r"num_accepted_tokens: expected values in 1\.\.L=2, got 3 at position 1"),
+        # B=1, a decode step of one sequence, reads its one slot without a list: same errors.
+        ("causal_conv1d_fn", {**fn, "x": x[:1], "cache_indices": idx(3)}, {"cache_indices": idx(4)},
+         r"cache_indices: expected slot indices in \[0, 4\) or pad_slot_id=-1, got 4 at position 0"),
+        ("causal_conv1d_update", {**upd, "x": upd["x"][:1], "conv_state_indices": idx(-1)},
+         {"conv_state_indices": idx(-2)}, r"conv_state_indices: expected slot indices in \[0, 4\) or "
+         r"pad_slot_id=-1, got -2 at position 0"),
     ]
 
 
 @pytest.mark.parametrize("how", ["dispatched", "bound"])
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(8))
 def test_every_index_value_check_runs_on_a_memoised_or_bound_call(case, how):
     op, good, bad, error = _memoised_cases()[case]
     call = getattr(kernel_variants, op) if how == "dispatched" else kernel_variants.bind(op, **good)

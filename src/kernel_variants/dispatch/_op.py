@@ -347,8 +347,7 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     fixed = [i for i in range(len(spec.params)) if i not in tensors]
     normalized = dict(subs)
     namespace: dict[str, Any] = {
-        "_with": _with, "_fn": fn, "_check_values": checks, "_fixed": tuple(args[i] for i in fixed),
-        "_changed": _changed(spec, fixed, tuple(args[i] for i in fixed)), "_out": _bound_out(spec, vid, fn, caps, subs, rule), "_Failed": VariantFailed,
+        "_with": _with, "_fn": fn, "_check_values": checks, "_changed": _changed(spec, fixed, tuple(args[i] for i in fixed)), "_out": _bound_out(spec, vid, fn, caps, subs, rule), "_Failed": VariantFailed,
         "_rule": rule, "_invoke": spec.invoke, "_subs": subs,
         "_failed": f"variant {vid!r} of {spec.name} failed: ",
     }
@@ -363,10 +362,13 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
         call_args.append(value if n in pos else f"{n}={value}")
     names = ", ".join(spec.params)
     fixed_src = f"({', '.join(spec.params[i] for i in fixed)},)" if fixed else "()"
+    # One comparison per value rather than a tuple built and compared: it is on every call.
+    namespace.update({f"_f{k}": args[i] for k, i in enumerate(fixed)})
+    differs = " or ".join(f"{spec.params[i]} != _f{k}" for k, i in enumerate(fixed)) or "False"
     run = (f"_invoke(_fn, _rule(_with(({names},), _subs)))" if rule is not None
            else f"_fn({', '.join(call_args)})")
     src = (f"def bound({params}):\n"
-           f"    if {fixed_src} != _fixed:\n"
+           f"    if {differs}:\n"
            f"        raise _changed({fixed_src})\n"
            + (f"    _check_values(({names},))\n" if checks is not None else "")
            + "    if out is not None:\n"

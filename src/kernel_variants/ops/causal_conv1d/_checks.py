@@ -101,14 +101,19 @@ def _slot_values(name: str, slots: list[int], n_slots: int, pad_slot_id: int) ->
         seen.add(s)
 
 
-def _slots_check(i: int, name: str, n_slots: int, pad_slot_id: int) -> Callable[[Sequence[Any]], None]:
-    """Checks ``args[i]``, slot ids ``[B]`` into a pool of ``n_slots``."""
+def _slots_check(i: int, name: str, n_slots: int, pad_slot_id: int, batch: int) -> Callable[[Sequence[Any]], None]:
+    """Checks ``args[i]``, slot ids ``[batch]`` into a pool of ``n_slots``."""
+    if batch == 1:  # a decode step of one sequence: one read, no list, no set (per call, so it counts)
+
+        def check_one(args: Sequence[Any]) -> None:
+            s = args[i].item()
+            if s != pad_slot_id and not 0 <= s < n_slots:
+                _slot_values(name, [s], n_slots, pad_slot_id)
+
+        return check_one
 
     def check(args: Sequence[Any]) -> None:
-        slots = args[i].tolist()
-        if len(slots) == 1 and (slots[0] == pad_slot_id or 0 <= slots[0] < n_slots):
-            return  # the common decode case, without building a set
-        _slot_values(name, slots, n_slots, pad_slot_id)
+        _slot_values(name, args[i].tolist(), n_slots, pad_slot_id)
 
     return check
 
@@ -151,12 +156,21 @@ def _plan(x: torch.Tensor, checks: list[Callable[[Sequence[Any]], None]]) -> Cal
         return None
     device = x.device
     kind = device.type
-    off_cpu = kind != "cpu"  # no graph capture on the CPU
+    pending = errors.pending
+    if kind == "cpu" and len(checks) == 1:  # no graph capture on the CPU; the one-check case unrolled
+        (only,) = checks
+
+        def run_one(args: Sequence[Any]) -> None:
+            if pending():
+                errors.raise_pending(device)
+            only(args)
+
+        return run_one
 
     def run(args: Sequence[Any]) -> None:
-        if off_cpu and capturing(kind):
+        if kind != "cpu" and capturing(kind):
             return
-        if errors.pending():
+        if pending():
             errors.raise_pending(device)
         for check in checks:
             check(args)
@@ -176,7 +190,7 @@ def fn_value_checks(x, weight, bias, conv_states, cache_indices, has_initial_sta
     if query_start_loc is not None:
         checks.append(_starts_check(6, x.shape[0]))
     if conv_states is not None and cache_indices is not None:
-        checks.append(_slots_check(4, "cache_indices", conv_states.shape[0], pad_slot_id))
+        checks.append(_slots_check(4, "cache_indices", conv_states.shape[0], pad_slot_id, cache_indices.shape[0]))
     return _plan(x, checks)
 
 
@@ -185,7 +199,8 @@ def update_value_checks(x, conv_state, weight, bias, activation, conv_state_indi
     """The value checks of ``causal_conv1d_update`` calls with this call's metadata (which passed)."""
     checks = []
     if conv_state_indices is not None:
-        checks.append(_slots_check(5, "conv_state_indices", conv_state.shape[0], pad_slot_id))
+        checks.append(_slots_check(5, "conv_state_indices", conv_state.shape[0], pad_slot_id,
+                                    conv_state_indices.shape[0]))
     if num_accepted_tokens is not None:
         checks.append(_accepted_check(6, x.shape[1] if x.ndim == 3 else 1))
     return _plan(x, checks)
