@@ -177,6 +177,41 @@ def test_partial_overlap_is_refused():
                                cpu_native.causal_conv1d_fn(buf[:, :9, :16].clone(), w))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_writes_into_out_and_over_its_inputs_bit_for_bit(dtype, threads):
+    """The RMSNorm kernels write a given out (no copy) with the same bits as a fresh result, also
+    over their inputs: gemma_rms_norm(x, out=x) and sglang's add in place, out=(x, residual).
+    Enough rows for the parallel path and a ragged channel tail."""
+    g = _gen(4)
+    x = torch.randn(3, 40, 1000, generator=g).to(dtype)
+    residual = torch.randn(3, 40, 1000, generator=g).to(dtype)
+    w = torch.randn(1000, generator=g).to(dtype)
+    want = cpu_native.gemma_rms_norm(x, w)
+    out = torch.empty_like(x)
+    assert cpu_native.gemma_rms_norm(x, w, out=out) is out
+    _same(out, want)
+    xi = x.clone()
+    assert cpu_native.gemma_rms_norm(xi, w, out=xi) is xi
+    _same(xi, want)
+    want_o, want_s = cpu_native.add_gemma_rms_norm(x, w, residual)
+    xi, ri = x.clone(), residual.clone()
+    got = cpu_native.add_gemma_rms_norm(xi, w, ri, out=(xi, ri))
+    assert got[0] is xi and got[1] is ri
+    _same(xi, want_o)
+    _same(ri, want_s)
+
+
+def test_rms_norm_refuses_outputs_that_share_bytes_with_other_operands():
+    x, residual, w = torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
+    with pytest.raises(RuntimeError, match="out must not overlap"):
+        cpu_native.add_gemma_rms_norm(x, w, residual, out=(residual, torch.empty(4, 64)))
+    with pytest.raises(RuntimeError, match="residual_sum must not overlap"):
+        cpu_native.add_gemma_rms_norm(x, w, residual, out=(torch.empty(4, 64), x))
+    flat = torch.randn(5 * 64)
+    with pytest.raises(RuntimeError, match="out may be the input it replaces but must not partly overlap it"):
+        cpu_native.gemma_rms_norm(flat[:256].view(4, 64), w, out=flat[64:].view(4, 64))
+
+
 def test_isa_path_is_named():
     assert cpu_native.isa_path() in {"avx512-bf16", "avx512", "avx2", "scalar"}
 

@@ -112,22 +112,39 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     """[..., D] as [T, D] with unit channel stride: a view when one exists (any row stride)."""
     if t.stride(-1) != 1:
         t = _dense(t)
+    if t.dim() == 2:  # already rows; a view costs ~1 us, more than the kernel at a decode step's size
+        return t
     try:
         return t.view(-1, t.shape[-1])
     except RuntimeError:  # leading dims that cannot be flattened without a copy
         return t.reshape(-1, t.shape[-1])
 
 
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x: [..., D]; weight: [D] (any stride). Returns a new tensor of x's shape and dtype."""
-    return _build.load_extension(_build.RMS).gemma_rms_norm(_rows(x), weight, eps).view(x.shape)
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., D]; weight: [D] (any stride). Returns a new tensor of x's shape and dtype, or
+    ``out`` written (x's shape and dtype; it may be x itself)."""
+    ext = _build.load_extension(_build.RMS)
+    if out is not None and out.is_contiguous():  # the kernel writes rows of D: a contiguous out directly
+        ext.gemma_rms_norm(_rows(x), weight, eps, _rows(out))
+        return out
+    res = ext.gemma_rms_norm(_rows(x), weight, eps).view(x.shape)
+    return res if out is None else out.copy_(res)
 
 
-def add_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                       eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [..., D]; weight: [D]. Returns (out, x + residual), new tensors of x's shape."""
-    out, s = _build.load_extension(_build.RMS).add_gemma_rms_norm(_rows(x), weight, _rows(residual), eps)
-    return out.view(x.shape), s.view(x.shape)
+def add_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, eps: float = 1e-6, *,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [..., D]; weight: [D]. Returns (out, x + residual), new tensors of x's shape,
+    or the pair ``out`` written (it may be ``(x, residual)``: sglang's in-place fused add)."""
+    ext = _build.load_extension(_build.RMS)
+    if out is not None and all(o.is_contiguous() for o in out):
+        ext.add_gemma_rms_norm(_rows(x), weight, _rows(residual), eps, _rows(out[0]), _rows(out[1]))
+        return out[0], out[1]
+    o, s = ext.add_gemma_rms_norm(_rows(x), weight, _rows(residual), eps)
+    if out is None:
+        return o.view(x.shape), s.view(x.shape)
+    # Both results are complete before either copy, so an out that is an input is safe.
+    return out[0].copy_(o.view(x.shape)), out[1].copy_(s.view(x.shape))
 
 
 @hookimpl
@@ -142,7 +159,8 @@ def kv_register_variants(register) -> None:
         capabilities=ConvCapabilities(num_accepted_tokens=True, **_CAPS),
         description="fused C++ decode step with in-place state shift",
     ))
-    rms = Capabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"})
+    # The C++ writes into out, (x, residual) included: each element is read before it is written.
+    rms = Capabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, takes_out=True, in_place=True)
     register(Variant(
         id="cpu_native", op="gemma_rms_norm", version="1", fn=gemma_rms_norm, priority=30, **_NATIVE_RMS,
         capabilities=rms, description="fused C++ row kernel (at::vec), fp32 sum of squares, parallel over rows",

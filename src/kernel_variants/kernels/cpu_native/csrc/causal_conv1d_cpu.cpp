@@ -13,7 +13,6 @@
 // (stride(-1) != 1 works, on a slower scalar path). out is a new contiguous
 // tensor of x's shape and dtype, or the caller's (x's shape and dtype, unit
 // channel stride, any other strides), which may be x itself.
-#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -214,8 +213,7 @@ void fill_state(Params& p, const at::Tensor& st, const at::Tensor& x,
 }
 
 // The caller's output tensor, or a new one. `out` may be x itself (both kernels read a
-// row's x values before writing its outputs, see fwd); any other shared byte is refused
-// (at::assert_no_partial_overlap does not judge non-dense views).
+// row's x values before writing its outputs, see fwd); any other shared byte is refused.
 at::Tensor output_for(const at::Tensor& x, const c10::optional<at::Tensor>& out) {
   if (!out.has_value() || !out->defined()) return kv_cpu::alloc_out(x, /*apart=*/true);
   const at::Tensor& o = *out;
@@ -227,18 +225,9 @@ at::Tensor output_for(const at::Tensor& x, const c10::optional<at::Tensor>& out)
   TORCH_CHECK(o.stride(-1) == 1 || o.size(-1) <= 1, "out must have stride(-1) == 1");
   if (o.numel() > 0 && o.data_ptr() == x.data_ptr()) {
     TORCH_CHECK(o.strides() == x.strides(), "out may be x itself but must not partly overlap it");
-  } else if (o.numel() > 0 && x.numel() > 0) {
-    // Byte ranges (strides are >= 0): conservative, a strided out interleaved with x is
-    // refused too; the dispatched op copies for such calls anyway.
-    auto span = [](const at::Tensor& t) {
-      int64_t last = 0;
-      for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-      const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-      return std::make_pair(lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()));
-    };
-    const auto [o_lo, o_hi] = span(o);
-    const auto [x_lo, x_hi] = span(x);
-    TORCH_CHECK(o_hi <= x_lo || x_hi <= o_lo, "out must be x itself or apart from it, got a view that overlaps it");
+  } else {
+    // A strided out interleaved with x is refused too; the dispatched op copies for such calls.
+    TORCH_CHECK(!kv_cpu::bytes_overlap(o, x), "out must be x itself or apart from it, got a view that overlaps it");
   }
   return o;
 }

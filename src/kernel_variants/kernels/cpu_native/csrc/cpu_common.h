@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__linux__)
@@ -46,6 +47,22 @@ inline int isa_level() {
   (void)cap;
   return 0;
 #endif
+}
+
+// Whether a and b may share a byte: their spans [first byte, last byte] intersect (strides are
+// >= 0). Conservative: a strided view interleaved with another tensor counts as overlapping.
+// (at::assert_no_partial_overlap does not judge non-dense views.)
+inline bool bytes_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return std::make_pair(lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()));
+  };
+  const auto [a_lo, a_hi] = span(a);
+  const auto [b_lo, b_hi] = span(b);
+  return a_lo < b_hi && b_lo < a_hi;
 }
 
 // A new contiguous tensor of x's shape and dtype.

@@ -30,6 +30,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <string>
+#include <initializer_list>
 #include <tuple>
 
 #if defined(__linux__)
@@ -151,8 +152,32 @@ void run(const Params& p, int64_t T) {
   at::parallel_for(0, T, grain, [&](int64_t b, int64_t e) { fn(p, b, e); });
 }
 
+// The caller's output `name` for a [T, D] result of x's dtype (contiguous: the kernel writes
+// rows of D), or a new tensor. It may be `may_be` itself (every element of that is read
+// before the same element is written: sum_squares, then scale_row, row by row); it must share
+// no byte with the tensors of `apart`.
+at::Tensor output_for(const at::Tensor& x, const c10::optional<at::Tensor>& out, const char* name,
+                      const at::Tensor& may_be, std::initializer_list<const at::Tensor*> apart) {
+  if (!out.has_value() || !out->defined()) return kv_cpu::alloc_out(x);
+  const at::Tensor& o = *out;
+  TORCH_CHECK(o.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(o.scalar_type() == x.scalar_type(), name, " dtype ", o.scalar_type(),
+              " must match x dtype ", x.scalar_type());
+  TORCH_CHECK(o.sizes() == x.sizes(), name, " must be ", x.sizes(), ", got ", o.sizes());
+  TORCH_CHECK(o.is_contiguous(), name, " must be contiguous");
+  const bool same = o.numel() > 0 && o.data_ptr() == may_be.data_ptr() && o.strides() == may_be.strides();
+  TORCH_CHECK(same || !kv_cpu::bytes_overlap(o, may_be), name,
+              " may be the input it replaces but must not partly overlap it");
+  for (const at::Tensor* t : apart)
+    TORCH_CHECK(!t->defined() || !kv_cpu::bytes_overlap(o, *t), name,
+                " must not overlap another input or output");
+  return o;
+}
+
 std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::Tensor& weight,
-                                             const at::Tensor* residual_in, double eps) {
+                                             const at::Tensor* residual_in, double eps,
+                                             const c10::optional<at::Tensor>& out_arg,
+                                             const c10::optional<at::Tensor>& sum_arg) {
   const at::Tensor x = rows_view(x_in, "x");
   const DType dt = to_dtype(x.scalar_type());
   at::Tensor residual;
@@ -166,8 +191,9 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::T
   const at::Tensor w = weight_view(weight, x);
   const int64_t T = x.size(0), D = x.size(1);
 
-  at::Tensor out = kv_cpu::alloc_out(x);
-  at::Tensor sum = residual_in ? kv_cpu::alloc_out(x) : at::Tensor();
+  // The norm may be written over x, the sum over residual (sglang's in-place fused add).
+  at::Tensor out = output_for(x, out_arg, "out", x, {&residual, &w});
+  at::Tensor sum = residual_in ? output_for(x, sum_arg, "residual_sum", residual, {&x, &w, &out}) : at::Tensor();
   if (T == 0 || D == 0) return {out, sum};
 
   Params p{};
@@ -188,14 +214,17 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::T
 
 }  // namespace
 
-at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return std::get<0>(norm_impl(x, weight, nullptr, eps));
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                          const c10::optional<at::Tensor>& out) {
+  return std::get<0>(norm_impl(x, weight, nullptr, eps, out, c10::nullopt));
 }
 
 std::tuple<at::Tensor, at::Tensor> add_gemma_rms_norm(const at::Tensor& x,
                                                       const at::Tensor& weight,
-                                                      const at::Tensor& residual, double eps) {
-  return norm_impl(x, weight, &residual, eps);
+                                                      const at::Tensor& residual, double eps,
+                                                      const c10::optional<at::Tensor>& out,
+                                                      const c10::optional<at::Tensor>& residual_sum) {
+  return norm_impl(x, weight, &residual, eps, out, residual_sum);
 }
 
 // {dtype name: build} actually used, e.g. {"bfloat16": "avx512bf16", ...}.
@@ -207,12 +236,14 @@ std::tuple<std::string, std::string, std::string> isa() {
 void bind(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("gemma_rms_norm", &gemma_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>(),
         "Gemma RMSNorm of x [T, D]: x * rsqrt(mean(x^2) + eps) * (1 + weight), in fp32; "
-        "returns a new [T, D] tensor of x's dtype.");
+        "returns out (contiguous [T, D] of x's dtype, may be x) or a new tensor.");
   m.def("add_gemma_rms_norm", &add_gemma_rms_norm, py::arg("x"), py::arg("weight"),
-        py::arg("residual"), py::arg("eps"), py::call_guard<py::gil_scoped_release>(),
-        "s = x + residual (in x's dtype), then Gemma RMSNorm of s; returns (out, s).");
+        py::arg("residual"), py::arg("eps"), py::arg("out") = py::none(),
+        py::arg("residual_sum") = py::none(), py::call_guard<py::gil_scoped_release>(),
+        "s = x + residual (in x's dtype), then Gemma RMSNorm of s; returns (out, s), each the "
+        "given tensor (contiguous [T, D]; out may be x, residual_sum may be residual) or new.");
   m.def("gemma_rms_norm_isa", &isa,
         "Builds serving (float32, bfloat16, float16): default / avx2 / avx512 / avx512bf16.");
 }
