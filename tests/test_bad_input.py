@@ -54,6 +54,7 @@ BAD = {
     "indices length": (FN, _fn_call, dict(cache_indices=torch.tensor([0, 1], dtype=torch.int32)), ValueError, r"cache_indices: expected shape \[3\], got \[2\]"),
     "slot out of range": (FN, _fn_call, dict(cache_indices=torch.tensor([4, 5, 2], dtype=torch.int32)), ValueError, r"cache_indices: expected slot indices in \[0, 5\) or pad_slot_id=-1, got 5 at position 1"),
     "negative slot": (FN, _fn_call, dict(cache_indices=torch.tensor([4, -2, 2], dtype=torch.int32)), ValueError, "got -2 at position 1"),
+    "slot out of range beside a pad": (FN, _fn_call, dict(cache_indices=torch.tensor([-1, 5, 2], dtype=torch.int32)), ValueError, r"cache_indices: expected slot indices in \[0, 5\) or pad_slot_id=-1, got 5 at position 1"),
     "two sequences one slot": (FN, _fn_call, dict(cache_indices=torch.tensor([2, 0, 2], dtype=torch.int32)), ValueError, "cache_indices: expected distinct slots, got slot 2 twice"),
     "too few slots without indices": (FN, _fn_call, dict(cache_indices=None, conv_states=torch.randn(2, S, D)), ValueError, "conv_states: expected at least B=3 slots"),
     "initial state dtype": (FN, _fn_call, dict(has_initial_state=torch.tensor([1, 0, 1])), TypeError, "has_initial_state: expected dtype bool, got int64"),
