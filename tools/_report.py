@@ -1,8 +1,9 @@
-"""Shared by the benchmark scripts: where reports go and how tables are printed."""
+"""Shared by the benchmark scripts: where reports go, how tables are printed, which CPU ran them."""
 
 from __future__ import annotations
 
 import json
+import platform
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,3 +29,15 @@ def write_report(out_dir: str | Path, name: str, markdown: str, data: dict[str, 
     md.write_text(markdown + "\n")
     js.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return md, js
+
+
+def cpu_model() -> str:
+    """The CPU's model name (figures say which CPU they came from: this project's machines vary)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"

@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
+from _report import cpu_model  # a sibling module: tools/ is sys.path[0]
 
 from kernel_variants.kernels import cpu_native
 
@@ -36,24 +36,6 @@ LARGE = ((2, 1024, 4096), (8, 1024, 2048), (4, 1024, 6144))
 # one never trims the heap back (glibc's defaults adapt, but only after a first mmap'd free).
 ALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 31),
              "MALLOC_TOP_PAD_": str(1 << 28)}
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _call(x, w, b, act, out=None):

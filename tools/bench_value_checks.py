@@ -18,28 +18,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import tempfile
 import timeit
 
 import torch
+from _report import cpu_model  # a sibling module: tools/ is sys.path[0]
 
 import kernel_variants as kv
 from kernel_variants.dispatch import _device_errors, _op, dispatcher, reset
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.registry import Variant, hookimpl
 from kernel_variants.registry._registry import Registry, make_plugin_manager
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                     results[(label, mode)] = min(t, results.get((label, mode), float("inf")))
     _op._on_cpu = on_cpu
     _device_errors._counters = {}
-    print(f"{_cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 thread; us per dispatched call "
+    print(f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 thread; us per dispatched call "
           "(no-op variant)")
     print(f"{'call':38} {'host':>8} {'none':>8} {'device rule':>12} {'host - none':>12}")
     for label, *_ in cases:
