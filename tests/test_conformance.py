@@ -148,8 +148,12 @@ def _variant_with_out(rv, in_place):
         else:
             outs, _ = _outs_like(spec, full, lambda t: torch.full_like(t, float("nan"),
                                                                        memory_format=torch.contiguous_format))
+        versions = [o._version for o in outs]
         got = spec.invoke_out(rv.variant.fn, full, outs[0] if len(outs) == 1 else outs)
         assert _returned(got, outs), f"{rv.id} did not return the out tensors it was given"
+        # As torch's in-place ops do: a graph that saved out must fail at backward, not use new values.
+        assert all(o._version > v for o, v in zip(outs, versions, strict=True)), \
+            f"{rv.id} wrote out without bumping its version counter (mark it written for autograd)"
         return got
 
     return run

@@ -201,6 +201,47 @@ def test_rms_norm_writes_into_out_and_over_its_inputs_bit_for_bit(dtype, threads
     _same(ri, want_s)
 
 
+def test_what_the_kernels_write_is_marked_for_autograd():
+    """Writes through data pointers bump the version counters, as torch's in-place ops do, so a
+    graph that saved a written tensor fails at backward instead of using the new values."""
+    a = torch.randn(4, 64, requires_grad=True)
+    buf = torch.randn(4, 64)
+    (a * buf).sum().backward(retain_graph=False)  # a graph that saves buf works before the write
+    h = (a * buf).sum()
+    cpu_native.gemma_rms_norm(torch.randn(4, 64), torch.randn(64), out=buf)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        h.backward()
+    x, r, w = torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
+    before = (x._version, r._version)
+    cpu_native.add_gemma_rms_norm(x, w, r, out=(x, r))
+    assert x._version > before[0] and r._version > before[1]
+    pool, xs, wc = torch.randn(3, 3, 16), torch.randn(2, 16), torch.randn(16, 4)
+    before = (pool._version, xs._version)
+    cpu_native.causal_conv1d_update(xs, pool, wc, out=xs)
+    assert pool._version > before[0] and xs._version > before[1]
+    states, xf = torch.zeros(2, 3, 16), torch.randn(2, 5, 16)
+    before = states._version
+    cpu_native.causal_conv1d_fn(xf, wc, conv_states=states)
+    assert states._version > before
+    with torch.inference_mode():  # inference tensors have no counter: nothing to bump, no error
+        xi = torch.randn(4, 64)
+    cpu_native.gemma_rms_norm(xi, torch.randn(64), out=torch.empty(4, 64))
+
+
+def test_a_one_channel_out_that_torch_calls_contiguous_is_written():
+    # [4, 1] with stride (1, 4): contiguous by torch's rule (a size-1 dim's stride is ignored)
+    x, r, w = torch.randn(4, 1), torch.randn(4, 1), torch.randn(1)
+    out = torch.full((1, 4), 7.0).t()
+    assert out.is_contiguous() and out.stride(-1) != 1
+    assert cpu_native.gemma_rms_norm(x, w, out=out) is out
+    torch.testing.assert_close(out, cpu_native.gemma_rms_norm(x, w))
+    o, s = torch.full((1, 4), 7.0).t(), torch.full((1, 4), 7.0).t()
+    cpu_native.add_gemma_rms_norm(x, w, r, out=(o, s))
+    want = cpu_native.add_gemma_rms_norm(x, w, r)
+    torch.testing.assert_close(o, want[0])
+    torch.testing.assert_close(s, want[1])
+
+
 def test_rms_norm_refuses_outputs_that_share_bytes_with_other_operands():
     x, residual, w = torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
     with pytest.raises(RuntimeError, match="out must not overlap"):
@@ -210,6 +251,8 @@ def test_rms_norm_refuses_outputs_that_share_bytes_with_other_operands():
     flat = torch.randn(5 * 64)
     with pytest.raises(RuntimeError, match="out may be the input it replaces but must not partly overlap it"):
         cpu_native.gemma_rms_norm(flat[:256].view(4, 64), w, out=flat[64:].view(4, 64))
+    with pytest.raises(ValueError, match=r"out: expected x's shape \[4, 64\], got \[2, 2, 64\]"):
+        cpu_native.gemma_rms_norm(x, w, out=torch.empty(2, 2, 64))
 
 
 def test_isa_path_is_named():

@@ -56,6 +56,8 @@ def test_update_in_place_over_x_matches_a_fresh_output(vid):
     (lambda x: torch.empty(B, D, dtype=torch.float64), TypeError, "out: expected dtype float32 .* got float64"),
     (lambda x: "a tensor", TypeError, "out: expected a tensor, got str"),
     (lambda x: torch.empty(1, D).expand(B, D), ValueError, "out: expected a tensor whose elements are apart"),
+    (lambda x: torch.empty(B, D, requires_grad=True), ValueError,
+     "out: expected a tensor that does not require grad"),
 ])
 def test_a_wrong_out_is_refused_before_the_state_is_written(bad, exc, match):
     call = _update_call()
@@ -276,3 +278,30 @@ def test_calibration_can_time_the_out_path(with_variants):
     assert all("out=" in m.method for m in timed.values())
     handed = [o for o in calls if o is not None]
     assert handed and all(o.shape == (2, 32) and o.is_contiguous() for o in handed), "probe was not timed with out"
+
+
+def test_an_out_that_requires_grad_is_refused_on_a_memoised_signature_too():
+    call = _update_call()
+    kv.causal_conv1d_update(**call, out=torch.empty(B, D))  # memoises the signature with this out
+    with pytest.raises(ValueError, match="out: expected a tensor that does not require grad"):
+        kv.causal_conv1d_update(**call, out=torch.empty(B, D, requires_grad=True))
+    with torch.no_grad():  # nothing is recorded under no_grad: allowed
+        out = torch.empty(B, D, requires_grad=True)
+        assert kv.causal_conv1d_update(**call, out=out) is out
+    run = kv.bind(kv.causal_conv1d_update, **call)
+    with pytest.raises(ValueError, match="out: expected a tensor that does not require grad"):
+        run(**call, out=torch.empty(B, D, requires_grad=True))
+
+
+def test_a_bound_one_sequence_call_given_more_slots_still_checks_them():
+    """Bound calls do not re-check sizes (documented), but a slot check never fails with an
+    unrelated error when an index tensor has another length: it checks every value."""
+    g = torch.Generator().manual_seed(2)
+    one = dict(x=torch.randn(1, D, generator=g), conv_state=torch.randn(N, W - 1, D, generator=g),
+               weight=torch.randn(D, W, generator=g), conv_state_indices=torch.tensor([2], dtype=torch.int32))
+    run = kv.bind(kv.causal_conv1d_update, **one)
+    two = {**one, "x": torch.randn(2, D, generator=g)}
+    run(**{**two, "conv_state_indices": torch.tensor([0, 1], dtype=torch.int32)})
+    with pytest.raises(ValueError, match=r"conv_state_indices: expected slot indices in \[0, 6\).* got 6 at position 1"):
+        run(**{**two, "conv_state_indices": torch.tensor([0, 6], dtype=torch.int32)})
+

@@ -443,6 +443,7 @@ def prefill_rows0(
         else:
             ids, pad_id = slots.marked(pad_marker), pad_marker
         out = call(x_in, w_in, conv_states, qsl, ids, init, b_in, silu, pad_id)
+        mark_written(conv_states)  # the kernel wrote the caller's pool
     else:
         if conv_states is None:
             hist = x_in.new_zeros(batch, keep, padded)
@@ -487,3 +488,11 @@ class LazyKernel:
             if why is not None:
                 raise RuntimeError(why)
         return self._found
+
+
+def mark_written(*tensors: torch.Tensor | None) -> None:
+    """Bump autograd's version counter of each tensor a kernel wrote through its pointer (torch's
+    own in-place ops do this themselves), so that a graph which saved one fails at backward
+    instead of using the new values. Inference tensors have no counter; torch skips them."""
+    torch.autograd.graph.increment_version([t for t in tensors if t is not None])
+

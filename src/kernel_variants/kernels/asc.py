@@ -64,6 +64,7 @@ from ._adapters import (
     Slots,
     gather_rows,
     int32,
+    mark_written,
     pad_channels,
     prefill_rows0,
     round_up,
@@ -160,6 +161,7 @@ class AscAdapter(LazyKernel):
         act = int(activation is not None)
         if rows == span and conv_state.is_contiguous() and padded == dim:
             out = op(x_in, w, conv_state, b, None, slots.marked(marker), None, nat, act, marker, RUN_UPDATE)
+            mark_written(conv_state)  # the kernel wrote the caller's pool
         else:
             old = gather_rows(conv_state, slots, slice(0, rows))  # [B, S, D], before anything is written
             buf = pad_channels(old[:, :span] if spec else old[:, rows - keep:], padded).contiguous()

@@ -37,6 +37,7 @@ from ._adapters import (
     LazyKernel,
     Slots,
     gather_rows,
+    mark_written,
     pad_channels,
     round_up,
     scatter_rows,
@@ -117,6 +118,7 @@ class DaoAdapter(LazyKernel):
         bias = bias.contiguous() if bias is not None else None  # the C++ side checks bias.stride(-1) == 1
         out = update(x3.transpose(1, 2), conv_state.transpose(1, 2), weight, bias, activation=activation,
                      conv_state_indices=idx)
+        mark_written(conv_state)  # the CUDA kernel wrote it through a pointer
         out = out.transpose(1, 2)
         return out.squeeze(1) if x.ndim == 2 else out
 

@@ -44,6 +44,7 @@ from ._adapters import (
     Slots,
     gather_rows,
     int32,
+    mark_written,
     scatter_rows,
     signature_mismatch,
     spec_shift,
@@ -89,6 +90,7 @@ class NpuTritonAdapter(LazyKernel):
             # The caller's own rows, as a view: the kernel writes through its strides.
             out = kernel(out, conv_state[:, rows - span:], w, bias, activation, slots.kernel, nat,
                          pad_slot_id=pad_slot_id)
+            mark_written(conv_state)
             if older is not None:
                 scatter_rows(conv_state, slots, slice(0, rows - keep), older)
         else:

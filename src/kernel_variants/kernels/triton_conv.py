@@ -45,7 +45,7 @@ import torch
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.registry import Variant, hookimpl
 
-from ._adapters import dist_version
+from ._adapters import dist_version, mark_written
 
 # What the kernel's speed depends on besides its source: its rows go stale when one changes.
 DEPENDS = ("triton", "torch")
@@ -408,6 +408,7 @@ def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=No
                 x2, st, ci, init, qsl, dim, length, rows, n_slots, pad_slot_id, x2.stride(0), x2.stride(1), *ss,
                 W=width, HAS_HIST=has_hist, HAS_CI=cache_indices is not None, VARLEN=varlen,
                 BLOCK_R=_pow2(width - 1), BLOCK_D=blocks.d)
+    mark_written(given, conv_states)
     if given is not None:
         return given
     return out if varlen else out.view(x.shape)
@@ -442,6 +443,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, c
             *x3.stride(), weight.stride(0), weight.stride(1), *conv_state.stride(), *out.stride(),
             W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_CI=conv_state_indices is not None,
             SPEC=spec, BLOCK_L=_pow2(length), BLOCK_S=_pow2(rows), BLOCK_D=blocks.d)
+    mark_written(given, conv_state)
     if given is not None:
         return given
     return out.squeeze(1) if x.ndim == 2 else out

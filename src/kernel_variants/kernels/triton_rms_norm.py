@@ -37,6 +37,7 @@ import torch
 
 from kernel_variants.registry import Capabilities, Variant, hookimpl
 
+from ._adapters import mark_written
 from .triton_conv import DEPENDS, interpreting, probe
 
 MAX_BLOCK_D = 8192  # widest row kept in registers in one pass; longer rows go in chunks of this
@@ -176,20 +177,20 @@ def _launch(x, weight, residual, eps, max_block_d, out=None, summed=None):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     if residual is not None and summed is None:
         summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
-        return out, summed
-    x2 = _rows(x)
-    r2 = _rows(residual) if residual is not None else x2
-    tokens, dim = x2.shape
-    block_r, block_d, chunked, num_warps = blocks(tokens, dim, max_block_d or MAX_BLOCK_D)
-    s_ptr = summed if summed is not None else out  # never written without a residual
-    k = kernels(interpreting())
-    with _guard(x):
-        k.gemma_rms[(k.cdiv(tokens, block_r),)](
-            x2, r2, weight, out, s_ptr, tokens, dim, float(eps),
-            x2.stride(0), r2.stride(0), weight.stride(0), dim, dim,
-            HAS_RES=residual is not None, RNE_BF16=residual is not None and x.dtype == torch.bfloat16,
-            CHUNKED=chunked, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+    if x.numel() > 0:
+        x2 = _rows(x)
+        r2 = _rows(residual) if residual is not None else x2
+        tokens, dim = x2.shape
+        block_r, block_d, chunked, num_warps = blocks(tokens, dim, max_block_d or MAX_BLOCK_D)
+        s_ptr = summed if summed is not None else out  # never written without a residual
+        k = kernels(interpreting())
+        with _guard(x):
+            k.gemma_rms[(k.cdiv(tokens, block_r),)](
+                x2, r2, weight, out, s_ptr, tokens, dim, float(eps),
+                x2.stride(0), r2.stride(0), weight.stride(0), dim, dim,
+                HAS_RES=residual is not None, RNE_BF16=residual is not None and x.dtype == torch.bfloat16,
+                CHUNKED=chunked, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+    mark_written(out, summed)
     return out, summed
 
 

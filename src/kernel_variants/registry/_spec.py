@@ -297,15 +297,20 @@ class OpSpec:
                 raise TypeError(f"{name}: expected dtype {str(like.dtype)[6:]} (the result's), got {str(o.dtype)[6:]}")
             if o.device != like.device:
                 raise ValueError(f"{name}: expected device {like.device} (the result's), got {o.device}")
+            if o.requires_grad and torch.is_grad_enabled():
+                # A kernel that takes out writes it through its data pointer: nothing is recorded.
+                raise ValueError(f"{name}: expected a tensor that does not require grad (what is written "
+                                 "into out is not recorded for autograd), got one that does")
 
     @functools.cached_property
     def out_key(self) -> Callable[[Any], tuple[Any, ...]]:
         """``out_key(out)``: the part of a memo signature that ``out`` adds: each out tensor's
-        shape, dtype, device and contiguity (a kernel that takes ``out`` writes a dense one)."""
+        shape, dtype, device, contiguity (a kernel that takes ``out`` writes a dense one) and
+        whether it requires grad (refused under grad mode)."""
         if len(self.outputs) == 1:
-            return lambda o: (o.shape, o.dtype, o.device, o.is_contiguous())
+            return lambda o: (o.shape, o.dtype, o.device, o.is_contiguous(), o.requires_grad)
         n = len(self.outputs)
-        return lambda out: (type(out), len(out), *((o.shape, o.dtype, o.device, o.is_contiguous())
+        return lambda out: (type(out), len(out), *((o.shape, o.dtype, o.device, o.is_contiguous(), o.requires_grad)
                                                     for o in out[:n]))
 
     @functools.cached_property

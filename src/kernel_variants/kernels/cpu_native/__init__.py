@@ -110,7 +110,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """[..., D] as [T, D] with unit channel stride: a view when one exists (any row stride)."""
-    if t.stride(-1) != 1:
+    if t.stride(-1) != 1 and t.shape[-1] > 1:  # a size-1 dim's stride says nothing about layout
         t = _dense(t)
     if t.dim() == 2:  # already rows; a view costs ~1 us, more than the kernel at a decode step's size
         return t
@@ -125,6 +125,8 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     """x: [..., D]; weight: [D] (any stride). Returns a new tensor of x's shape and dtype, or
     ``out`` written (x's shape and dtype; it may be x itself)."""
     ext = _build.load_extension(_build.RMS)
+    if out is not None and out.shape != x.shape:
+        raise ValueError(f"out: expected x's shape {list(x.shape)}, got {list(out.shape)}")
     if out is not None and out.is_contiguous():  # the kernel writes rows of D: a contiguous out directly
         ext.gemma_rms_norm(_rows(x), weight, eps, _rows(out))
         return out
@@ -137,6 +139,9 @@ def add_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
     """x, residual: [..., D]; weight: [D]. Returns (out, x + residual), new tensors of x's shape,
     or the pair ``out`` written (it may be ``(x, residual)``: sglang's in-place fused add)."""
     ext = _build.load_extension(_build.RMS)
+    if out is not None and any(o.shape != x.shape for o in out):
+        raise ValueError(f"out: expected two tensors of x's shape {list(x.shape)}, got "
+                         f"{[list(o.shape) for o in out]}")
     if out is not None and all(o.is_contiguous() for o in out):
         ext.add_gemma_rms_norm(_rows(x), weight, _rows(residual), eps, _rows(out[0]), _rows(out[1]))
         return out[0], out[1]

@@ -106,7 +106,11 @@ def _slots_check(i: int, name: str, n_slots: int, pad_slot_id: int, batch: int) 
     if batch == 1:  # a decode step of one sequence: one read, no list, no set (per call, so it counts)
 
         def check_one(args: Sequence[Any]) -> None:
-            s = args[i].item()
+            try:
+                s = args[i].item()
+            except RuntimeError:  # not one element: a bound call given other sizes; check them all
+                _slot_values(name, args[i].tolist(), n_slots, pad_slot_id)
+                return
             if s != pad_slot_id and not 0 <= s < n_slots:
                 _slot_values(name, [s], n_slots, pad_slot_id)
 

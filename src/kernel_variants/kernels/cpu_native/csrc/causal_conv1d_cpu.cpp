@@ -330,7 +330,12 @@ at::Tensor fwd(const at::Tensor& x, const at::Tensor& weight,
     if (covered_lo > 0) out.narrow(0, 0, covered_lo).zero_();
     if (covered_hi < T) out.narrow(0, covered_hi, T - covered_hi).zero_();
   }
-  if (B == 0 || D == 0) return out;
+  auto written = [&]() {
+    kv_cpu::mark_written(out);
+    if (has_state) kv_cpu::mark_written(*conv_states);
+    return out;
+  };
+  if (B == 0 || D == 0) return written();
 
   p.n_tiles = (D + kTileC - 1) / kTileC;
   p.seqs = seqs.data();
@@ -365,7 +370,7 @@ at::Tensor fwd(const at::Tensor& x, const at::Tensor& weight,
   p.items_per_tile = per_tile;
   p.block_path = !in_place && rows * D * static_cast<int64_t>(x.element_size()) <= kBlockPathBytes;
   run(p, per_tile * p.n_tiles, std::max<int64_t>(rows, B) * D, /*upd=*/false);
-  return out;
+  return written();
 }
 
 at::Tensor update(const at::Tensor& x, const at::Tensor& conv_state,
@@ -429,7 +434,12 @@ at::Tensor update(const at::Tensor& x, const at::Tensor& conv_state,
       s.shift = L;
     }
   }
-  if (B == 0 || D == 0) return out;
+  auto written = [&]() {
+    kv_cpu::mark_written(out);
+    kv_cpu::mark_written(conv_state);
+    return out;
+  };
+  if (B == 0 || D == 0) return written();
 
   p.n_tiles = (D + kTileC - 1) / kTileC;
   p.seqs = seqs.data();
@@ -446,7 +456,7 @@ at::Tensor update(const at::Tensor& x, const at::Tensor& conv_state,
   p.chunk_t = rows_per_item;
   run(p, (B + rows_per_item - 1) / rows_per_item * p.n_tiles, work,
       /*upd=*/true);
-  return out;
+  return written();
 }
 
 // Which build of the kernel runs here: "avx512-bf16" (bf16 data on the AVX512-BF16 build,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <cctype>
@@ -63,6 +64,13 @@ inline bool bytes_overlap(const at::Tensor& a, const at::Tensor& b) {
   const auto [a_lo, a_hi] = span(a);
   const auto [b_lo, b_hi] = span(b);
   return a_lo < b_hi && b_lo < a_hi;
+}
+
+// Tell autograd that `t` was written through its data pointer, as torch's in-place ops do: a
+// graph that saved it then fails at backward instead of using the new values. Inference tensors
+// have no version counter.
+inline void mark_written(const at::Tensor& t) {
+  if (t.defined() && !t.is_inference()) torch::autograd::impl::bump_version(t);
 }
 
 // A new contiguous tensor of x's shape and dtype.

@@ -16,8 +16,9 @@
 // Layout: x2d / residual2d are [T, D] with any row stride (stride(1) != 1
 // is made contiguous here); weight is [D] of any floating dtype and stride
 // (used as is when it is contiguous and of x's dtype or fp32, else
-// converted to fp32, exactly). Outputs are new contiguous [T, D] tensors.
-// Inputs are never written.
+// converted to fp32, exactly). Outputs are contiguous [T, D] tensors: the
+// caller's (which may be x, and residual for the sum) or new ones. Nothing
+// else is written.
 //
 // Build: no extra flags beyond the conv kernel's (-O3 -fno-trapping-math
 // -fno-math-errno -Wno-psabi -fopenmp). Define KV_GRMS_NO_MODULE to link
@@ -194,7 +195,12 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::T
   // The norm may be written over x, the sum over residual (sglang's in-place fused add).
   at::Tensor out = output_for(x, out_arg, "out", x, {&residual, &w});
   at::Tensor sum = residual_in ? output_for(x, sum_arg, "residual_sum", residual, {&x, &w, &out}) : at::Tensor();
-  if (T == 0 || D == 0) return {out, sum};
+  auto written = [&]() -> std::tuple<at::Tensor, at::Tensor> {
+    kv_cpu::mark_written(out);
+    kv_cpu::mark_written(sum);
+    return {out, sum};
+  };
+  if (T == 0 || D == 0) return written();
 
   Params p{};
   p.dtype = dt;
@@ -209,7 +215,7 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::T
   p.out = out.data_ptr();
   p.sum = residual_in ? sum.data_ptr() : nullptr;
   run(p, T);
-  return {out, sum};
+  return written();
 }
 
 }  // namespace
