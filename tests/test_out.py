@@ -288,6 +288,9 @@ def test_an_out_that_requires_grad_is_refused_on_a_memoised_signature_too():
     with torch.no_grad():  # nothing is recorded under no_grad: allowed
         out = torch.empty(B, D, requires_grad=True)
         assert kv.causal_conv1d_update(**call, out=out) is out
+    # ... and memoised there: the same out under grad mode again is still refused.
+    with pytest.raises(ValueError, match="out: expected a tensor that does not require grad"):
+        kv.causal_conv1d_update(**call, out=out)
     run = kv.bind(kv.causal_conv1d_update, **call)
     with pytest.raises(ValueError, match="out: expected a tensor that does not require grad"):
         run(**call, out=torch.empty(B, D, requires_grad=True))
@@ -304,4 +307,3 @@ def test_a_bound_one_sequence_call_given_more_slots_still_checks_them():
     run(**{**two, "conv_state_indices": torch.tensor([0, 1], dtype=torch.int32)})
     with pytest.raises(ValueError, match=r"conv_state_indices: expected slot indices in \[0, 6\).* got 6 at position 1"):
         run(**{**two, "conv_state_indices": torch.tensor([0, 6], dtype=torch.int32)})
-

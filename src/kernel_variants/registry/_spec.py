@@ -306,12 +306,15 @@ class OpSpec:
     def out_key(self) -> Callable[[Any], tuple[Any, ...]]:
         """``out_key(out)``: the part of a memo signature that ``out`` adds: each out tensor's
         shape, dtype, device, contiguity (a kernel that takes ``out`` writes a dense one) and
-        whether it requires grad (refused under grad mode)."""
+        whether it requires grad while grad mode is on (refused then)."""
+        import torch
+
+        grad = torch.is_grad_enabled
         if len(self.outputs) == 1:
-            return lambda o: (o.shape, o.dtype, o.device, o.is_contiguous(), o.requires_grad)
+            return lambda o: (o.shape, o.dtype, o.device, o.is_contiguous(), o.requires_grad and grad())
         n = len(self.outputs)
-        return lambda out: (type(out), len(out), *((o.shape, o.dtype, o.device, o.is_contiguous(), o.requires_grad)
-                                                    for o in out[:n]))
+        return lambda out: (type(out), len(out), *((o.shape, o.dtype, o.device, o.is_contiguous(),
+                                                     o.requires_grad and grad()) for o in out[:n]))
 
     @functools.cached_property
     def _tensor_params(self) -> tuple[tuple[int, bool], ...]:
