@@ -495,4 +495,3 @@ def mark_written(*tensors: torch.Tensor | None) -> None:
     own in-place ops do this themselves), so that a graph which saved one fails at backward
     instead of using the new values. Inference tensors have no counter; torch skips them."""
     torch.autograd.graph.increment_version([t for t in tensors if t is not None])
-

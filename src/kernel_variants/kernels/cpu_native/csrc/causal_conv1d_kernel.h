@@ -607,7 +607,6 @@ constexpr int64_t kTapGroup = sizeof(T) == 4 ? VW : VF;
 template <int W>
 constexpr int64_t kSplitTapFloats = (W + 1) * kTapStride + kPage / sizeof(float);
 
-
 template <typename T, int W>
 inline void split_taps(const float* wt, const float* bt, int64_t nc,
                        float* dst) {
@@ -709,14 +708,15 @@ inline void zero_rows(T* out, int64_t o_rs, int64_t t0, int64_t t1,
     std::memset(out + t * o_rs + c0, 0, static_cast<size_t>(nc) * sizeof(T));
 }
 
-// wt / bt: this tile's taps and bias, prepared by the caller (shared by
-// consecutive items of the same tile).
 // Split-tap buffer of a thread: where its taps sit and for which tile.
 struct SplitTaps {
   float* buf;         // kSplitTapFloats<W> floats
   float* base = nullptr;
   int64_t tile = -1;
 };
+
+// wt / bt: this tile's taps and bias, prepared by the caller (shared by
+// consecutive items of the same tile).
 
 template <typename T, int W, bool SILU>
 void fwd_item(const Params& p, const Seq& sq, int64_t chunk, int64_t tile,
