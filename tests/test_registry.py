@@ -242,3 +242,21 @@ def test_the_builtin_ops_and_their_references_cannot_be_blocked(monkeypatch):
     ids = {(rv.op, rv.id) for rv in kernel_variants.variants()}
     assert ("causal_conv1d_fn", "reference") in ids and ("causal_conv1d_update", "reference") in ids
     assert not any(vid == "torch_shift" for _, vid in ids)
+
+
+def test_multiple_of_limits_a_size_and_cases_fit_it():
+    """Vendor kernels take D only in whole blocks: a call off the step is not covered, and
+    ``fit`` moves a case's shape to the nearest size the variant takes."""
+    import torch
+
+    caps = ConvCapabilities(devices={"cpu"}, dtypes={"bfloat16"}, limits={"D": (32, 4096)},
+                            multiple_of={"D": 32})
+    spec = kernel_variants.dispatch.dispatcher().registry.spec("causal_conv1d_fn")
+    key = spec.key_of_case(spec.make_case((2, 48, 5), dtype=torch.bfloat16))
+    assert caps.uncovered(key) == "D=48 not a multiple of 32"
+    assert caps.fit(spec.axes, (2, 48, 5)) == (2, 64, 5)
+    assert caps.fit(spec.axes, (2, 5000, 5)) == (2, 4096, 5)
+    assert caps.fit(spec.axes, (0, 7, 5)) == (0, 32, 5)
+    assert "D%32" in caps.summary()
+    with pytest.raises(ValueError, match="positive int"):
+        ConvCapabilities(devices={"cpu"}, dtypes={"bfloat16"}, multiple_of={"D": 0})

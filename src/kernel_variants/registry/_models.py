@@ -68,6 +68,9 @@ class Capabilities(BaseModel):
     devices: frozenset[DeviceType]
     dtypes: frozenset[DTypeName]
     limits: Mapping[str, Range] = Field(default_factory=dict)
+    # A shape axis the kernel takes only in multiples of a size ({"D": 32}: vendor kernels that
+    # vectorise over whole blocks of channels). Qualification builds its cases at such sizes.
+    multiple_of: Mapping[str, int] = Field(default_factory=dict)
     # Its outputs carry correct gradients (to every differentiable input) when inputs require
     # grad. A call that needs grad goes only to variants that say so, never to a detached output.
     autograd: bool = False
@@ -97,6 +100,14 @@ class Capabilities(BaseModel):
             _ordered(bounds)
         return v
 
+    @field_validator("multiple_of")
+    @classmethod
+    def _positive_steps(cls, v: Mapping[str, int]) -> Mapping[str, int]:
+        for axis, step in v.items():
+            if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+                raise ValueError(f"multiple_of[{axis!r}] must be a positive int, got {step!r}")
+        return v
+
     def uncovered(self, key: CallKey) -> str | None:
         """Why these capabilities do not cover the call ``key``, or ``None`` when they do."""
         if key.device not in self.devices:
@@ -111,13 +122,35 @@ class Capabilities(BaseModel):
             bounds = self.limits.get(axis)
             if bounds is not None and not in_range(value, bounds):
                 return f"{axis}={value} outside {format_range(bounds)}"
+            step = self.multiple_of.get(axis)
+            if step is not None and value % step:
+                return f"{axis}={value} not a multiple of {step}"
         return None
+
+    def fit(self, axes: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """``shape`` moved to the nearest sizes these limits accept (each axis rounded up to its
+        ``multiple_of``, then into its range), or None when no size of some axis fits. A zero
+        size stays zero: an empty call is a case of its own."""
+        out = []
+        for axis, value in zip(axes, shape, strict=True):
+            lo, hi = self.limits.get(axis, (0, None))
+            step = self.multiple_of.get(axis, 1)
+            if value:
+                value = max(value, lo)
+                value = -(-value // step) * step
+                if hi is not None and value > hi:
+                    value = hi // step * step
+                    if value < max(lo, 1):
+                        return None
+            out.append(value)
+        return tuple(out)
 
     def summary(self) -> str:
         """The op-specific part, short, for ``kv list``: limits and whatever the subclass adds."""
         parts = [f"{axis}={format_range(b, compact=True)}" for axis, b in self.limits.items()]
+        parts += [f"{axis}%{step}" for axis, step in self.multiple_of.items()]
         for name in type(self).model_fields:
-            if name in ("devices", "dtypes", "limits"):
+            if name in ("devices", "dtypes", "limits", "multiple_of"):
                 continue
             value = getattr(self, name)
             if value is True:

@@ -380,7 +380,8 @@ class Registry:
             raise TypeError(f"plugin {plugin!r}: variant {variant.id!r} of {variant.op}: capabilities must be a "
                             f"{spec.capabilities.__module__}.{spec.capabilities.__name__}, "
                             f"got {type(variant.capabilities).__name__}")
-        unknown = set(variant.capabilities.limits) - set(spec.axes)
+        caps = variant.capabilities
+        unknown = (set(caps.limits) | set(caps.multiple_of)) - set(spec.axes)
         if unknown:
             raise ValueError(f"plugin {plugin!r}: variant {variant.id!r} limits axes {sorted(unknown)}, "
                              f"but {variant.op}'s axes are {', '.join(spec.axes)}")
