@@ -129,17 +129,21 @@ _PUBLIC_WRITERS = _FORK + _CALIBRATE + textwrap.dedent("""
 """)
 
 _PUBLIC_READER = textwrap.dedent("""
-    import json, sys, torch
+    import json, sys, torch, warnings
     import kernel_variants as kv
     torch.set_num_threads(int(sys.argv[1]))
-    print(json.dumps(sorted(r.shape for r in kv.table("causal_conv1d_fn") if r.winner)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", kv.CalibrationWarning)
+        shapes = sorted(r.shape for r in kv.table("causal_conv1d_fn") if r.winner)
+    print(json.dumps({"shapes": shapes, "warnings": [str(w.message) for w in caught]}))
 """)
 
 
 def test_a_forked_childs_calibration_is_read_by_a_new_process(tmp_path):
     cache = tmp_path / "kv"
     _run(_PUBLIC_WRITERS, cache=cache)
-    assert json.loads(_run(_PUBLIC_READER, "1", cache=cache)) == [[1, 16, 4], [1, 16, 8], [1, 16, 12]]
+    assert json.loads(_run(_PUBLIC_READER, "1", cache=cache)) == {
+        "shapes": [[1, 16, 4], [1, 16, 8], [1, 16, 12]], "warnings": []}
 
 
 # As a server runs by default: the child may run fewer threads than the parent (with GNU
@@ -170,12 +174,42 @@ def test_a_forked_child_on_fewer_threads_keeps_its_rows_under_its_own_fingerprin
     child_threads = json.loads(child_threads_file.read_text())
     at_child = json.loads(_run(_PUBLIC_READER, str(child_threads), cache=cache, warnings_are_errors=False))
     at_parent = json.loads(_run(_PUBLIC_READER, str(parent_threads), cache=cache, warnings_are_errors=False))
-    assert [1, 16, 8] in at_child
-    assert [1, 16, 4] in at_parent and [1, 16, 12] in at_parent
     if child_threads == parent_threads:
-        assert at_child == at_parent == [[1, 16, 4], [1, 16, 8], [1, 16, 12]]
-    else:
-        assert at_child == [[1, 16, 8]] and at_parent == [[1, 16, 4], [1, 16, 12]]
+        assert at_child == at_parent == {"shapes": [[1, 16, 4], [1, 16, 8], [1, 16, 12]], "warnings": []}
+        return
+    assert at_child["shapes"] == [[1, 16, 8]] and at_parent["shapes"] == [[1, 16, 4], [1, 16, 12]]
+    # Each reader is told where the other's rows are: this CPU, another thread count.
+    assert at_child["warnings"] == [_THREADS_WARNING.format(n=2, threads=child_threads)]
+    assert at_parent["warnings"] == [_THREADS_WARNING.format(n=1, threads=parent_threads)]
+
+
+_THREADS_WARNING = ("calibration table: ignoring entries: {n} measured on this CPU with another intra-op thread "
+                    "count (this process runs {threads}; a forked child runs one)")
+
+
+def test_rows_of_this_cpu_at_another_thread_count_are_named_as_such(tmp_path):
+    from kernel_variants import CalibrationWarning
+    from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
+    from kernel_variants.dispatch._table import CalibrationTable, Group, Measurement
+
+    here = fingerprint("cpu")
+    elsewhere = {**here, "threads": str(int(here["threads"]) + 1)}
+    group = Group(op="causal_conv1d_fn", dtype="float32")
+    versions = {("causal_conv1d_fn", "reference"): "1"}
+    table = CalibrationTable(tmp_path / "t")
+    for fp in (elsewhere, {**here, "name": "another cpu"}):
+        table.record(Measurement(fingerprint=fp, fingerprint_id=fingerprint_id(fp), group=group, shape=(1, 16, 8),
+                                 variant="reference", version="1", status="ok", best_us=1.0, measured_at=0.0))
+    want = ("1 measured on this CPU with another intra-op thread count (this process runs "
+            f"{here['threads']}; a forked child runs one); 1 measured on another device or software stack")
+    # The full load, the load that stores a snapshot, and one that reads that snapshot back.
+    loads = [lambda t: t.measurements(versions, fingerprint_id(here)),
+             lambda t: t.prepare(versions, fingerprint_id(here)),
+             lambda t: t.prepare(versions, fingerprint_id(here))]
+    for load in loads:
+        with pytest.warns(CalibrationWarning) as caught:
+            load(CalibrationTable(tmp_path / "t"))
+        assert [want in str(w.message) for w in caught] == [True]
 
 
 # KV_RECORD's record: the child adds through the recorder it inherited, at the same time as the
