@@ -32,6 +32,8 @@ from ._fingerprint import device_part, is_legacy
 from ._fingerprint import fingerprint_id as identify
 from ._store import CalibrationWarning, HostileRow, JSONOnlyDisk, Store, is_corrupt
 
+VERDICT_PREFIX = "q|"  # qualification verdicts (see _qualify), stored beside the timings
+
 __all__ = ["CalibrationTable", "CalibrationWarning", "Group", "HostileRow", "JSONOnlyDisk", "Measurement",
            "StaleRow", "Winner", "is_corrupt"]
 
@@ -310,8 +312,8 @@ class CalibrationTable:
         # at-fork handler), so its rows are filed apart from its parent's, not lost.
         retuned: dict[str, bool] = {}
         for key, raw in self.store.items():
-            if key.startswith((TOKEN_KEY, SNAPSHOT_PREFIX)):
-                continue
+            if key.startswith((TOKEN_KEY, SNAPSHOT_PREFIX, VERDICT_PREFIX)):
+                continue  # bookkeeping and qualification verdicts: not timings
             if raw is None:
                 counts["bad"] += 1
                 continue
