@@ -11,7 +11,7 @@ calibration measures) in fp32 and bf16:
 
 Every run is checked to pass: a figure of a failing run would time an early exit.
 
-    python tools/bench_qualify.py [--repeat 5]
+    python tools/bench_qualify.py [--repeat 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ TARGET_MS = 200.0
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     os.environ["KV_CACHE_DIR"] = tempfile.mkdtemp(prefix="kv-qualify-")  # never the user's table
     kv.reload()
     registry = dispatcher().registry
