@@ -328,3 +328,12 @@ def test_export_and_import_carry_verdicts_with_the_fingerprint(with_variants, tm
     report = import_table(doc)
     assert report.verdicts == 1
     assert [v.summary().startswith("failed qualification") for v in kv.verdicts()] == [True]
+
+
+def test_the_compiled_graph_runs_only_qualified_variants(with_variants):
+    """Under torch.compile the op is one custom op that dispatches when the graph runs: the
+    same rule applies there (its first run qualifies, as an eager call would)."""
+    with_variants(_variant(FN, zeros))
+    case = make_case(FN, 2, 32, 4, pad=True, poison=True)
+    compiled = torch.compile(lambda *a, **k: kv.causal_conv1d_fn(*a, **k) * 1.0, fullgraph=True)
+    assert verify(compiled, case, layout=False) is None
