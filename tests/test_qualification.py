@@ -337,3 +337,11 @@ def test_the_compiled_graph_runs_only_qualified_variants(with_variants):
     case = make_case(FN, 2, 32, 4, pad=True, poison=True)
     compiled = torch.compile(lambda *a, **k: kv.causal_conv1d_fn(*a, **k) * 1.0, fullgraph=True)
     assert verify(compiled, case, layout=False) is None
+
+
+def test_policy_off_still_rejects_a_wrong_variant_at_a_calibrated_shape(with_variants, monkeypatch):
+    monkeypatch.setenv("KV_QUALIFY", "off")
+    with_variants(_variant(FN, zeros))
+    result = kv.calibrate(FN, [(2, 64, 16)], dtype="float32", variants=["evil", "cpu_native"], **QUICK)
+    assert [m.variant for m in result.rejected()] == ["evil"]
+    assert kv.verdicts() == [], "off keeps no verdicts"
