@@ -239,12 +239,17 @@ def qualify_jobs(ctx: Ctx, ops: tuple[str, ...], dtypes: tuple[str, ...], jobs: 
     Triton variants go last, the heuristic ``triton`` of every op and dtype before the block
     configurations, so a cap leaves out the least informative ones; none is started once
     ``ctx.compile_cap`` kernels are compiled or the step's budget is spent."""
+    import torch
+
     import kernel_variants as kv
     from kernel_variants.dispatch import dispatcher
     from kernel_variants.dispatch._qualify import isolated
+    from kernel_variants.registry import CallKey
 
-    reg = dispatcher().registry
-    dev_type = ctx.device.split(":")[0]
+    d = dispatcher()
+    reg = d.registry
+    dev = torch.device(ctx.device)
+    dev_type = dev.type
     todo: list[tuple[int, str, str, str, bool, bool]] = []  # (order, op, variant, dtype, isolated, triton)
     for op in ops:
         spec = reg.spec(op)
@@ -273,10 +278,17 @@ def qualify_jobs(ctx: Ctx, ops: tuple[str, ...], dtypes: tuple[str, ...], jobs: 
             skipped.append({"op": op, "variant": vid, "dtype": dt,
                             "why": f"not started: the Triton compilation cap ({ctx.compile_cap}) was reached"})
             return
-        for v in kv.qualify(op, device=ctx.device, dtype=dt, variants=[vid]):
-            verdicts.append({"op": v.group.op, "dtype": v.group.dtype, "variant": v.variant, "passed": v.passed,
-                             "cases": v.cases, "failed_case": v.failed_case, "reason": v.reason,
-                             "where": v.where, "seconds": v.seconds})
+        # kv.qualify's own loop, for one (variant, dtype): kv.qualify forgets the qualifier's
+        # cache when it returns, which would race with the other threads' lookups.
+        spec, rv = reg.spec(op), reg.get(op, vid)
+        shape = rv.variant.capabilities.fit(spec.axes, (1,) * len(spec.axes))
+        key = CallKey(spec, dev_type, dt, spec.features(), shape or (1,) * len(spec.axes), index=dev.index)
+        if shape is None or rv.why_not(key) is not None:
+            return  # does not claim this class here
+        v = d.qualifier.stored(rv, key) or d.qualifier.qualify(rv, key)
+        verdicts.append({"op": v.group.op, "dtype": v.group.dtype, "variant": v.variant, "passed": v.passed,
+                         "cases": v.cases, "failed_case": v.failed_case, "reason": v.reason,
+                         "where": v.where, "seconds": v.seconds})
 
     def summary() -> dict[str, Any]:
         failed = [v for v in verdicts if not v["passed"]]
@@ -287,6 +299,7 @@ def qualify_jobs(ctx: Ctx, ops: tuple[str, ...], dtypes: tuple[str, ...], jobs: 
 
     inline = [j for j in todo if not j[4]]
     spawned = [j for j in todo if j[4]]
+    kv.verdicts(ctx.device)  # opens the table's store here, before any thread can race to
     for job in inline:
         run(job)
     ctx.partial(summary())
@@ -301,6 +314,7 @@ def qualify_jobs(ctx: Ctx, ops: tuple[str, ...], dtypes: tuple[str, ...], jobs: 
             for fut in as_completed([pool.submit(run, j) for j in spawned]):
                 fut.result()
                 ctx.partial(summary())
+    d.invalidate()  # decisions made before these verdicts are stale
     out = summary()
     out["verdicts"].sort(key=lambda v: (v["op"], v["variant"], v["dtype"]))
     return out
@@ -401,18 +415,23 @@ def step_calibrate(ctx: Ctx) -> dict[str, Any]:
     passed = {(v["op"], v["variant"]) for v in pre["verdicts"] if v["passed"]}
     out: dict[str, Any] = {"dtype": "float16", "timing": _timing(ctx), "prequalified": {
         k: pre[k] for k in ("passed", "failed", "skipped", "triton_compilations")}, "sweeps": [], "bandwidth": []}
-    # The budget: two thirds for calibration, split over the sweeps; the rest for the copy rounds.
-    share = ctx.left() * 2 / 3 / len(sweeps)
-    for label, op, shapes, feats in sweeps:
+    # The budget: 70% for calibration, half of it for the seed shapes (the largest inputs, made
+    # on the host), a quarter for each decode sweep; the rest for the copy rounds.
+    total = ctx.left() * 0.7
+    dev_type = ctx.device.split(":")[0]
+    for (label, op, shapes, feats), part in zip(sweeps, (0.5, 0.25, 0.25), strict=True):
         spec = reg.spec(op)
         candidates = [rv.id for rv in reg.variants(op)
                       if rv.variant.fn is spec.reference.fn or (op, rv.id) in passed]
+        left_out = [rv.id for rv in reg.variants(op) if rv.id not in candidates and rv.unavailable_reason() is None
+                    and dev_type in rv.variant.capabilities.devices]
         t0 = time.monotonic()
         res = kv.calibrate(op, shapes, dtype="float16", device=ctx.device, variants=candidates,
-                           budget_s=max(1.0, min(share, ctx.left() - 5)), **_timing(ctx), **feats)
+                           budget_s=max(1.0, min(total * part, ctx.left() - 5)), **_timing(ctx), **feats)
         out["sweeps"].append({
             "sweep": label, "op": op, "features": feats, "shapes": [list(s) for s in shapes],
-            "candidates": candidates, "seconds": time.monotonic() - t0, "skipped": [list(s) for s in res.skipped],
+            "candidates": candidates, "left_out_unqualified": left_out, "seconds": time.monotonic() - t0,
+            "skipped": [list(s) for s in res.skipped],
             "measurements": [{"shape": list(m.shape), "variant": m.variant, "status": m.status,
                               "best_us": m.best_us, "noise": m.noise, "method": m.method, "reason": m.reason}
                              for m in res.measurements],
@@ -463,8 +482,8 @@ def _decode_call(device: str, b: int, d: int, dtype: Any, seed: int = 0) -> dict
 
 
 def _qualified_graph_safe(ctx: Ctx, dtype: str) -> list[str]:
-    """Qualify the graph_safe decode variants (nothing is qualified during a capture, and an
-    unqualified one is passed over there); stored verdicts return at once."""
+    """A qualified graph_safe decode variant (nothing is qualified during a capture, where an
+    unqualified one is passed over); a stored verdict returns at once."""
     import kernel_variants as kv
     from kernel_variants.dispatch import dispatcher
 
@@ -474,14 +493,15 @@ def _qualified_graph_safe(ctx: Ctx, dtype: str) -> list[str]:
     safe = [rv.id for rv in reg.variants(UPDATE) if rv.variant.capabilities.graph_safe
             and dev_type in rv.variant.capabilities.devices and rv.unavailable_reason() is None
             and rv.variant.fn is not spec.reference.fn]
-    # The heuristic one first: when the budget is short it is the one a capture would choose.
+    # One qualified variant is enough for the capture to choose; the heuristic one first.
     safe.sort(key=lambda v: v != "triton")
-    passed = []
     for vid in safe:
         if ctx.left() < 10:
             break
-        passed += [v.variant for v in kv.qualify(UPDATE, device=ctx.device, dtype=dtype, variants=[vid]) if v.passed]
-    return passed
+        passed = [v.variant for v in kv.qualify(UPDATE, device=ctx.device, dtype=dtype, variants=[vid]) if v.passed]
+        if passed:
+            return passed
+    return []
 
 
 def _graph_replay(ctx: Ctx) -> dict[str, Any]:
@@ -534,7 +554,7 @@ def _graph_replay(ctx: Ctx) -> dict[str, Any]:
     eager_vid = kv.explain(UPDATE, tokens[0], pool_e, weight, **kw).chosen.id
     out_bad = next((m for i, (g, e) in enumerate(zip(outs_g, outs_e, strict=True))
                     if (m := mismatch(g, e, f"output of step {i + 1}")) is not None), None)
-    state_bad = mismatch(pool_g, pool_e, "state after 10 steps")
+    state_bad = mismatch(pool_g, pool_e, "state after 10 steps", exact=True)  # copies of input rows
     return {"status": "ok" if out_bad is None and state_bad is None else "mismatch", "dtype": "bfloat16",
             "shape": [b, d, 1], "replays": len(tokens), "captured_variant": captured or [ahead.chosen.id],
             "eager_variant": eager_vid, "qualified_graph_safe": qualified,
@@ -735,6 +755,9 @@ def run_step(name: str, args: argparse.Namespace, state: Path, timeout: float) -
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
+    # Whatever the step left running (a qualification child it gave up on) goes with it.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
     seconds = time.monotonic() - t0
     try:
         data = json.loads(path.read_text())
