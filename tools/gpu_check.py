@@ -44,7 +44,7 @@ this project is tested with)::
         -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
         typing-inspection==0.4.5 typing-extensions==4.16.0 diskcache==5.6.3
 
-(about 2.5 MB; never committed). Then one run, carrying ``.whl``, with a timeout that leaves
+(about 2.8 MB; never committed). Then one run, carrying ``.whl``, with a timeout that leaves
 room for a rerun::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
