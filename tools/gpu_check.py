@@ -86,9 +86,8 @@ CPU_TIMEOUTS = dict.fromkeys(STEPS, 240)
 COMPILE_CAP = 150  # Triton kernels compiled before no further Triton variant is qualified
 DTYPES = ("bfloat16", "float16", "float32")
 FN, UPDATE, RMS, ADD_RMS = "causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm"
-# seed69's smallest shapes (x 67 to 268 MB in fp16), a spread over B, D and L. The op's case
-# builder draws inputs from a CPU generator and moves them: the larger seed shapes would spend
-# the step's budget on host random numbers (generating on the device needs a change in src/).
+# seed69's smallest shapes (x 67 to 268 MB in fp16), a spread over B, D and L: the case builder
+# draws them on the device, and each variant is timed on them within the step's budget.
 SEED_SUBSET = ((64, 1024, 512), (64, 1024, 1024), (128, 1024, 512), (64, 2048, 512), (64, 4096, 512),
                (256, 1024, 512))
 BIG_X_BYTES = 64e6  # "x above 64 MB": the shapes where a copy's bandwidth is the ceiling
@@ -415,8 +414,8 @@ def step_calibrate(ctx: Ctx) -> dict[str, Any]:
     passed = {(v["op"], v["variant"]) for v in pre["verdicts"] if v["passed"]}
     out: dict[str, Any] = {"dtype": "float16", "timing": _timing(ctx), "prequalified": {
         k: pre[k] for k in ("passed", "failed", "skipped", "triton_compilations")}, "sweeps": [], "bandwidth": []}
-    # The budget: 70% for calibration, half of it for the seed shapes (the largest inputs, made
-    # on the host), a quarter for each decode sweep; the rest for the copy rounds.
+    # The budget: 70% for calibration, half of it for the seed shapes (the largest inputs), a
+    # quarter for each decode sweep; the rest for the copy rounds.
     total = ctx.left() * 0.7
     dev_type = ctx.device.split(":")[0]
     for (label, op, shapes, feats), part in zip(sweeps, (0.5, 0.25, 0.25), strict=True):

@@ -69,11 +69,14 @@ def make_case(
     confuses a live sequence with the pad, or reads the pad slot, shows up.
     """
     gen = torch.Generator().manual_seed(seed)
+    # The values are drawn where they are used: a large prefill's x made on the host would cost
+    # seconds of host time and a copy per case on an accelerator. Indices stay on the host.
+    values = gen if torch.device(device).type == "cpu" else torch.Generator(device=device).manual_seed(seed)
     if activation == "none":  # the feature's name for no activation; the call's is None
         activation = None
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+        return torch.randn(*shape, generator=values, device=values.device).to(dtype=dtype, device=device)
 
     def maybe_strided(t: torch.Tensor) -> torch.Tensor:
         """The same values as a view with every stride doubled (last dim included)."""
