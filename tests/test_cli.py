@@ -322,8 +322,9 @@ def _refingerprint(doc, **changes):
         m.update(fingerprint=fp, fingerprint_id=fpid)
     for w in doc["winners"]:
         w["fingerprint_id"] = fpid
+    vfp = {k: v for k, v in fp.items() if k != "threads"}  # verdicts hold for any thread count
     for v in doc.get("verdicts", []):
-        v.update(fingerprint=fp, fingerprint_id=fpid)
+        v.update(fingerprint=vfp, fingerprint_id=fingerprint_id(vfp))
     return doc
 
 

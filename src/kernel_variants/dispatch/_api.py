@@ -252,14 +252,14 @@ def clear_verdicts(op: str | None = None, variant: str | None = None) -> int:
 
 def verdicts(device: str = "cpu") -> list[Verdict]:
     """Every stored verdict of ``device`` whose variant is registered at that version now."""
-    from ._qualify import parse_verdict
+    from ._qualify import VERDICT_PREFIX, parse_verdict, verdict_fingerprint
 
     d = dispatcher()
-    fpid = fingerprint_id(fingerprint(str(torch.device(device))))
+    fpid = fingerprint_id(verdict_fingerprint(fingerprint(str(torch.device(device)))))
     versions = d.versions()
     out = []
     for skey, raw in d.table.store.items():
-        if not skey.startswith(f"q|{fpid}|"):
+        if not skey.startswith(f"{VERDICT_PREFIX}{fpid}|"):
             continue
         v = parse_verdict(raw)
         if v is not None and versions.get((v.group.op, v.variant)) == v.version:

@@ -245,7 +245,8 @@ def _without_failed(table: CalibrationTable, entries: Sequence[RegisteredVariant
         from ._dispatcher import dispatcher
 
         qualifier = dispatcher().qualifier
-    key = CallKey(spec, torch.device(device).type, result.dtype, features, result.measurements[0].shape)
+    dev = torch.device(device)
+    key = CallKey(spec, dev.type, result.dtype, features, result.measurements[0].shape, index=dev.index)
     failed = qualifier.failed(list(entries), key)
     if not any(w is not None and w.variant in failed for w in result.winners.values()):
         return

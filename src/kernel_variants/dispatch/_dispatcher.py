@@ -131,7 +131,8 @@ class Dispatcher:
         self._table: CalibrationTable | None = None
         # KV_QUALIFY: who may be chosen (require: qualified variants only; strict: and checked
         # at a shape beyond those they were checked at, first; off: anything that can run).
-        self.qualifier = Qualifier(lambda: self.table, policy_from(env.get("KV_QUALIFY", "")))
+        # A verdict turning to a failure drops every memoised decision: one may have chosen it.
+        self.qualifier = Qualifier(lambda: self.table, policy_from(env.get("KV_QUALIFY", "")), self.memo_clear)
         # call signature (op, pins, each argument's metadata) -> what runs for it (a Hit)
         self.memo: dict[tuple[Any, ...], Hit] = {}
         # key_text -> (key, the variant chosen): what this process ran, for check_agreement()
@@ -188,7 +189,7 @@ class Dispatcher:
         # Failed verdicts bar their variants before anything is looked up, so the trace says why;
         # a variant with none yet is qualified below, only if it would be chosen.
         barred.update(self.qualifier.failed([rv for rv in entries if rv.id in runnable], key))
-        tuned = False
+        tuned = provisional = False
         while True:
             allowed = [v for v in runnable if v not in barred]
             found = self.found(key, allowed) if allowed else None
@@ -208,12 +209,14 @@ class Dispatcher:
                 decision = self._from_table(entries, key, found, barred)
             chosen = decision.chosen
             if chosen is None:
-                return decision
+                return dataclasses.replace(decision, provisional=provisional)
             why = self.qualifier.barred(chosen, key, may_run=may_run, announce=True)
             if why is None:
-                return self._noted(decision, key)
+                return dataclasses.replace(self._noted(decision, key), provisional=provisional)
             if why == NOT_YET and not qualify:  # a preview: the call would qualify it, then run it
                 return _with_note(decision, NOT_YET)
+            if why == NOT_YET:  # passed over under capture: this decision must not outlive it
+                provisional = True
             barred[chosen.id] = why
 
     def _forced(self, entries: list[RegisteredVariant], key: CallKey, forced: str) -> Decision:
@@ -290,7 +293,7 @@ class Dispatcher:
         hit = Hit(decision.chosen.id, decision.chosen.variant.fn, spec.invoke, subs, None, None, None)
         if finish is not None:
             hit = finish(decision.chosen, hit)
-        if sig is not None:
+        if sig is not None and not decision.provisional:
             if len(self.memo) >= _MEMO_LIMIT:
                 self.memo.clear()
             self.memo[sig] = hit
@@ -327,6 +330,9 @@ class Dispatcher:
     def invalidate(self) -> None:
         self.memo.clear()
         self.qualifier.forget()
+
+    def memo_clear(self) -> None:
+        self.memo.clear()
 
 
 def _with_note(decision: Decision, note: str) -> Decision:

@@ -27,7 +27,7 @@ from kernel_variants.registry._models import valid_id
 
 from ._dispatcher import dispatcher
 from ._fingerprint import fingerprint, fingerprint_id
-from ._qualify import Verdict, parse_verdict
+from ._qualify import VERDICT_PREFIX, Verdict, parse_verdict, verdict_fingerprint
 from ._table import DEFAULT_MARGIN, Measurement, Winner
 
 # 2: rows of table schema 3 (per-variant dependencies, samples, pruned rows); a document of 1
@@ -88,9 +88,10 @@ class TableDocument(BaseModel):
             if problem is not None:
                 raise ValueError(f"winners[{i}] ({w.variant} at {_shape(w.shape)}): {problem}")
             seen.add(w.storage_key())
+        mine = verdict_fingerprint(self.fingerprint)
         for i, v in enumerate(self.verdicts):
             problem = None
-            if v.fingerprint_id != self.fingerprint_id or v.fingerprint != self.fingerprint:
+            if v.fingerprint != mine or v.fingerprint_id != fingerprint_id(mine):
                 problem = "qualified on another fingerprint than the document's"
             elif not valid_id(v.variant):
                 problem = f"variant id {v.variant!r} is not a valid id"
@@ -177,12 +178,14 @@ def build_document(device: str = "cpu") -> TableDocument:
     ms: list[Measurement] = []
     ws: list[Winner] = []
     vs: list[Verdict] = []
+    vfp = verdict_fingerprint(fp)
+    vprefix = f"{VERDICT_PREFIX}{fingerprint_id(vfp)}|"
     for key, raw in dispatcher().table.store.items():
         if raw is None:
             continue
-        if key.startswith(f"q|{fpid}|"):
+        if key.startswith(vprefix):
             v = parse_verdict(raw)
-            if v is not None and v.fingerprint == fp:
+            if v is not None and v.fingerprint == vfp:
                 vs.append(v)
             continue
         try:
@@ -204,7 +207,8 @@ def build_document(device: str = "cpu") -> TableDocument:
 def export_table(path_or_file: str | os.PathLike[str] | IO[str], device: str = "cpu") -> TableDocument:
     """Write this device's table to ``path_or_file`` (a path, replaced atomically, or a text file)."""
     doc = build_document(device)
-    text = doc.model_dump_json(indent=1) + "\n"
+    # Without verdicts the document is as the previous release wrote it (which forbids new fields).
+    text = doc.model_dump_json(indent=1, exclude=None if doc.verdicts else {"verdicts"}) + "\n"
     if hasattr(path_or_file, "write"):
         path_or_file.write(text)
         return doc
@@ -336,6 +340,10 @@ def import_document(doc: TableDocument, *, force: bool = False, device: str = "c
             store.set(key, text)
         for v in verdicts:
             mine = parse_verdict(store.get(v.storage_key()))
+            # A failure seen here stands: a pass from elsewhere does not clear a kernel that was
+            # wrong on this machine (same fingerprint or not, its hardware may differ in flags).
+            if mine is not None and mine.version == v.version and not mine.passed and v.passed:
+                continue
             if mine is None or mine.qualified_at < v.qualified_at:
                 store.set(v.storage_key(), v.model_dump_json())
                 report.verdicts += 1

@@ -25,6 +25,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
@@ -119,7 +120,9 @@ def _run_cases(spec: OpSpec, rv: RegisteredVariant, features: Features, dtype: A
 
     caps = rv.variant.capabilities
     ran, largest = 0, [0] * len(spec.axes)
+    seen: list[Case] = []
     for label, case in class_cases(spec, caps, features, dtype=dtype, device=device):
+        seen.append(case)
         expected = reference_result(case)
         for form in (None, *out_forms(spec, caps, case)):
             ran += 1
@@ -130,7 +133,32 @@ def _run_cases(spec: OpSpec, rv: RegisteredVariant, features: Features, dtype: A
         largest = [max(a, b) for a, b in zip(largest, spec.key_of_case(case).shape, strict=True)]
     if ran == 0:
         return _failed("no edge case of this class fits its declared limits")
+    if len(seen) > 1:
+        ran += 1
+        why = _reused_output(rv.variant.fn, seen[0], seen[1])
+        if why is not None:
+            return {"cases": ran, "failed_case": f"two calls in a row ({str(dtype)[6:]})", "reason": why}
     return {"cases": ran, "failed_case": "", "reason": "", "largest": largest}
+
+
+def _reused_output(fn: Callable[..., Any], first: Case, second: Case) -> str | None:
+    """Why the result of one call changes when ``fn`` is called again (it hands out a buffer it
+    reuses: the caller's first result would be overwritten), or None."""
+    import torch
+
+    from ._verify import copy_case
+
+    def tensors(out: Any) -> list[torch.Tensor]:
+        return [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
+
+    outs = tensors(copy_case(first).call(fn))
+    kept = [t.clone() for t in outs]
+    copy_case(second).call(fn)
+    for t, k in zip(outs, kept, strict=True):
+        # NaN-aware and bit-exact where it matters: the same call's own result, before and after
+        if not torch.equal(torch.nan_to_num(t, 1.5, 2.5, 3.5), torch.nan_to_num(k, 1.5, 2.5, 3.5)):
+            return "an output changed when it was called again (it returns a buffer it reuses)"
+    return None
 
 
 def check_at(spec: OpSpec, rv: RegisteredVariant, shape: Shape, features: Features, *, dtype: Any,
@@ -150,18 +178,29 @@ def isolated(rv: RegisteredVariant) -> bool:
 
 def run_qualification(spec: OpSpec, rv: RegisteredVariant, features: Features, *, dtype: Any, device: str,
                       timeout_s: float = CHILD_TIMEOUT_S) -> tuple[dict[str, Any], str]:
-    """The cases' outcome for ``rv`` (see ``_run_cases``) and where it ran ("process", "child")."""
-    if not isolated(rv):
-        return _run_cases(spec, rv, features, dtype, device), "process"
-    if device == "cpu" and hasattr(os, "fork"):
-        return _forked(lambda: _run_cases(spec, rv, features, dtype, device), timeout_s), "child"
-    return _spawned(spec, rv, features, dtype, device, timeout_s), "child"
+    """The cases' outcome for ``rv`` (see ``_run_cases``) and where it ran ("process", "child").
+    A failure of the machinery itself (no fork, a case that cannot be built) is an error outcome,
+    never an exception: the caller's call goes on with another variant."""
+    where = "child" if isolated(rv) else "process"
+    try:
+        if where == "process":
+            return _run_cases(spec, rv, features, dtype, device), where
+        if device == "cpu" and hasattr(os, "fork"):
+            return _forked(lambda: _run_cases(spec, rv, features, dtype, device), timeout_s), where
+        return _spawned(spec, rv, features, dtype, device, timeout_s), where
+    except Exception as exc:  # OSError from fork or pipe, ChildProcessError, a case builder's bug
+        return _error(f"qualification itself failed: {type(exc).__name__}: {exc}"), where
 
 
 def _forked(work: Callable[[], dict[str, Any]], timeout_s: float) -> dict[str, Any]:
     """``work()`` in a forked child; its death (a signal, an exit, a hang) is the outcome."""
     r, w = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except BaseException:
+        os.close(r)
+        os.close(w)
+        raise
     if pid == 0:  # the child: never returns into the caller's code
         code = 0
         try:
@@ -204,8 +243,12 @@ def _collect(pid: int, r: int, timeout_s: float) -> dict[str, Any]:
     finally:
         os.close(r)
     if hung:
-        os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:  # a host that reaps its children itself (SIGCHLD ignored)
+        return _error("its process's exit status could not be read (SIGCHLD is ignored here)")
     if hung:
         return _failed(f"hung: no verdict within {timeout_s:.0f} s (killed)")
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
@@ -216,6 +259,16 @@ def _failed(reason: str) -> dict[str, Any]:
     return {"cases": 0, "failed_case": "", "reason": reason}
 
 
+def _error(reason: str) -> dict[str, Any]:
+    """An outcome that says nothing about the variant (the machine, the runtime, the check
+    itself failed): it bars the variant in this process only, and is never stored."""
+    return {**_failed(reason), "error": True}
+
+
+# Deaths a kernel causes; a SIGKILL (the OOM killer, an operator) or SIGTERM says nothing of it.
+KERNEL_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGILL, signal.SIGBUS, signal.SIGFPE, signal.SIGABRT})
+
+
 def _outcome(data: bytes, sig: int | None, code: int) -> dict[str, Any]:
     """What a child's output, its signal (None: it exited) and exit status say of its variant."""
     if sig is not None:
@@ -223,13 +276,15 @@ def _outcome(data: bytes, sig: int | None, code: int) -> dict[str, Any]:
             name = signal.Signals(sig).name
         except ValueError:
             name = f"signal {sig}"
+        if sig not in KERNEL_SIGNALS:
+            return _error(f"its process was killed by {name} (not a kernel fault: qualified again later)")
         return _failed(f"crashed: its process was killed by {name}")
     try:
         result = json.loads(data.decode() or "null")
     except ValueError:
         result = None
-    if isinstance(result, dict) and "error" in result:
-        return _failed(f"qualification itself failed: {result['error']}")
+    if isinstance(result, dict) and isinstance(result.get("error"), str):
+        return _error(f"qualification itself failed: {result['error']}")
     if not isinstance(result, dict) or code != 0:
         return _failed(f"crashed: its process exited with status {code} before giving a verdict")
     return result
@@ -255,9 +310,16 @@ def _spawned(spec: OpSpec, rv: RegisteredVariant, features: Features, dtype: Any
                               timeout=timeout_s, check=False, env={**os.environ, "KV_QUALIFY": "off"})
     except subprocess.TimeoutExpired:
         return _failed(f"hung: no verdict within {timeout_s:.0f} s (killed)")
-    lines = done.stdout.strip().splitlines()
+    found = [ln[len(_RESULT):] for ln in done.stdout.splitlines() if ln.startswith(_RESULT)]
     sig = -done.returncode if done.returncode < 0 else None
-    return _outcome(lines[-1] if lines else b"", sig, max(done.returncode, 0))
+    outcome = _outcome(found[-1] if found else b"", sig, max(done.returncode, 0))
+    if outcome.get("reason") and not found:
+        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+        outcome["reason"] += f" ({tail[0][:300]})" if tail[0] else ""
+    return outcome
+
+
+_RESULT = b"kernel_variants qualification: "  # the child's result line, whatever else it prints
 
 
 def child_main(job: dict[str, Any]) -> None:
@@ -266,21 +328,21 @@ def child_main(job: dict[str, Any]) -> None:
 
     from ._dispatcher import dispatcher
 
-    registry = dispatcher().registry
-    spec = registry.spec(job["op"])
     try:
+        registry = dispatcher().registry
+        spec = registry.spec(job["op"])
         rv = registry.get(spec.name, job["variant"])
-    except KeyError:
-            result = _failed("not registered in a fresh process (a plugin registered in-process only "
-                         "cannot be isolated)")
+    except (KeyError, ValueError) as exc:
+        result = _error(f"not registered in a fresh process ({exc}); a plugin registered in-process "
+                        "only cannot be isolated")
     else:
         if rv.version != job["version"]:
-            result = _failed("a fresh process loads another version of it")
+            result = _error("a fresh process loads another version of it")
+        elif (why := rv.ensure_built()) is not None:
+            result = _error(why)
         else:
-            why = rv.ensure_built()
-            result = _run_cases(spec, rv, spec.features(**job["features"]), as_dtype(job["dtype"]), job["device"]) \
-                if why is None else _failed(why)
-    sys.stdout.write(json.dumps(result) + "\n")
+            result = _run_cases(spec, rv, spec.features(**job["features"]), as_dtype(job["dtype"]), job["device"])
+    sys.stdout.buffer.write(_RESULT + json.dumps(result).encode() + b"\n")
     sys.stdout.flush()
 
 
@@ -314,54 +376,80 @@ def beyond(verdict: Verdict, shape: Shape, axes: tuple[str, ...]) -> str | None:
 NOT_YET = "not qualified on this device yet (its first call qualifies it; `kv qualify` does it ahead)"
 
 
+def verdict_fingerprint(fp: dict[str, str]) -> dict[str, str]:
+    """The part of a device fingerprint a verdict is valid for: not the CPU's thread count, which
+    changes timings but not whether a kernel is right (a verdict holds for every process)."""
+    return {k: v for k, v in fp.items() if k != "threads"}
+
+
 class Qualifier:
     """The verdicts of one table, and the one rule of who may be chosen: a variant may run a
-    call when it passed its class's cases on this device (the reference always may)."""
+    call when it passed its class's cases on this device (the reference always may).
 
-    def __init__(self, table: Callable[[], Any], policy: Policy) -> None:
+    ``on_failure`` runs when a variant's verdict becomes a failure (the dispatcher forgets its
+    memoised decisions then: one may have chosen that variant)."""
+
+    def __init__(self, table: Callable[[], Any], policy: Policy, on_failure: Callable[[], None] = lambda: None) -> None:
         self._table = table
         self.policy = policy
+        self._on_failure = on_failure
         self._cache: dict[str, Verdict | None] = {}
+        self._errors: dict[str, Verdict] = {}  # this process only: the machine failed, not the variant
+        self._lock = threading.RLock()  # one qualification at a time: no class is run twice at once
         self._said_off = False
 
     def _where(self, key: CallKey) -> tuple[dict[str, str], str]:
         from ._fingerprint import fingerprint, fingerprint_id
 
-        fp = fingerprint(key.where)
+        fp = verdict_fingerprint(fingerprint(key.where))
         return fp, fingerprint_id(fp)
 
     def stored(self, rv: RegisteredVariant, key: CallKey) -> Verdict | None:
         """The current verdict of ``rv`` for ``key``'s class (None: none, or of another version)."""
         _, fpid = self._where(key)
         skey = verdict_key(fpid, Group.of(key), rv.id)
-        if skey not in self._cache:
-            self._cache[skey] = parse_verdict(self._table().store.get(skey))
-        v = self._cache[skey]
+        v = self._errors.get(skey)
+        if v is None:
+            if skey not in self._cache:
+                table = self._table()
+                self._cache[skey] = parse_verdict(table._guard(table.store.get, skey))
+            v = self._cache[skey]
         return v if v is not None and v.version == rv.version else None
 
-    def _keep(self, v: Verdict) -> Verdict:
-        table = self._table()
-        table._guard(table.store.set, v.storage_key(), v.model_dump_json())
-        self._cache[v.storage_key()] = v
+    def _keep(self, v: Verdict, *, persist: bool = True) -> Verdict:
+        skey = v.storage_key()
+        before = self._errors.get(skey) or self._cache.get(skey)
+        if persist:
+            table = self._table()
+            table._guard(table.store.set, skey, v.model_dump_json())
+            self._cache[skey] = v
+            self._errors.pop(skey, None)
+        else:
+            self._errors[skey] = v
+        if not v.passed and (before is None or before.passed):
+            self._on_failure()
         return v
 
     def qualify(self, rv: RegisteredVariant, key: CallKey, *, announce: bool = False) -> Verdict:
         """Run ``rv``'s cases for ``key``'s class now (building it first) and keep the verdict.
         ``announce`` (a call's first use): say on stderr what ran, when it took longer than a
-        second, ran in a child process or failed (kv qualify and kv calibrate report their own)."""
+        second, ran in a child process or failed (kv qualify and kv calibrate report their own).
+        An outcome that says nothing about the variant (its build failed, the child was killed
+        by the system, the check itself broke) bars it in this process only: not stored."""
         from kernel_variants._dtypes import as_dtype
 
-        fp, fpid = self._where(key)
-        t0 = time.perf_counter()
-        why = rv.ensure_built()
-        if why is not None:
-            outcome, where = _failed(f"cannot run here: {why}"), "process"
-        else:
-            outcome, where = run_qualification(key.spec, rv, key.features, dtype=as_dtype(key.dtype),
-                                               device=key.where)
-        seconds = time.perf_counter() - t0
-        v = self._keep(verdict_from(outcome, key=key, rv=rv, fingerprint=fp, fingerprint_id=fpid, where=where,
-                                    seconds=seconds))
+        with self._lock:
+            fp, fpid = self._where(key)
+            t0 = time.perf_counter()
+            why = rv.ensure_built()
+            if why is not None:
+                outcome, where = _error(f"cannot run here: {why}"), "process"
+            else:
+                outcome, where = run_qualification(key.spec, rv, key.features, dtype=as_dtype(key.dtype),
+                                                   device=key.where)
+            seconds = time.perf_counter() - t0
+            v = self._keep(verdict_from(outcome, key=key, rv=rv, fingerprint=fp, fingerprint_id=fpid, where=where,
+                                        seconds=seconds), persist=not outcome.get("error"))
         if announce and (seconds > SLOW_S or where == "child" or not v.passed):
             print(f"kernel_variants: {rv.id} for {_describe(key)}: {v.summary()} "
                   f"({'in a child process, ' if where == 'child' else ''}{seconds:.1f} s)", file=sys.stderr)
@@ -387,7 +475,7 @@ class Qualifier:
         return None if v.passed else v.summary()
 
     def failed(self, entries: list[RegisteredVariant], key: CallKey) -> dict[str, str]:
-        """Those of ``entries`` whose stored verdict for ``key``'s class is a failure, with why."""
+        """Those of ``entries`` whose verdict for ``key``'s class is a failure, with why."""
         if self.policy == "off":
             return {}
         out = {}
@@ -409,7 +497,11 @@ class Qualifier:
         if not v.passed:
             return v
         if why is None:
-            why = check_at(key.spec, rv, shape, key.features, dtype=as_dtype(key.dtype), device=key.where)
+            try:
+                why = check_at(key.spec, rv, shape, key.features, dtype=as_dtype(key.dtype), device=key.where)
+            except Exception as exc:  # the check could not be built (out of memory, say): no verdict on it
+                return self._keep(v.model_copy(update={"passed": False, "reason": f"qualification itself failed "
+                                                       f"at {shape}: {type(exc).__name__}: {exc}"}), persist=False)
         at = ", ".join(f"{a}={s}" for a, s in zip(key.spec.axes, shape, strict=True))
         if why is not None:
             return self._keep(v.model_copy(update={"passed": False, "failed_case": f"check at {at}",
@@ -429,10 +521,13 @@ class Qualifier:
                 if (op is None or parts[2] == op) and (variant is None or parts[-1] == variant):
                     table.store.delete(skey)
                     n += 1
+        self._errors.clear()
         self.forget()
         return n
 
     def forget(self) -> None:
+        """Drop the stored verdicts read so far (another process may have written since); the
+        errors of this process stay (its machine has not changed)."""
         self._cache.clear()
 
 

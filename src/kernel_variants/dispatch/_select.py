@@ -34,6 +34,9 @@ class Decision:
     trace: tuple[TraceRow, ...]
     note: str = ""
     measured_key: tuple[int, ...] | None = field(default=None)
+    # Made while a graph was captured, passing over a variant not yet qualified: the next call
+    # decides again (and qualifies it, once eager), so it is never memoised.
+    provisional: bool = False
 
     def __str__(self) -> str:
         head = self.key.describe()

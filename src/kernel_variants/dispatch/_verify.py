@@ -71,6 +71,9 @@ def copy_case(case: Case) -> _Copy:
     return _Copy(args, kwargs, storages, devices)
 
 
+# Same-size integers, to compare a written view bit for bit (isclose calls -0.0 and 0.0 equal).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 Expected = tuple[Any, dict[str, torch.Tensor]]  # the reference's result, each written allocation after
 
 
@@ -162,6 +165,9 @@ def verify(fn: Callable[..., Any], case: Case, expected: Expected | None = None,
         why = mismatch(view, ref_view, name, exact=True)
         if why is not None:
             return why
+        bits = _BITS.get(view.element_size())
+        if bits is not None and not torch.equal(view.view(bits), ref_view.view(bits)):
+            return f"{name}: bits differ inside its view (a signed zero or another NaN payload)"
         if not torch.equal(mine.allocation(name), after):
             return f"{name}: wrote outside its view (bytes of its allocation beyond the view changed)"
     for name, before in untouched.items():
