@@ -145,7 +145,7 @@ def _slow(seconds):
 
 def test_a_far_slower_variant_is_pruned_recorded_with_its_bound_and_treated_as_measured(
         reference_only, with_variants, capsys):
-    with_variants(_variant("snail", _slow(0.004), priority=1000), _variant("quick"))
+    with_variants(_variant("snail", _slow(0.02), priority=1000), _variant("quick"))  # >3x even on a loaded machine
     result = kv.calibrate(FN, [(2, 32, 16)], variants=["snail", "quick"], **QUICK)
     by = {m.variant: m for m in result.measurements}
     snail = by["snail"]
