@@ -1,6 +1,6 @@
-"""The plugin package the README shows is real: it loads through its entry points, bringing a
-variant of an existing op and a whole new op with its variant, and both pass the conformance
-checks on every case they claim."""
+"""The plugin package the README and docs/plugins.md show is real: it loads through its entry
+points, bringing a variant of an existing op and a whole new op with its variant, and both pass
+the conformance checks on every case they claim."""
 
 from __future__ import annotations
 
@@ -18,13 +18,30 @@ EXAMPLE = ROOT / "examples" / "kv-my-conv"
 tomllib = pytest.importorskip("tomllib")
 
 
-def test_readme_shows_the_example_files_verbatim():
-    readme = (ROOT / "README.md").read_text()
-    blocks = dict((first.strip("# ").strip(), body) for first, body in
-                  re.findall(r"```(?:toml|python)\n(# [^\n]+)\n(.*?)```", readme, re.S))
-    assert blocks["kv_my_conv.py"] == (EXAMPLE / "kv_my_conv.py").read_text()
-    assert blocks["kv_silu_and_mul.py"] == (EXAMPLE / "kv_silu_and_mul.py").read_text()
-    assert (EXAMPLE / "pyproject.toml").read_text().startswith(blocks["pyproject.toml"])
+def _file_blocks(page: Path) -> dict[str, str]:
+    """The page's code blocks that open with a file name comment (``# kv_my_conv.py``), by name."""
+    return dict((first.strip("# ").strip(), body) for first, body in
+                re.findall(r"```(?:toml|python)\n(# [^\n]+)\n(.*?)```", page.read_text(), re.S))
+
+
+def _assert_example_files(blocks: dict[str, str]) -> None:
+    for name, body in blocks.items():
+        if name == "pyproject.toml":
+            assert (EXAMPLE / name).read_text().startswith(body)
+        else:
+            assert body == (EXAMPLE / name).read_text(), name
+
+
+def test_docs_show_the_example_files_verbatim():
+    blocks = _file_blocks(ROOT / "docs" / "plugins.md")
+    assert set(blocks) == {"pyproject.toml", "kv_my_conv.py", "kv_silu_and_mul.py"}
+    _assert_example_files(blocks)
+
+
+def test_readme_shows_the_short_plugin_verbatim():
+    blocks = _file_blocks(ROOT / "README.md")
+    assert {"pyproject.toml", "kv_my_conv.py"} <= set(blocks)
+    _assert_example_files(blocks)
 
 
 def test_example_plugin_loads_through_its_entry_point_and_conforms(monkeypatch):
