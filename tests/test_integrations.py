@@ -925,3 +925,33 @@ def test_patch_reaches_the_gdn_call_sites_imported_later(monkeypatch, reference_
 def test_unpack_weight_refuses_other_shapes():
     with pytest.raises(ValueError, match=r"weight: expected a packed \[D, 4\] weight .* got shape \[40, 4\]"):
         kv_vllm.unpack_weight(torch.zeros(40, 4))
+
+
+def test_vllm_general_plugin_is_opt_in(monkeypatch, reference_only, capsys):
+    _vllm_utils(monkeypatch)
+    fn_cpu, _ = _cpu_standins(monkeypatch)
+    ops = _module(monkeypatch, kv_vllm.MODULE, causal_conv1d_fn=fn_cpu)
+    monkeypatch.setattr(kv_vllm, "_plugin_patch", None)
+    monkeypatch.delenv(kv_vllm.PLUGIN_ENV, raising=False)
+    assert kv_vllm.plugin() is None and ops.causal_conv1d_fn is fn_cpu
+    monkeypatch.setenv(kv_vllm.PLUGIN_ENV, "1")
+    handle = kv_vllm.plugin()
+    try:
+        assert ops.causal_conv1d_fn is kv_vllm.causal_conv1d_fn_cpu
+        assert kv_vllm.plugin() is handle  # vLLM may load its plugins more than once per process
+        assert "kernel_variants: patched vLLM's conv functions" in capsys.readouterr().err
+    finally:
+        handle.undo()
+    monkeypatch.setenv(kv_vllm.PLUGIN_ENV, "maybe")
+    with pytest.raises(ValueError, match="KV_VLLM_PATCH: expected 1 .* got 'maybe'"):
+        kv_vllm.plugin()
+
+
+def test_vllm_plugin_entry_point_is_declared():
+    """vLLM finds its general plugins through this entry point group (vllm/plugins/__init__.py)."""
+    import importlib.metadata
+
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert [ep.value for ep in eps if ep.name == "kernel_variants"] == [
+        "kernel_variants.integrations.vllm:plugin"]
+    assert next(ep for ep in eps if ep.name == "kernel_variants").load() is kv_vllm.plugin

@@ -44,7 +44,9 @@ prefix caching: ``metadata``, ``validate_data``, ``num_computed_tokens``,
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,6 +81,7 @@ __all__ = [
     "MODULE",
     "NULL_BLOCK_ID",
     "PAD_SLOT_ID",
+    "PLUGIN_ENV",
     "Convention",
     "IntegrationWarning",
     "Patch",
@@ -92,6 +95,7 @@ __all__ = [
     "gdn_causal_conv1d_fwd_cpu",
     "gdn_causal_conv1d_update_cpu",
     "patch",
+    "plugin",
     "unpack_weight",
 ]
 
@@ -563,3 +567,33 @@ def patch(*, also: Sequence[str] = (), build: bool = False) -> Patch:
     }}, prefixes=("vllm", *plugin_packages()), also=names, build=build)
     handle.convention = rule
     return handle
+
+
+#: Environment variable that opts vLLM's processes into patch() at start (see :func:`plugin`).
+PLUGIN_ENV = "KV_VLLM_PATCH"
+_plugin_patch: Patch | None = None
+
+
+def plugin() -> Patch | None:
+    """The ``vllm.general_plugins`` entry point: vLLM calls it at the start of every process it
+    runs (``vllm serve``'s API server, engine core and workers; ``LLM(...)``'s too), so that
+    those processes are patched without code of yours. Opt-in: nothing happens unless
+    ``KV_VLLM_PATCH`` is ``1`` (patch, leaving out variants not built) or ``build`` (patch, and
+    build them first). vLLM may call it more than once per process; it patches once. Announces
+    what it did on stderr. Returns the handle (also kept for the process's lifetime)."""
+    global _plugin_patch
+    raw = os.environ.get(PLUGIN_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return None
+    if raw not in ("1", "true", "yes", "on", "build"):
+        raise ValueError(f"{PLUGIN_ENV}: expected 1 (patch) or build (build, then patch), got {raw!r}")
+    if _plugin_patch is not None and _plugin_patch.active:
+        return _plugin_patch
+    # The one import here: vLLM's own conv module, which patch() needs loaded; importing it at
+    # process start is what vLLM's model code does moments later.
+    importlib.import_module(MODULE)
+    _plugin_patch = patch(build=raw == "build")
+    print(f"kernel_variants: patched vLLM's conv functions in process {os.getpid()} "
+          f"({len(_plugin_patch.replaced)} bindings; {_plugin_patch.convention})",
+          file=sys.stderr, flush=True)
+    return _plugin_patch
