@@ -140,6 +140,19 @@ def _reseed(model) -> None:
                 module.weight.data = ops.causal_conv1d_weight_pack(unpacked)
 
 
+def _importable(fn):
+    """``fn`` as this module's attribute by its importable name: an engine core in a process
+    of its own unpickles it by reference, and there ``__main__`` is another program."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import importlib
+
+    return getattr(importlib.import_module(Path(__file__).stem), fn.__name__)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=sorted(CONFIGS), default="mamba2")
@@ -168,7 +181,7 @@ def main() -> int:
     llm = LLM(model=str(args.dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               dtype=args.dtype or CONFIGS[args.arch]["torch_dtype"], max_model_len=256, seed=0, max_num_seqs=4,
               gpu_memory_utilization=0.1)  # on the CPU backend: the share of RAM for the KV cache
-    llm.apply_model(_reseed)
+    llm.apply_model(_importable(_reseed))
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     served: dict[str, str] = {}
@@ -177,7 +190,7 @@ def main() -> int:
 
         served = {text: vid for text, (_, vid) in dispatcher().decided.items()}
     print(json.dumps({
-        "arch": args.arch, "dtype": args.dtype or CONFIGS[args.arch]["torch_dtype"], "patched": args.patch, "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "pid": os.getpid(), "arch": args.arch, "dtype": args.dtype or CONFIGS[args.arch]["torch_dtype"], "patched": args.patch, "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "engine_calls": engine_calls, "kernel_calls": kernel_calls, "dispatched": dispatched, "served_by": sorted(set(served.values())),
         "replaced": list(handle.replaced) if handle else [], "left_out": list(handle.left_out) if handle else [],
         "convention": str(handle.convention) if handle else None,

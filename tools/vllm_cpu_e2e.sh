@@ -41,9 +41,9 @@ else:
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm_cpu.py tests/test_conformance.py -k vllm_cpu
 
 for arch in mamba2 gdn; do
-  "$venv/bin/python" tools/vllm_cpu_e2e.py --arch "$arch" --dir "$work/$arch" 2>"$work/$arch-off.err" | tail -n 1 >"$work/$arch-off.json" \
+  "$venv/bin/python" tools/vllm_cpu_e2e.py --arch "$arch" --dir "$work/$arch" 2>"$work/$arch-off.err" | grep '^{"pid"' | tail -n 1 >"$work/$arch-off.json" \
     || { tail -n 30 "$work/$arch-off.err"; exit 1; }
-  "$venv/bin/python" tools/vllm_cpu_e2e.py --arch "$arch" --dir "$work/$arch" --patch 2>"$work/$arch-on.err" | tail -n 1 >"$work/$arch-on.json" \
+  "$venv/bin/python" tools/vllm_cpu_e2e.py --arch "$arch" --dir "$work/$arch" --patch 2>"$work/$arch-on.err" | grep '^{"pid"' | tail -n 1 >"$work/$arch-on.json" \
     || { tail -n 30 "$work/$arch-on.err"; exit 1; }
   "$venv/bin/python" - "$work/$arch-off.json" "$work/$arch-on.json" <<'EOF'
 import json, sys
@@ -68,4 +68,22 @@ print(f"vllm_cpu_e2e {arch} ({on['dtype']}): identical token ids ({sum(map(len, 
       f"{on['convention']}")
 EOF
 done
+
+# `vllm serve`'s way: no code of ours in the engine, the engine core in a process of its own,
+# patched at start by the package's vllm.general_plugins entry point (KV_VLLM_PATCH=1); the
+# reseeding function travels to the engine process by pickle, which vLLM makes opt-in.
+KV_VLLM_PATCH=1 VLLM_ENABLE_V1_MULTIPROCESSING=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 "$venv/bin/python" tools/vllm_cpu_e2e.py --arch mamba2 \
+  --dir "$work/mamba2" 2>"$work/plugin.err" | grep '^{"pid"' | tail -n 1 >"$work/plugin.json" || { tail -n 30 "$work/plugin.err"; exit 1; }
+"$venv/bin/python" - "$work/mamba2-off.json" "$work/plugin.json" "$work/plugin.err" <<'EOF'
+import json, re, sys
+off, on = (json.load(open(p)) for p in sys.argv[1:3])
+pids = {int(m) for m in re.findall(r"kernel_variants: patched vLLM's conv functions in process (\d+)", open(sys.argv[3]).read())}
+engine = pids - {on["pid"]}
+if not engine:
+    sys.exit(f"vllm_cpu_e2e plugin: FAILED, no engine process announced a patch (announced: {sorted(pids)}, "
+             f"driver {on['pid']})")
+if off["tokens"] != on["tokens"]:
+    sys.exit(f"vllm_cpu_e2e plugin: FAILED, token ids differ:\n  vLLM's own: {off['tokens']}\n  plugin:     {on['tokens']}")
+print(f"vllm_cpu_e2e plugin (KV_VLLM_PATCH=1, engine core in process {sorted(engine)}): identical token ids")
+EOF
 echo "vllm_cpu_e2e: passed in $((SECONDS - start)) s"
