@@ -83,7 +83,7 @@ def test_without_any_measurement_priority_decides():
         ("nan", lambda *a, **k: reference.causal_conv1d_fn(*a, **k) * float("nan"), "NaN or Inf"),
         ("raises", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bad kernel")), "raised RuntimeError: bad kernel"),
         ("into_copy", lambda x, w, b=None, *, conv_states=None, **k: reference.causal_conv1d_fn(
-            x, w, b, conv_states=None if conv_states is None else conv_states.clone(), **k), "state pool"),
+            x, w, b, conv_states=None if conv_states is None else conv_states.clone(), **k), "conv_states:"),
     ],
 )
 def test_a_wrong_variant_is_rejected_with_its_reason_and_never_chosen(reference_only, with_variants, name, fn, reason):

@@ -73,7 +73,7 @@ def test_list_shows_every_variant_with_plugin_version_and_why_unavailable(capsys
     lines = {tuple(line.split()[:2]): line for line in out.splitlines()[2:] if line[:1].strip()}
     assert "no: needs a unicorn accelerator" in lines[(FN, "unicorn")]
     ref = lines[(FN, "reference")]
-    assert ref.split()[2] == "causal_conv1d" and ref.endswith("yes")
+    assert ref.split()[2] == "causal_conv1d" and " oracle " in ref and ref.endswith("yes")
     records = run_json(capsys, "list", "--op", "fn")
     by_id = {r["id"]: r for r in records}
     assert set(by_id) == {rv.id for rv in kv.variants(FN)}
@@ -87,7 +87,7 @@ def test_list_with_a_shape_gives_the_decision_trace(capsys):
     rc, out, _ = run(capsys, "list", "--shape", "2,32,16", "--dtype", "fp32")
     assert rc == 0
     assert out.startswith(f"{FN} on cpu float32 (B=2, D=32, L=16) width=4")
-    assert "(by priority; no measurements for this key)" in out
+    assert "(by priority; no measurements for this key; not qualified on this device yet" in out
     calibrate(capsys)  # reference and torch_shift only: an incomplete row
     got = run_json(capsys, "list", "--shape", "2,32,16", "--dtype", "fp32")
     assert (got["source"], got["chosen"]) == ("priority", "cpu_native") and "incomplete row" in got["note"]
@@ -322,6 +322,8 @@ def _refingerprint(doc, **changes):
         m.update(fingerprint=fp, fingerprint_id=fpid)
     for w in doc["winners"]:
         w["fingerprint_id"] = fpid
+    for v in doc.get("verdicts", []):
+        v.update(fingerprint=fp, fingerprint_id=fpid)
     return doc
 
 

@@ -110,7 +110,8 @@ def test_compare_reports_a_wrong_variant_instead_of_timing_it(capsys, contenders
     rc, out, _ = run(capsys, "compare", "reference", "off_by_one", *SHAPES, *QUICK, "--json")
     got = json.loads(out)
     assert rc == 0 and got["compared"] == 0
-    assert all(p["b_us"] is None and p["b_note"].startswith("rejected: output:") for p in got["pairs"])
+    assert all(p["b_us"] is None and p["b_note"].startswith("rejected: failed qualification: ")
+               and "output:" in p["b_note"] for p in got["pairs"])
     assert all(p["a_us"] > 0 for p in got["pairs"])
     rc, out, _ = run(capsys, "compare", "reference", "off_by_one", *SHAPES, *QUICK)
     assert "rejected" in out.splitlines()[3]

@@ -100,7 +100,7 @@ def test_the_suite_catches_a_variant_that_writes_into_a_copy():
         return reference.causal_conv1d_update(x, conv_state.contiguous(), *args, **kwargs)
 
     case = make_case("causal_conv1d_update", batch=2, dim=8, seqlen=1, noncontig=True)
-    assert "state pool" in (verify(into_copy, case) or "")
+    assert "conv_state:" in (verify(into_copy, case) or "")
 
 
 def test_the_suite_catches_a_variant_that_reads_a_history_it_must_not():
@@ -215,7 +215,7 @@ def test_dispatched_call_with_out_matches_reference(variant, device, form):
     failures, ran = [], 0
     for label, case in _claimed_cases(variant, device):
         ran += 1
-        why = verify(run, case)
+        why = verify(run, case, layout=False)  # the result is the caller's out, strided or not
         if why is not None:
             failures.append(f"{label}: {why}")
     assert ran > 0

@@ -209,3 +209,72 @@ def test_online_tuning_measures_on_rank_0_and_every_rank_runs_its_choice(tmp_pat
                                                 "(2, 32, 16)": rank0["table"]["(2, 32, 16)"]}
     expected = [[rank0["key"], {"0": rank0["chosen"][rank0["key"]], "1": rank1["other"]}]]
     assert rank0["differ"] == rank1["differ"] == expected
+
+
+QUALIFIED_EVERYWHERE = """
+    import os, sys, json
+
+    rank = int(os.environ["RANK"])
+    os.environ["KV_CACHE_DIR"] = os.path.join({base!r}, "rank" + str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    import kernel_variants as kv
+    from kernel_variants.dispatch import dispatcher, reset
+    from kernel_variants.kernels import cpu_native
+    from kernel_variants.ops.causal_conv1d import ConvCapabilities
+    from kernel_variants.registry import Variant, hookimpl
+    from kernel_variants.registry._registry import Registry, make_plugin_manager
+
+    def fast(*args, **kwargs):  # right on rank 0's device, wrong on rank 1's
+        y = cpu_native.causal_conv1d_fn(*args, **kwargs)
+        return y * 1.5 if rank == 1 else y
+
+    class Plugin:
+        @hookimpl
+        def kv_register_variants(self, register):
+            register(Variant(id="fast", op="causal_conv1d_fn", version="1", fn=fast, priority=100, isolate=False,
+                             capabilities=ConvCapabilities(devices={{"cpu"}}, dtypes={{"float32"}})))
+
+    reset(Registry(make_plugin_manager(entry_points=False, extra_plugins=[("rank-plugin", Plugin())])))
+    dist.init_process_group("gloo")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 256, 64, generator=g), torch.randn(64, 4, generator=g)
+    y = kv.causal_conv1d_fn(x, w, None, activation="silu")
+    times = [r.times_us for r in kv.table("causal_conv1d_fn")]
+    ok = torch.allclose(y, kv.explain("causal_conv1d_fn", x, w).key.spec.reference.fn(x, w, None, activation="silu"))
+    chosen = {{text: vid for text, (_, vid) in dispatcher().decided.items()}}
+    print(json.dumps({{"chosen": chosen, "ok": ok, "times": times,
+                      "verdicts": [[v.variant, v.passed] for v in kv.verdicts()]}}))
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_rank_0_chooses_only_among_variants_qualified_on_every_rank(tmp_path):
+    """A variant right on rank 0's device and wrong on rank 1's (faster than anything else there):
+    rank 0 measures it fastest, but it failed qualification on rank 1, so rank 0 chooses among
+    the others and every rank runs that, right on each."""
+    script = tmp_path / "everywhere.py"
+    script.write_text(textwrap.dedent(QUALIFIED_EVERYWHERE.format(base=str(tmp_path))))
+    env = _env(KV_TUNE="1", KV_DISABLE_PLUGINS="cpu_native,aten,torch_shift", WORLD_SIZE="2",
+               MASTER_PORT=str(_free_port()))
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    done = []
+    try:
+        for p in procs:
+            done.append(p.communicate(timeout=120))
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    for p, (_, err) in zip(procs, done, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    rank0, rank1 = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in done)
+    assert ["fast", True] in rank0["verdicts"] and ["fast", False] in rank1["verdicts"]
+    (times,) = rank0["times"]
+    assert times["fast"] < times["reference"], "rank 0 would have chosen it"
+    assert rank0["chosen"] == rank1["chosen"] and set(rank0["chosen"].values()) == {"reference"}
+    assert rank0["ok"] and rank1["ok"]

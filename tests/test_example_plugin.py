@@ -74,6 +74,9 @@ def test_example_plugin_loads_through_its_entry_point_and_conforms(monkeypatch):
     expected = torch.nn.functional.silu(x[:, :8]) * x[:, 8:]
     torch.testing.assert_close(kv_silu_and_mul.silu_and_mul(x), expected)
     assert kv.explain("silu_and_mul", x).chosen.id == "fused"
+    # It qualified first, from the new op's own conformance list, as a built-in op's variants do.
+    (verdict,) = [v for v in kv.verdicts() if v.group.op == "silu_and_mul"]
+    assert verdict.variant == "fused" and verdict.passed and verdict.cases > 0
     result = kv.calibrate("silu_and_mul", [(4, 64)], dtype="float32", warmup=1, windows=1, iters=2)
     assert {m.variant for m in result.measurements} == {"reference", "fused"}
     assert kv.table("silu_and_mul")[0].shape == (4, 64)

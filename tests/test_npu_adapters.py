@@ -524,7 +524,7 @@ def test_a_kernel_handed_a_contiguous_copy_of_the_pool_is_caught(adapters):
     assert verify(broken, contiguous) is None, "on a contiguous pool .contiguous() is the pool itself"
     strided = _case("causal_conv1d_update", noncontig=True)
     assert verify(good, strided) is None
-    assert "state pool" in (verify(broken, strided) or "")
+    assert "conv_state:" in (verify(broken, strided) or "")
 
 
 def test_a_scatter_into_a_copy_of_the_pool_is_caught(adapters, monkeypatch):
@@ -538,8 +538,8 @@ def test_a_scatter_into_a_copy_of_the_pool_is_caught(adapters, monkeypatch):
     assert verify(adapters["asc"]["causal_conv1d_update"].variant.fn, case) is None
     monkeypatch.setattr(asc, "scatter_rows", into_copy)
     monkeypatch.setattr(_adapters, "scatter_rows", into_copy)
-    assert "state pool" in (verify(adapters["asc"]["causal_conv1d_update"].variant.fn, case) or "")
-    assert "state pool" in (verify(adapters["pto"]["causal_conv1d_fn"].variant.fn, fn_case) or "")
+    assert "conv_state:" in (verify(adapters["asc"]["causal_conv1d_update"].variant.fn, case) or "")
+    assert "conv_states:" in (verify(adapters["pto"]["causal_conv1d_fn"].variant.fn, fn_case) or "")
 
 
 def test_kernels_are_recognised_by_schema_and_a_mismatch_says_what_was_found():

@@ -71,26 +71,28 @@ def test_entry_point_plugin_is_loaded_and_its_variant_dispatched(tmp_path, monke
         from kernel_variants.registry import Variant, hookimpl
         from kernel_variants.ops.causal_conv1d import _reference as reference
 
-        def doubled(x, weight, bias=None, **kw):
-            return reference.causal_conv1d_fn(x, weight * 2, bias, **kw)
+        def copied(x, weight, bias=None, **kw):
+            return reference.causal_conv1d_fn(x.clone(), weight, bias, **kw)
 
         @hookimpl
         def kv_register_variants(register):
-            register(Variant(id="doubled", op="causal_conv1d_fn", version="1", priority=50,
+            register(Variant(id="copied", op="causal_conv1d_fn", version="1", priority=50,
                              capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}),
-                             fn=doubled))
+                             fn=copied))
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     ep = importlib.metadata.EntryPoint("demo", "kv_demo_plugin", "kernel_variants")
     monkeypatch.setattr(importlib.metadata, "distributions", lambda: [_FakeDist("kv-demo", [ep])])
     kernel_variants.reload()
-    rv = next(rv for rv in kernel_variants.variants("causal_conv1d_fn") if rv.id == "doubled")
+    rv = next(rv for rv in kernel_variants.variants("causal_conv1d_fn") if rv.id == "copied")
     assert rv.plugin == "demo"
     import torch
 
     x, w = torch.ones(1, 2, 1), torch.ones(1, 2)
-    assert kernel_variants.causal_conv1d_fn(x, w).flatten().tolist() == [2.0, 4.0]
-    assert kernel_variants.explain("causal_conv1d_fn", x, w).chosen.id == "doubled"
+    assert kernel_variants.causal_conv1d_fn(x, w).flatten().tolist() == [1.0, 2.0]
+    # It qualified on this device (in a child process: it does not say it is pure), then ran.
+    assert kernel_variants.explain("causal_conv1d_fn", x, w).chosen.id == "copied"
+    assert [v.where for v in kernel_variants.verdicts() if v.variant == "copied"] == ["child"]
 
 
 def test_duplicate_id_names_both_plugins():

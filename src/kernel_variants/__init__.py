@@ -4,6 +4,7 @@ variant measured fastest for its shape on this device.
 Public API: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`,
 :func:`gemma_rms_norm`, :func:`add_gemma_rms_norm`), inspection
 (:func:`variants`, :func:`explain`), pinning (:func:`force`), a fixed choice for a loop (:func:`bind`),
+qualification on this device (:func:`qualify`, :func:`verdicts`, :func:`clear_verdicts`),
 calibration (:func:`calibrate`, :func:`table`), ranks' agreement under torch.distributed
 (:func:`check_agreement`), bad index values met on an accelerator (:func:`check_errors`), and for
 plugin authors the :mod:`kernel_variants.registry` module.
@@ -23,11 +24,20 @@ from kernel_variants._version import __version__
 
 if TYPE_CHECKING:
     from kernel_variants.dispatch import Decision, NoVariantError, VariantFailed, explain, force
-    from kernel_variants.dispatch._api import TableRow, calibrate, clear_table, table
+    from kernel_variants.dispatch._api import (
+        TableRow,
+        calibrate,
+        clear_table,
+        clear_verdicts,
+        qualify,
+        table,
+        verdicts,
+    )
     from kernel_variants.dispatch._calibrate import CalibrationResult, Progress
     from kernel_variants.dispatch._device_errors import check_errors
     from kernel_variants.dispatch._distributed import check_agreement
     from kernel_variants.dispatch._op import BoundOp, bind
+    from kernel_variants.dispatch._qualify import Verdict
     from kernel_variants.dispatch._table import CalibrationWarning, Measurement
     from kernel_variants.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
     from kernel_variants.ops.gemma_rms_norm import add_gemma_rms_norm, gemma_rms_norm
@@ -62,6 +72,10 @@ _LAZY = {
     "TableRow": "kernel_variants.dispatch._api",
     "calibrate": "kernel_variants.dispatch._api",
     "clear_table": "kernel_variants.dispatch._api",
+    "clear_verdicts": "kernel_variants.dispatch._api",
+    "qualify": "kernel_variants.dispatch._api",
+    "verdicts": "kernel_variants.dispatch._api",
+    "Verdict": "kernel_variants.dispatch._qualify",
     "table": "kernel_variants.dispatch._api",
     "CalibrationResult": "kernel_variants.dispatch._calibrate",
     "BoundOp": "kernel_variants.dispatch._op",
@@ -127,6 +141,7 @@ __all__ = [
     "TableRow",
     "Variant",
     "VariantFailed",
+    "Verdict",
     "__version__",
     "add_gemma_rms_norm",
     "bind",
@@ -136,11 +151,14 @@ __all__ = [
     "check_agreement",
     "check_errors",
     "clear_table",
+    "clear_verdicts",
     "explain",
     "force",
     "gemma_rms_norm",
     "hookimpl",
+    "qualify",
     "reload",
     "table",
     "variants",
+    "verdicts",
 ]

@@ -27,6 +27,7 @@ from kernel_variants._version import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("list_", "registered variants, or the decision for one shape"),
     "build": ("build", "compile the variants built on this machine now (for images and CI)"),
+    "qualify": ("qualify", "check variants against the reference on the op's edge cases, on this device"),
     "calibrate": ("calibrate", "measure variants on a sweep and store each shape's winner"),
     "table": ("table", "calibrated winners per shape, with every variant's time"),
     "compare": ("compare", "head-to-head of two variants (or two CSV columns), per shape"),

@@ -1,7 +1,8 @@
 """Compile every variant that is built on this machine (the cpu_native C++ kernel, and any
-plugin's that declares a build), so that no process pays for it on its first call. Run it when
-building a container image or in CI; it reports where each build went (exit status 1 when a
-build failed, with the reason)."""
+plugin's that declares a build), so that no process pays for it on its first call, then qualify
+what it built on this machine's CPU (kv qualify), so that no call pays for that either. Run it
+when building a container image or in CI; it reports where each build went and each verdict
+(exit status 1 when a build or a qualification failed, with the reason)."""
 
 from __future__ import annotations
 
@@ -40,12 +41,25 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # the build's own message is the verdict
             record["reason"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         record["seconds"] = round(time.perf_counter() - t0, 1)
+    built = [r["variant"] for r in records if r["ok"]]
+    verdicts = kv.qualify(variants=built) if built else []
+    for r in records:
+        mine = [v for v in verdicts if v.variant == r["variant"] and v.group.op in r["ops"]]
+        failed = [v for v in mine if not v.passed]
+        r["qualified"] = {"passed": len(mine) - len(failed),
+                          "failed": [f"{v.group.op} {v.group.dtype}: {v.failed_case or v.reason}" for v in failed]}
     if args.json:
         print_json(records)
     elif not records:
         print("kv build: no registered variant is built on this machine")
     else:
-        rows = [[r["variant"], ",".join(r["ops"]), "built" if r["ok"] else "failed",
-                 r["seconds"], r["where"] if r["ok"] else r["reason"]] for r in records]
-        print(render_table(["variant", "ops", "status", "s", "where / why"], rows))
-    return 0 if all(r["ok"] for r in records) else 1
+        rows = [[r["variant"], ",".join(r["ops"]), "built" if r["ok"] else "failed", r["seconds"],
+                 _qualified(r["qualified"]), r["where"] if r["ok"] else r["reason"]] for r in records]
+        print(render_table(["variant", "ops", "status", "s", "qualified (cpu)", "where / why"], rows))
+    return 0 if all(r["ok"] and not r["qualified"]["failed"] for r in records) else 1
+
+
+def _qualified(q: dict) -> str:
+    if q["failed"]:
+        return f"FAILED {q['failed'][0]}" + (f" (+{len(q['failed']) - 1})" if len(q["failed"]) > 1 else "")
+    return f"{q['passed']} classes" if q["passed"] else "-"

@@ -27,10 +27,15 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"file": args.file, "fingerprint_id": rep.fingerprint_id, "forced": rep.forced,
                     "added": rep.added, "updated": rep.updated, "kept": rep.kept,
-                    "stale": {v: list(vs) for v, vs in rep.stale.items()}, "unknown": rep.unknown})
+                    "stale": {v: list(vs) for v, vs in rep.stale.items()}, "unknown": rep.unknown,
+                    "verdicts": rep.verdicts, "verdicts_left": rep.verdicts_left})
         return 0
     forced = " (fingerprint differed; imported under this machine's with --force)" if rep.forced else ""
-    print(f"imported {args.file}: {rep.added} added, {rep.updated} updated, {rep.kept} kept as newer here{forced}")
+    print(f"imported {args.file}: {rep.added} added, {rep.updated} updated, {rep.kept} kept as newer here, "
+          f"{rep.verdicts} qualification verdicts{forced}")
+    if rep.verdicts_left:
+        print(f"kv import: {rep.verdicts_left} qualification verdicts left out: they were taken on another "
+              "fingerprint (each variant qualifies here before it is chosen)", file=sys.stderr)
     for v, (theirs, ours) in sorted(rep.stale.items()):
         print(f"kv import: warning: {v} was measured at version {theirs}, this machine has {ours}; "
               "its imported timings are ignored until recalibrated", file=sys.stderr)

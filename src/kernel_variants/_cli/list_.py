@@ -27,6 +27,9 @@ def _catalogue(args: argparse.Namespace) -> int:
     op = opt.op_spec(args.op).name if args.op else None
     order = {spec.name: i for i, spec in enumerate(opt.registry().ops())}
     entries = sorted(kv.variants(op), key=lambda rv: (order[rv.op], -rv.variant.priority, rv.id))
+    verdicts: dict[tuple[str, str], list] = {}
+    for v in kv.verdicts(opt.device(args.device)):
+        verdicts.setdefault((v.group.op, v.variant), []).append(v)
     records = []
     for rv in entries:
         c = rv.variant.capabilities
@@ -36,6 +39,9 @@ def _catalogue(args: argparse.Namespace) -> int:
             "priority": rv.variant.priority, "devices": sorted(c.devices), "dtypes": sorted(c.dtypes),
             "features": c.summary(), "available": why is None, "reason": why,
             "needs_build": rv.needs_build(),
+            "qualification": [{"dtype": v.group.dtype, "features": dict(v.group.features), "passed": v.passed,
+                               "cases": v.cases, "failed_case": v.failed_case, "reason": v.reason}
+                              for v in verdicts.get((rv.op, rv.id), [])],
             "capabilities": c.model_dump(mode="json"),
         })
     if args.json:
@@ -43,21 +49,39 @@ def _catalogue(args: argparse.Namespace) -> int:
         return 0
     status = ["yes, not built yet (kv build)" if r["needs_build"] else "yes" if r["available"]
               else f"no: {r['reason']}" for r in records]
+    qualified = [_qualified(r, rv.variant.fn is opt.registry().spec(rv.op).reference.fn, args.wide)
+                 for r, rv in zip(records, entries, strict=True)]
     if args.wide:
         rows = [[r["op"], r["id"], r["plugin"], r["version"], r["priority"], ",".join(r["devices"]),
-                 ",".join(short(d) for d in r["dtypes"]), r["features"], st]
-                for r, st in zip(records, status, strict=True)]
+                 ",".join(short(d) for d in r["dtypes"]), r["features"], q, st]
+                for r, st, q in zip(records, status, qualified, strict=True)]
         print(render_table(["op", "variant", "plugin", "version", "prio", "devices", "dtypes", "capabilities",
-                            "available"], rows, right=[False] * 4 + [True] + [False] * 4))
+                            "qualified", "available"], rows, right=[False] * 4 + [True] + [False] * 5))
     else:
+        # "available" last: its reasons are the long cells, wrapped to the terminal's width.
         rows = [[r["op"], r["id"], r["priority"], ",".join(r["devices"]),
-                 ",".join(short(d) for d in r["dtypes"]), st]
-                for r, st in zip(records, status, strict=True)]
-        print(render_table(["op", "variant", "prio", "devices", "dtypes", "available"], rows,
-                           right=[False, False, True, False, False, False], width=terminal_width()))
+                 ",".join(short(d) for d in r["dtypes"]), q, st]
+                for r, st, q in zip(records, status, qualified, strict=True)]
+        print(render_table(["op", "variant", "prio", "devices", "dtypes", "qualified", "available"], rows,
+                           right=[False, False, True, False, False, False, False], width=terminal_width()))
     for name, why in dispatcher().registry.broken.items():
         print(f"broken plugin {name!r}: {why}")
     return 0
+
+
+def _qualified(record: dict, oracle: bool, wide: bool) -> str:
+    """A variant's verdicts on this device in a word or two (wide: the first failing case too)."""
+    if oracle:
+        return "oracle"
+    found = record["qualification"]
+    failed = [q for q in found if not q["passed"]]
+    if failed:
+        q = failed[0]
+        more = f" (+{len(failed) - 1} classes)" if len(failed) > 1 else ""
+        return f"FAILED {short(q['dtype'])}: {q['failed_case'] or q['reason']}{more}" if wide else "FAILED"
+    if found:
+        return f"{len(found)} passed"
+    return "not yet" if record["available"] else "-"
 
 
 def _decision(args: argparse.Namespace) -> int:

@@ -12,16 +12,16 @@ from typing import Any
 import torch
 
 from kernel_variants._dtypes import as_dtype, dtype_name
-from kernel_variants._tolerances import TOLERANCES
 from kernel_variants.registry import CallKey, Case, Features, OpSpec
 from kernel_variants.registry._registry import RegisteredVariant
 from kernel_variants.registry._spec import Shape
 
 from . import _timing
 from ._fingerprint import fingerprint, fingerprint_id
+from ._qualify import Qualifier
 from ._table import CalibrationTable, Group, Measurement, Winner, check_margin, check_prune
 from ._timing import Failed, Pruned, TimingConfig, check_mode, cold_copies, measure_interleaved
-from ._verify import verify
+from ._verify import reference_result, verify
 
 
 @dataclass
@@ -78,13 +78,23 @@ def measure_shape(
     on_result: Callable[[Measurement], None] | None = None,
     prune: float | None = None,
     deadline: float | None = None,
+    qualifier: Qualifier | None = None,
 ) -> list[Measurement]:
-    """Verify each of ``entries`` that can run ``shape`` (rejected ones say why), then time the
+    """Qualify each of ``entries`` that can run ``shape`` for its class and check it at ``shape``
+    (rejected ones say why; a failed check fails the class, see ``Qualifier.check``), then time the
     ones that match, interleaved (see ``_timing.measure_interleaved``); ``prune`` and
     ``deadline`` are passed on. ``on_result`` sees each measurement as soon as it is taken."""
     check_mode(timing, device)
     case = spec.sweep_case(shape, features, dtype=dtype, device=device, seed=_seed(shape))
     key = spec.key_of_case(case)
+    # The check at this shape holds the op's traps (pads, poisoned rows): a kernel wrong only
+    # at large sizes, or only on pads, is caught where it would run. The timing case has none.
+    check = spec.make_case(tuple(shape), dtype=dtype, device=device, seed=_seed(shape),
+                           **{**features.model_dump(), **spec.check_options})
+    if qualifier is None:  # the process's verdicts (the dispatcher imports this module lazily)
+        from ._dispatcher import dispatcher
+
+        qualifier = dispatcher().qualifier
     fp = fingerprint(device)
     fpid = fingerprint_id(fp)
     group = Group.of(key)
@@ -103,14 +113,21 @@ def measure_shape(
     for rv, why in candidates(entries, key, only):
         if why is not None:
             continue  # cannot run here or does not claim this call: nothing to record
-        if expected is None:
-            expected = case.run(_timed(spec.reference.fn, dev, first, "\0reference"))
         base[rv.id] = dict(fingerprint=fp, fingerprint_id=fpid, group=group, shape=shape, variant=rv.id,
                            version=rv.version, deps=rv.deps)
         if rv.variant.fn is spec.reference.fn:  # the oracle itself: its result is the expected one
+            if expected is None:
+                expected = reference_result(check, _timed(spec.reference.fn, dev, first, "\0reference"))
             bad, first[rv.id] = None, first["\0reference"]
         else:
-            bad = checked(_timed(rv.variant.fn, dev, first, rv.id), case, expected)
+            bad = qualifier.barred(rv, key, may_run=True)  # its class's edge cases first
+            if bad is None:
+                if expected is None:
+                    expected = reference_result(check, _timed(spec.reference.fn, dev, first, "\0reference"))
+                bad = verify(_timed(rv.variant.fn, dev, first, rv.id), check, expected)
+                if qualifier.policy != "off":  # off: rejected at this shape, no verdict kept
+                    verdict = qualifier.check(rv, key, tuple(shape), bad)
+                    bad = None if verdict.passed else verdict.summary()
         if bad is None:
             timed.append(rv)
         else:
@@ -175,57 +192,6 @@ FIRST_CALL_MIN_S = 0.005
 _RAN: set[tuple[str, str]] = set()  # (op, variant) verified in this process: its one-time set-up is done
 
 
-def checked(fn: Callable[..., Any], case: Case, expected: tuple[Any, dict[str, torch.Tensor]]) -> str | None:
-    """``_verify.verify``'s verdict, reached faster on large shapes: one call of ``fn``, then a
-    quick float32 pass that can only vouch for outputs within tolerance by a safety factor and
-    for state pools equal bit for bit; anything it cannot vouch for gets verify's own check (in
-    float64, with its message), on the same call's results."""
-    try:
-        out, bases = case.run(fn)
-    except Exception as exc:  # any failure of the candidate is a verdict on it
-        return f"raised {type(exc).__name__}: {exc}"
-    ref_out, ref_bases = expected
-    names = case.spec.outputs
-    got = (out,) if len(names) == 1 else tuple(out) if isinstance(out, tuple | list) else ()
-    want = (ref_out,) if len(names) == 1 else tuple(ref_out)
-    quick = len(got) == len(want) and all(_close(a, e) for a, e in zip(got, want, strict=True)) and all(
-        isinstance(bases.get(n), torch.Tensor) and _same(bases[n], b) for n, b in ref_bases.items())
-    return None if quick else verify(lambda *a, **k: out, _Replay(case, bases), expected)
-
-
-class _Replay:
-    """A case whose ``run`` hands back results already computed (for verify's full check)."""
-
-    def __init__(self, case: Case, bases: dict[str, torch.Tensor]) -> None:
-        self.spec, self._bases = case.spec, bases
-
-    def run(self, fn: Callable[..., Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-        return fn(), self._bases
-
-
-def _close(a: object, e: object) -> bool:
-    """Within the dtype's tolerance everywhere, by a margin float32 rounding cannot eat (False
-    also means "not sure": the full check decides)."""
-    if not (isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor)) or a.shape != e.shape or a.dtype != e.dtype:
-        return False
-    if e.dtype not in TOLERANCES or e.dtype == torch.float64:
-        return False
-    atol, rtol = TOLERANCES[e.dtype]
-    a, e = a.reshape(-1), e.reshape(-1)
-    step = 1 << 18  # in pieces that stay in cache: no page-faulting temporaries the size of the output
-    for i in range(0, e.numel(), step):
-        a32 = a[i:i + step].to(torch.float32, copy=True)  # a copy: the results themselves stay as they are
-        e32 = e[i:i + step].float()
-        # |a - e| <= 0.999 (atol + rtol |e|); NaN or Inf compares False, so the full check judges it.
-        if not bool(a32.sub_(e32).abs_().le_(e32.abs().mul_(rtol * 0.999).add_(atol * 0.999)).all()):
-            return False
-    return True
-
-
-def _same(a: torch.Tensor, e: torch.Tensor) -> bool:
-    return a.shape == e.shape and a.dtype == e.dtype and a.stride() == e.stride() and torch.equal(a, e)
-
-
 def _timed(fn: Callable[..., Any], device: torch.device, sink: dict[str, float], name: str) -> Callable[..., Any]:
     """``fn``, noting in ``sink[name]`` how long its call took (the device synchronised around
     it): verification's call is a candidate's first figure, for pruning the far slower ones."""
@@ -270,6 +236,25 @@ def _finite(v: float) -> bool:
     return v == v and v not in (float("inf"), float("-inf"))
 
 
+def _without_failed(table: CalibrationTable, entries: Sequence[RegisteredVariant], spec: OpSpec,
+                    result: CalibrationResult, features: Features, device: str, qualifier: Qualifier | None,
+                    versions: dict[tuple[str, str], str], margin: float) -> None:
+    """A variant whose check failed at a later shape of this run failed its whole class: the
+    shapes it won earlier in the run are decided again without it."""
+    if qualifier is None:
+        from ._dispatcher import dispatcher
+
+        qualifier = dispatcher().qualifier
+    key = CallKey(spec, torch.device(device).type, result.dtype, features, result.measurements[0].shape)
+    failed = qualifier.failed(list(entries), key)
+    if not any(w is not None and w.variant in failed for w in result.winners.values()):
+        return
+    allowed = {k: v for k, v in versions.items() if k[1] not in failed}
+    fpid, group = result.measurements[0].fingerprint_id, result.measurements[0].group
+    for shape in result.winners:
+        result.winners[shape] = table.decide_winner(fpid, group, shape, allowed, margin)
+
+
 def run_calibration(
     entries: Sequence[RegisteredVariant],
     table: CalibrationTable | None,
@@ -286,6 +271,7 @@ def run_calibration(
     progress: Callable[[Progress], None] | None,
     prune: float | None = None,
     budget_s: float | None = None,
+    qualifier: Qualifier | None = None,
 ) -> CalibrationResult:
     """Measure ``shapes`` and re-decide each one's winner in ``table``.
 
@@ -333,7 +319,7 @@ def run_calibration(
 
         ms = measure_shape(entries, spec, tuple(shape), dtype=dt, device=device, features=features,
                            timing=timing, rotate=rotate, only=variants, on_result=taken, prune=prune,
-                           deadline=deadline)
+                           deadline=deadline, qualifier=qualifier)
         spent += time.monotonic() - t_shape
         sizes += math.prod(shape)
         done += runnable[tuple(shape)] - len(ms)  # keeps the count right if a case's key differs
@@ -342,6 +328,7 @@ def run_calibration(
             result.winners[tuple(shape)] = table.decide_winner(ms[0].fingerprint_id, ms[0].group, tuple(shape),
                                                                versions, margin)
     if table is not None and result.measurements:
+        _without_failed(table, entries, spec, result, features, device, qualifier, versions, margin)
         table.prepare(versions, result.measurements[0].fingerprint_id)
     result.elapsed_s = time.perf_counter() - start
     return result

@@ -28,6 +28,7 @@ from kernel_variants.registry import CallKey
 from kernel_variants.registry._registry import RegisteredVariant, Registry, make_plugin_manager
 
 from ._fingerprint import fingerprint, fingerprint_id
+from ._qualify import NOT_YET, Qualifier, beyond, policy_from
 from ._select import Decision, NoVariantError, TraceRow, select
 from ._store import CalibrationWarning, Recorder
 from ._table import DEFAULT_MARGIN, DEFAULT_PRUNE, CalibrationTable, Found, Group
@@ -128,6 +129,9 @@ class Dispatcher:
         self._recorded: set[str] = set()  # keys this process has recorded (or tried to)
         self._record_lock = threading.Lock()
         self._table: CalibrationTable | None = None
+        # KV_QUALIFY: who may be chosen (require: qualified variants only; strict: and checked
+        # at a shape beyond those they were checked at, first; off: anything that can run).
+        self.qualifier = Qualifier(lambda: self.table, policy_from(env.get("KV_QUALIFY", "")))
         # call signature (op, pins, each argument's metadata) -> what runs for it (a Hit)
         self.memo: dict[tuple[Any, ...], Hit] = {}
         # key_text -> (key, the variant chosen): what this process ran, for check_agreement()
@@ -155,8 +159,16 @@ class Dispatcher:
             self._env_pins = parse_force(self._force_raw, (spec.name for spec in self.registry.ops()))
         return dict(_pins.get()).get(op) or self._env_pins.get(op)
 
-    def decide(self, key: CallKey, forced: str | None = None, *, tune: bool | None = None) -> Decision:
-        """The decision for ``key``; ``tune`` (default: KV_TUNE) may measure an unseen key first."""
+    def decide(self, key: CallKey, forced: str | None = None, *, tune: bool | None = None,
+               qualify: bool = True, exclude: Iterable[str] = ()) -> Decision:
+        """The decision for ``key``; ``tune`` (default: KV_TUNE) may measure an unseen key first.
+
+        Only a variant qualified on this device for the key's class may be chosen, by any route
+        (the table, the nearest shape, priority, tuning, rank 0's choice): one that has no
+        verdict yet is qualified when it would be chosen (``qualify``, except while a graph is
+        captured or traced: there it is passed over); ``qualify=False`` previews the choice, as
+        ``explain`` does. ``exclude``: ids another rank may not choose (rank 0 decides for all).
+        A forced variant runs as forced; the decision says if it is unqualified."""
         tune = self.tune if tune is None else tune
         if (tune and self.tune_ranks and not capturing(key.device) and key_text(key) not in self.agreed
                 and self.registry.variants(key.op)):
@@ -166,24 +178,65 @@ class Dispatcher:
                 return tune_together(self, key, forced)  # a collective: every rank decides this key now
         entries = self.registry.variants(key.op)
         if forced is not None:
-            return select(entries, key, forced=forced)
+            return self._forced(entries, key, forced)
         agreed = self.agreed.get(key_text(key))
         runnable = [rv.id for rv in entries if rv.why_not(key) is None]
         if not runnable:
             return select(entries, key)
-        found = self.found(key, runnable)
-        # (a key the ranks agreed on is never measured here: rank 0 did, or chose not to)
-        if tune and agreed is None and (found is None or found.source != "table") and not capturing(key.device):
-            self._tune(key)
-            found = self.found(key, runnable)
-        if agreed is not None and agreed in runnable:
-            decision = self._from_table(entries, key, found)
-            if decision.chosen is None or decision.chosen.id != agreed:
-                mine = decision.chosen.id if decision.chosen is not None else "nothing"
-                decision = dataclasses.replace(select(entries, key, forced=agreed), source="rank 0",
-                                               note=f"rank 0's choice for this key (this rank's table: {mine})")
+        may_run = qualify and not capturing(key.device) and not _compiling()
+        barred = dict.fromkeys(exclude, "not qualified on every rank (rank 0 chose among the others)")
+        # Failed verdicts bar their variants before anything is looked up, so the trace says why;
+        # a variant with none yet is qualified below, only if it would be chosen.
+        barred.update(self.qualifier.failed([rv for rv in entries if rv.id in runnable], key))
+        tuned = False
+        while True:
+            allowed = [v for v in runnable if v not in barred]
+            found = self.found(key, allowed) if allowed else None
+            # (a key the ranks agreed on is never measured here: rank 0 did, or chose not to)
+            if (tune and not tuned and agreed is None and (found is None or found.source != "table")
+                    and not capturing(key.device)):
+                tuned = True
+                self._tune(key)
+                found = self.found(key, allowed) if allowed else None
+            if agreed is not None and agreed in allowed:
+                decision = self._from_table(entries, key, found, barred)
+                if decision.chosen is None or decision.chosen.id != agreed:
+                    mine = decision.chosen.id if decision.chosen is not None else "nothing"
+                    decision = dataclasses.replace(select(entries, key, forced=agreed), source="rank 0",
+                                                   note=f"rank 0's choice for this key (this rank's table: {mine})")
+            else:
+                decision = self._from_table(entries, key, found, barred)
+            chosen = decision.chosen
+            if chosen is None:
+                return decision
+            why = self.qualifier.barred(chosen, key, may_run=may_run, announce=True)
+            if why is None:
+                return self._noted(decision, key)
+            if why == NOT_YET and not qualify:  # a preview: the call would qualify it, then run it
+                return _with_note(decision, NOT_YET)
+            barred[chosen.id] = why
+
+    def _forced(self, entries: list[RegisteredVariant], key: CallKey, forced: str) -> Decision:
+        decision = select(entries, key, forced=forced)
+        chosen = decision.chosen
+        if chosen is None or self.qualifier.policy == "off" or chosen.variant.fn is key.spec.reference.fn:
             return decision
-        return self._from_table(entries, key, found)
+        v = self.qualifier.stored(chosen, key)
+        if v is None:
+            return _with_note(decision, "forced, unqualified: not checked on this device for this class")
+        return decision if v.passed else _with_note(decision, f"forced, although it {v.summary()}")
+
+    def _noted(self, decision: Decision, key: CallKey) -> Decision:
+        """``decision``, saying so where its variant runs a shape beyond every one it was checked at."""
+        chosen = decision.chosen
+        if chosen is None or chosen.variant.fn is key.spec.reference.fn:
+            return decision
+        v = self.qualifier.stored(chosen, key)
+        over = beyond(v, key.shape, key.spec.axes) if v is not None else None
+        if over is None:
+            return decision
+        return _with_note(decision, f"checked at smaller sizes only ({over}; KV_QUALIFY=strict checks it "
+                                    "at this shape first)")
 
     def found(self, key: CallKey, runnable: list[str]) -> Found | None:
         """What this device's table has for ``key`` among ``runnable``."""
@@ -191,11 +244,11 @@ class Dispatcher:
         return self.table.lookup(key, fpid, runnable, self.versions())
 
     @staticmethod
-    def _from_table(entries, key: CallKey, found: Found | None) -> Decision:
+    def _from_table(entries, key: CallKey, found: Found | None, barred: Mapping[str, str]) -> Decision:
         if found is None:
-            return select(entries, key)
+            return select(entries, key, barred=barred)
         decision = select(entries, key, timings=found.timings, winner=found.winner, timings_source=found.source,
-                          measured_key=found.at, rejected=found.rejected)
+                          measured_key=found.at, rejected=found.rejected, barred=barred)
         if not found.pruned:
             return decision
         # A pruned variant is measured-slower, not unmeasured: say how much slower, at least.
@@ -273,6 +326,17 @@ class Dispatcher:
 
     def invalidate(self) -> None:
         self.memo.clear()
+        self.qualifier.forget()
+
+
+def _with_note(decision: Decision, note: str) -> Decision:
+    return dataclasses.replace(decision, note=f"{decision.note}; {note}" if decision.note else note)
+
+
+def _compiling() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 def _flag(raw: str) -> bool:

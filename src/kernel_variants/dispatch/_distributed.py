@@ -246,20 +246,23 @@ def tune_together(d: Dispatcher, key: CallKey, forced: str | None) -> Decision:
     global _warned_divergence
     text = key_text(key)
     entries = d.registry.variants(key.op)
-    runnable = [rv.id for rv in entries if rv.why_not(key) is None]
-    found = d.found(key, runnable) if runnable else None
+    runnable = [rv for rv in entries if rv.why_not(key) is None]
+    found = d.found(key, [rv.id for rv in runnable]) if runnable else None
     need = bool(runnable) and (found is None or found.source != "table")
+    # Rank 0 chooses among the variants qualified on every rank: each qualifies its own first.
+    barred = sorted(rv.id for rv in runnable if d.qualifier.barred(rv, key, may_run=True) is not None)
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (text, need))
-    if any(t != text for t, _ in everyone):
+    dist.all_gather_object(everyone, (text, need, barred))
+    if any(t != text for t, _, _ in everyone):
         if not _warned_divergence:
             _warned_divergence = True
-            others = "; ".join(f"rank {r}: {t}" for r, (t, _) in enumerate(everyone) if t != text)
+            others = "; ".join(f"rank {r}: {t}" for r, (t, _, _) in enumerate(everyone) if t != text)
             warnings.warn(f"KV_TUNE: ranks reached different calls at the same point ({text} here; {others}); "
                           "they decide on their own, untuned (kernel_variants.check_agreement() lists where they "
                           "differ)", CalibrationWarning, stacklevel=4)
         return d.decide(key, forced, tune=False)
-    measured = any(n for _, n in everyone)
+    measured = any(n for _, n, _ in everyone)
+    anywhere = {v for _, _, b in everyone for v in b}
     fpid = fingerprint_id(fingerprint(key.where))
     box: list = [None]
     if dist.get_rank() == 0:
@@ -267,7 +270,7 @@ def tune_together(d: Dispatcher, key: CallKey, forced: str | None) -> Decision:
         try:
             if need:
                 d._tune(key)
-            mine = d.decide(key, None, tune=False)
+            mine = d.decide(key, None, tune=False, exclude=anywhere)
             rows = d.table.rows_at(fpid, Group.of(key), key.shape, d.versions())
             box = [(None, mine.chosen.id if mine.chosen is not None else None, fpid, rows)]
         except Exception as exc:  # the other ranks wait in the broadcast below: they must hear of it
@@ -325,7 +328,7 @@ def check_agreement() -> list[Disagreement]:
             continue
         try:
             key = key_from_parts(d.registry, p)
-            decision = d.decide(key, d.pinned(key.op), tune=False)
+            decision = d.decide(key, d.pinned(key.op), tune=False, qualify=False)
             choices[text] = decision.chosen.id if decision.chosen is not None else None
         except ValueError:  # an op or features this rank does not have
             choices[text] = None

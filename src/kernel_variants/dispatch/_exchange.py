@@ -27,6 +27,7 @@ from kernel_variants.registry._models import valid_id
 
 from ._dispatcher import dispatcher
 from ._fingerprint import fingerprint, fingerprint_id
+from ._qualify import Verdict, parse_verdict
 from ._table import DEFAULT_MARGIN, Measurement, Winner
 
 # 2: rows of table schema 3 (per-variant dependencies, samples, pruned rows); a document of 1
@@ -56,6 +57,9 @@ class TableDocument(BaseModel):
     created_at: float
     measurements: list[Measurement]
     winners: list[Winner]
+    # Qualification verdicts of the same fingerprint: a fleet of one machine type qualifies once.
+    # (Absent from documents of earlier releases: nothing qualified there.)
+    verdicts: list[Verdict] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _sound(self) -> TableDocument:
@@ -84,6 +88,19 @@ class TableDocument(BaseModel):
             if problem is not None:
                 raise ValueError(f"winners[{i}] ({w.variant} at {_shape(w.shape)}): {problem}")
             seen.add(w.storage_key())
+        for i, v in enumerate(self.verdicts):
+            problem = None
+            if v.fingerprint_id != self.fingerprint_id or v.fingerprint != self.fingerprint:
+                problem = "qualified on another fingerprint than the document's"
+            elif not valid_id(v.variant):
+                problem = f"variant id {v.variant!r} is not a valid id"
+            elif v.qualified_at > now + _FUTURE_S:
+                problem = "qualified_at lies in the future"
+            elif v.storage_key() in seen:
+                problem = "a second verdict for the same variant and class"
+            if problem is not None:
+                raise ValueError(f"verdicts[{i}] ({v.variant}): {problem}")
+            seen.add(v.storage_key())
         return self
 
 
@@ -159,8 +176,14 @@ def build_document(device: str = "cpu") -> TableDocument:
     now = time.time()
     ms: list[Measurement] = []
     ws: list[Winner] = []
+    vs: list[Verdict] = []
     for key, raw in dispatcher().table.store.items():
         if raw is None:
+            continue
+        if key.startswith(f"q|{fpid}|"):
+            v = parse_verdict(raw)
+            if v is not None and v.fingerprint == fp:
+                vs.append(v)
             continue
         try:
             if key.startswith(f"m|{fpid}|"):
@@ -175,7 +198,7 @@ def build_document(device: str = "cpu") -> TableDocument:
             continue
     return TableDocument(fingerprint=fp, fingerprint_id=fpid, created_at=now,
                          measurements=sorted(ms, key=Measurement.storage_key),
-                         winners=sorted(ws, key=Winner.storage_key))
+                         winners=sorted(ws, key=Winner.storage_key), verdicts=sorted(vs, key=Verdict.storage_key))
 
 
 def export_table(path_or_file: str | os.PathLike[str] | IO[str], device: str = "cpu") -> TableDocument:
@@ -243,6 +266,9 @@ class ImportReport:
     kept: int = 0  # the local entry was as new or newer
     stale: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (document, local) version
     unknown: list[str] = field(default_factory=list)  # variants not registered here
+    verdicts: int = 0  # qualification verdicts taken (newer than the local ones)
+    # A forced import brings no verdicts: they say what is right on the device they came from.
+    verdicts_left: int = 0
 
 
 def _differences(theirs: dict[str, str], ours: dict[str, str]) -> str:
@@ -286,6 +312,8 @@ def import_document(doc: TableDocument, *, force: bool = False, device: str = "c
     # Winners are not taken from the document: each touched shape is re-decided below from the
     # merged measurements, so a kept local winner can never contradict newer imported timings.
     incoming = [(m.storage_key(), m.measured_at, m.model_dump_json(), Measurement) for m in ms]
+    verdicts = [] if report.forced else list(doc.verdicts)
+    report.verdicts_left = len(doc.verdicts) - len(verdicts)
     table = d.table
     store = table.store
     with store.transaction():
@@ -306,6 +334,11 @@ def import_document(doc: TableDocument, *, force: bool = False, device: str = "c
             else:
                 report.added += 1
             store.set(key, text)
+        for v in verdicts:
+            mine = parse_verdict(store.get(v.storage_key()))
+            if mine is None or mine.qualified_at < v.qualified_at:
+                store.set(v.storage_key(), v.model_dump_json())
+                report.verdicts += 1
     table.forget()
     for group, shape in dict.fromkeys((m.group, m.shape) for m in ms):
         table.decide_winner(ours_id, group, shape, versions, DEFAULT_MARGIN)

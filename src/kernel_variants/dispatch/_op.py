@@ -293,7 +293,7 @@ def explain(op_name: str, *args: object, **kwargs: object) -> Decision:
     key = spec.key(bound, d.check_values or _on_cpu(spec, bound))
     if out is not None:
         spec.check_out(bound, out)
-    return d.decide(key, d.pinned(spec.name), tune=False)
+    return d.decide(key, d.pinned(spec.name), tune=False, qualify=False)
 
 
 def call_key(op_name: str, *args: object, **kwargs: object):

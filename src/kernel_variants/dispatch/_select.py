@@ -63,13 +63,15 @@ def select(
     measured_key: tuple[int, ...] | None = None,
     winner: str | None = None,
     rejected: set[str] | frozenset[str] = frozenset(),
+    barred: Mapping[str, str] | None = None,
 ) -> Decision:
     """Pick the variant for ``key`` among ``entries``.
 
     ``timings`` maps variant id to measured microseconds for this call's key (or the nearest
     calibrated one); ``winner`` is the table's recorded winner there, which keeps its place
     unless it cannot run this call; ``rejected`` failed verification there and are never
-    chosen over a measured variant. Without timings, the highest priority wins.
+    chosen over a measured variant. Without timings, the highest priority wins. ``barred``
+    maps variants that may not be chosen (not qualified on this device) to why.
     """
     rows: list[TraceRow] = []
     ok: list[RegisteredVariant] = []
@@ -78,6 +80,8 @@ def select(
             rows.append(TraceRow(rv.id, False, f"not the forced variant {forced!r}"))
             continue
         why = rv.why_not(key)
+        if why is None and forced is None and barred:
+            why = barred.get(rv.id)
         if why is not None:
             rows.append(TraceRow(rv.id, False, why))
             continue

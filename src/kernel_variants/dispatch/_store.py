@@ -21,6 +21,7 @@ from pathlib import Path
 import diskcache
 
 TOKEN_KEY = "t|token"  # renewed by every write of a measurement or winner row
+_BOOKKEEPING = ("t|", "i|", "q|")  # token, snapshots, verdicts: rows beside the timings
 
 
 class CalibrationWarning(UserWarning):
@@ -211,18 +212,19 @@ class Store:
         self._touched(key)
 
     def __len__(self) -> int:
-        """Rows of measurements and winners (not the write token and snapshots kept beside them)."""
+        """Rows of measurements and winners (not the write token, snapshots and qualification
+        verdicts kept beside them)."""
         n = len(self.memory) if self.cache is None else len(self.cache)
         return n - sum(1 for k in self._bookkeeping_keys())
 
     def _bookkeeping_keys(self) -> list[str]:
         if self.cache is None:
-            return [k for k in self.memory if k.startswith(("t|", "i|"))]
+            return [k for k in self.memory if k.startswith(_BOOKKEEPING)]
         uri = (self.directory / "cache.db").resolve().as_uri() + "?mode=ro"
         con = sqlite3.connect(uri, uri=True, timeout=60)
         try:
             return [k for (k,) in con.execute("SELECT key FROM Cache WHERE key >= 'i|' AND key < 'u'")
-                    if isinstance(k, str) and k.startswith(("t|", "i|"))]
+                    if isinstance(k, str) and k.startswith(_BOOKKEEPING)]
         finally:
             con.close()
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kernel_variants._paths import table_dir
@@ -30,6 +31,8 @@ from ._fastindex import SNAPSHOT_PREFIX, TOKEN_KEY, FastIndex, decode, document,
 from ._fingerprint import device_part, is_legacy
 from ._fingerprint import fingerprint_id as identify
 from ._store import CalibrationWarning, HostileRow, JSONOnlyDisk, Store, is_corrupt
+
+VERDICT_PREFIX = "q|"  # qualification verdicts (see _qualify), stored beside the timings
 
 __all__ = ["CalibrationTable", "CalibrationWarning", "Group", "HostileRow", "JSONOnlyDisk", "Measurement",
            "StaleRow", "Winner", "is_corrupt"]
@@ -213,6 +216,13 @@ def stale_reason(m: Measurement, deps_now: dict[str, str], source_now: str = "")
     return "; ".join(changed) if changed else "its source or declared version changed"
 
 
+def _other_threads(fp: dict[str, str], fingerprint_id: str) -> bool:
+    """Whether ``fp`` is the fingerprint ``fingerprint_id`` of this CPU but for its thread count."""
+    now = str(torch.get_num_threads())
+    return fp.get("device") == "cpu" and fp.get("threads") not in (None, now) and identify(
+        {**fp, "threads": now}) == fingerprint_id
+
+
 class Found(NamedTuple):
     """What the table has for a call: each candidate's µs (pruned ones with their first-round
     figure), the recorded winner, "table" (this shape) or "nearest", the shape the figures are
@@ -295,11 +305,15 @@ class CalibrationTable:
         ms: list[Measurement] = []
         ws: list[Winner] = []
         legacy: list[Measurement] = []
-        counts = {"other_fp": 0, "bad": 0, "legacy": 0}
+        counts = {"other_fp": 0, "bad": 0, "legacy": 0, "threads": 0}
         mine: dict[str, bool] = {}  # a legacy fingerprint id -> whether it is this device's
+        # Another fingerprint id -> whether it is this CPU at another intra-op thread count. Told
+        # apart because it is the usual reason: a forked child runs one thread (see the package's
+        # at-fork handler), so its rows are filed apart from its parent's, not lost.
+        retuned: dict[str, bool] = {}
         for key, raw in self.store.items():
-            if key.startswith((TOKEN_KEY, SNAPSHOT_PREFIX)):
-                continue
+            if key.startswith((TOKEN_KEY, SNAPSHOT_PREFIX, VERDICT_PREFIX)):
+                continue  # bookkeeping and qualification verdicts: not timings
             if raw is None:
                 counts["bad"] += 1
                 continue
@@ -315,7 +329,9 @@ class CalibrationTable:
                         counts["legacy"] += 1
                         legacy.append(m)
                     else:
-                        counts["other_fp"] += 1
+                        if m.fingerprint_id not in retuned:
+                            retuned[m.fingerprint_id] = _other_threads(m.fingerprint, fingerprint_id)
+                        counts["threads" if retuned[m.fingerprint_id] else "other_fp"] += 1
                 elif key.startswith("w|"):
                     w = Winner.model_validate_json(raw)
                     if w.fingerprint_id == fingerprint_id:
@@ -337,6 +353,9 @@ class CalibrationTable:
         if counts.get("legacy"):
             reasons.append(f"{counts['legacy']} measured on this device by an earlier kernel_variants release "
                            "(before staleness was kept per variant; they cannot be told current)")
+        if counts.get("threads"):
+            reasons.append(f"{counts['threads']} measured on this CPU with another intra-op thread count (this "
+                           f"process runs {torch.get_num_threads()}; a forked child runs one)")
         if counts.get("other_fp"):
             reasons.append(f"{counts['other_fp']} measured on another device or software stack (fingerprint differs)")
         for vid, (old, new) in sorted(stale.items()):

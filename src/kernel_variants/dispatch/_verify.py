@@ -1,46 +1,196 @@
-"""Correctness before speed: a variant's result on a case, compared with the reference's."""
+"""Correctness before speed: one verdict on a variant's call of a case, against the reference's.
+
+The verdict sees everything a kernel can get wrong on its own storage: every output within the
+dtype's tolerance, of the reference's dtype, shape and strides, with no NaN or Inf where the
+reference has none; every tensor the op writes equal to the reference's bit for bit over its
+whole allocation (a write outside the view shows up); every other tensor argument unchanged bit
+for bit (an input written in place shows up). Each run gets its own copy of every allocation
+the call touches, so a variant that writes its inputs cannot spoil the next run's.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kernel_variants._tolerances import mismatch
-from kernel_variants.registry import Case
-
-Result = tuple[Any, dict[str, torch.Tensor]]
+from kernel_variants._tolerances import TOLERANCES, mismatch
+from kernel_variants.registry import Case, OpSpec
 
 
-def reference_result(case: Case) -> Result:
-    return case.run(case.spec.reference.fn)
+def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A whole allocation as one uint8 tensor (bit-for-bit comparisons, NaN payloads included)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
-def verify(fn: Callable[..., Any], case: Case, expected: Result | None = None) -> str | None:
-    """None when ``fn`` matches the reference on ``case`` (every output within tolerance, every
-    mutated tensor bit for bit), else a one-line reason. A raising variant is a mismatch, not a
-    crash."""
-    ref_out, ref_bases = expected if expected is not None else reference_result(case)
+@dataclass
+class _Copy:
+    """A case on copies of every allocation its tensors view (strides and offsets kept)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    storages: dict[str, torch.UntypedStorage]  # parameter -> the allocation its tensor views
+    devices: dict[str, torch.device]
+
+    def call(self, fn: Callable[..., Any], **extra: Any) -> Any:
+        return fn(*self.args, **self.kwargs, **extra)
+
+    def tensor(self, spec: OpSpec, name: str) -> Any:
+        pos = spec.positional
+        if name in pos and pos.index(name) < len(self.args):
+            return self.args[pos.index(name)]
+        return self.kwargs.get(name)
+
+    def allocation(self, name: str) -> torch.Tensor:
+        return _bytes(self.storages[name], self.devices[name])
+
+
+def copy_case(case: Case) -> _Copy:
+    """``case`` with each allocation its tensor arguments view cloned once (two arguments that
+    share an allocation still share the copy)."""
+    clones: dict[int, torch.UntypedStorage] = {}
+    storages: dict[str, torch.UntypedStorage] = {}
+    devices: dict[str, torch.device] = {}
+    names = case.spec.positional
+
+    def copy(name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        src = value.untyped_storage()
+        ptr = src.data_ptr()
+        if ptr not in clones:
+            clones[ptr] = src.clone()
+        storages[name], devices[name] = clones[ptr], value.device
+        return torch.empty(0, dtype=value.dtype, device=value.device).set_(
+            clones[ptr], value.storage_offset(), value.size(), value.stride())
+
+    args = tuple(copy(names[i] if i < len(names) else f"#{i}", a) for i, a in enumerate(case.args))
+    kwargs = {k: copy(k, v) for k, v in case.kwargs.items()}
+    return _Copy(args, kwargs, storages, devices)
+
+
+Expected = tuple[Any, dict[str, torch.Tensor]]  # the reference's result, each written allocation after
+
+
+def reference_result(case: Case, fn: Callable[..., Any] | None = None) -> Expected:
+    """The reference's result on a copy of ``case`` (``fn``: the reference, wrapped), and each
+    allocation it writes, after."""
+    spec = case.spec
+    mine = copy_case(case)
+    out = mine.call(fn if fn is not None else spec.reference.fn)
+    return out, {n: mine.allocation(n) for n in spec.mutates if n in mine.storages}
+
+
+def _strides_match(a: torch.Tensor, e: torch.Tensor) -> bool:
+    """The same memory layout: strides equal wherever a dimension has more than one element."""
+    return all(sa == se for n, sa, se in zip(e.shape, a.stride(), e.stride(), strict=True) if n > 1)
+
+
+def _close(a: torch.Tensor, e: torch.Tensor) -> bool:
+    """Within the dtype's tolerance everywhere, by a margin float32 rounding cannot eat; False
+    also means "not sure", and the exact check (in float64, with its message) decides."""
+    if e.dtype not in TOLERANCES or e.dtype == torch.float64:
+        return False
+    atol, rtol = TOLERANCES[e.dtype]
+    a, e = a.reshape(-1), e.reshape(-1)
+    step = 1 << 18  # in pieces that stay in cache: no temporaries the size of a large output
+    for i in range(0, e.numel(), step):
+        a32 = a[i:i + step].to(torch.float32, copy=True)
+        e32 = e[i:i + step].float()
+        # NaN or Inf compares False here, so the exact check judges it.
+        if not bool(a32.sub_(e32).abs_().le_(e32.abs().mul_(rtol * 0.999).add_(atol * 0.999)).all()):
+            return False
+    return True
+
+
+def _output_problem(name: str, a: object, e: torch.Tensor, out: torch.Tensor | None, layout: bool) -> str | None:
+    if not isinstance(a, torch.Tensor):
+        return f"returned {type(a).__name__} for {name}, expected a tensor"
+    if out is not None and (a.data_ptr() != out.data_ptr() or a.shape != out.shape):
+        return f"{name}: returned another tensor than the out= it was given"
+    if a.dtype != e.dtype:
+        return f"{name}: dtype {str(a.dtype)[6:]}, expected {str(e.dtype)[6:]}"
+    if a.shape != e.shape:
+        return f"{name}: shape {list(a.shape)}, expected {list(e.shape)}"
+    if a.device != e.device:
+        return f"{name}: on {a.device}, expected {e.device}"
+    if out is None and layout and not _strides_match(a, e):
+        return f"{name}: strides {list(a.stride())}, expected {list(e.stride())} (the reference's layout)"
+    return None if a.numel() == 0 or _close(a, e) else mismatch(a, e, name)
+
+
+def verify(fn: Callable[..., Any], case: Case, expected: Expected | None = None, *,
+           out: str | None = None, layout: bool = True) -> str | None:
+    """None when ``fn`` is right on ``case``, else the first thing it got wrong, in one line.
+
+    ``out`` calls it with ``out=``: ``"dense"`` hands it fresh contiguous tensors filled with
+    NaN (so rows it leaves unwritten show up), ``"in_place"`` the inputs the op lets ``out`` be
+    (``x``: in place). ``layout=False`` leaves the outputs' strides to ``fn`` (a caller's own
+    ``out=`` comes back with its own). A raising variant is a verdict, not a crash."""
+    spec = case.spec
+    ref_out, ref_written = expected if expected is not None else reference_result(case)
+    mine = copy_case(case)
+    untouched = {n: mine.allocation(n).clone() for n in mine.storages if n not in spec.mutates}
+    outs: tuple[torch.Tensor, ...] | None = None
+    extra: dict[str, Any] = {}
+    if out is not None:
+        outs = _outs(spec, mine, out)
+        extra["out"] = outs[0] if len(outs) == 1 else outs
+        written_by_out = {n for n in spec.out_aliases.values()} if out == "in_place" else set()
+        untouched = {n: b for n, b in untouched.items() if n not in written_by_out}
     try:
-        out, bases = case.run(fn)
+        got = mine.call(fn, **extra)
     except Exception as exc:  # any failure of the candidate is a verdict on it
-        return f"raised {type(exc).__name__}: {exc}"
-    names = case.spec.outputs
+        return f"raised {type(exc).__name__}: {exc}".splitlines()[0]
+    names = spec.outputs
     if len(names) == 1:
-        got, want = (out,), (ref_out,)
-    elif not isinstance(out, tuple | list) or len(out) != len(names):
-        return f"returned {type(out).__name__}, expected a tuple of {len(names)} tensors ({', '.join(names)})"
+        got_t, want = (got,), (ref_out,)
+    elif not isinstance(got, tuple | list) or len(got) != len(names):
+        return f"returned {type(got).__name__}, expected a tuple of {len(names)} tensors ({', '.join(names)})"
     else:
-        got, want = tuple(out), tuple(ref_out)
-    for name, a, e in zip(names, got, want, strict=True):
-        if not isinstance(a, torch.Tensor):
-            return f"returned {type(a).__name__} for {name}, expected a tensor"
-        why = mismatch(a, e, "output" if len(names) == 1 else name)
+        got_t, want = tuple(got), tuple(ref_out)
+    for k, (name, a, e) in enumerate(zip(names, got_t, want, strict=True)):
+        why = _output_problem("output" if len(names) == 1 else name, a, e, outs[k] if outs else None, layout)
         if why is not None:
             return why
-    for name, base in ref_bases.items():
-        why = mismatch(bases[name], base, "state pool" if len(ref_bases) == 1 else name, exact=True)
+    for name, after in ref_written.items():
+        view = mine.tensor(spec, name)
+        ref_view = torch.empty(0, dtype=view.dtype, device=view.device).set_(
+            after.untyped_storage(), view.storage_offset(), view.size(), view.stride())
+        why = mismatch(view, ref_view, name, exact=True)
         if why is not None:
             return why
+        if not torch.equal(mine.allocation(name), after):
+            return f"{name}: wrote outside its view (bytes of its allocation beyond the view changed)"
+    for name, before in untouched.items():
+        if not torch.equal(mine.allocation(name), before):
+            return f"{name}: written, but the op does not write it (its input must stay as it was)"
     return None
+
+
+def _outs(spec: OpSpec, mine: _Copy, form: str) -> tuple[torch.Tensor, ...]:
+    """The out tensors of one ``out=`` form for the copied call ``mine``."""
+    like = mine.tensor(spec, spec.params[spec.out_like_index])
+    outs = []
+    for name in spec.outputs:
+        alias = spec.out_aliases.get(name) if form == "in_place" else None
+        if alias is not None:
+            outs.append(mine.tensor(spec, alias))
+        else:
+            fill = float("nan") if like.is_floating_point() else 0
+            outs.append(torch.full(like.shape, fill, dtype=like.dtype, device=like.device))
+    return tuple(outs)
+
+
+def out_forms(spec: OpSpec, caps: Any, case: Case) -> Sequence[str]:
+    """The ``out=`` forms a variant with capabilities ``caps`` declares, that the dispatcher
+    would hand it for ``case``: a dense out, and exactly the aliased inputs where they are dense
+    (a strided out is always written by copy, never handed to a variant)."""
+    if not caps.takes_out:
+        return ()
+    aliases = [case.get(n) for n in spec.out_aliases.values()]
+    if caps.in_place and aliases and all(isinstance(a, torch.Tensor) and a.is_contiguous() for a in aliases):
+        return ("dense", "in_place")
+    return ("dense",)

@@ -105,12 +105,12 @@ _CAPS = dict(
 @hookimpl
 def kv_register_variants(register) -> None:
     register(Variant(
-        id="aten", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=10,
+        id="aten", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=10, isolate=False,
         capabilities=ConvCapabilities(varlen=False, **_CAPS),
         description="depthwise F.conv1d (oneDNN / cuDNN) with layout changes around it",
     ))
     register(Variant(
-        id="aten", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=10,
+        id="aten", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=10, isolate=False,
         capabilities=ConvCapabilities(num_accepted_tokens=False, **_CAPS),
         description="depthwise F.conv1d over the state window",
     ))

@@ -28,7 +28,7 @@ _WHAT = "F.rms_norm(x, (D,), 1 + weight, eps)"
 
 @hookimpl
 def kv_register_variants(register) -> None:
-    register(Variant(id="aten", op="gemma_rms_norm", version="1", fn=gemma_rms_norm, priority=10,
+    register(Variant(id="aten", op="gemma_rms_norm", version="1", fn=gemma_rms_norm, priority=10, isolate=False,
                      capabilities=_CAPS, description=_WHAT))
-    register(Variant(id="aten", op="add_gemma_rms_norm", version="1", fn=add_gemma_rms_norm, priority=10,
+    register(Variant(id="aten", op="add_gemma_rms_norm", version="1", fn=add_gemma_rms_norm, priority=10, isolate=False,
                      capabilities=_CAPS, description=f"x + residual, then {_WHAT}"))

@@ -124,12 +124,12 @@ _CAPS = dict(
 @hookimpl
 def kv_register_variants(register) -> None:
     register(Variant(
-        id="torch_shift", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=0,
+        id="torch_shift", op="causal_conv1d_fn", version="1", fn=causal_conv1d_fn, priority=0, isolate=False,
         capabilities=ConvCapabilities(varlen=False, **_CAPS),
         description="batched shift-and-multiply-add in plain torch (dense input only)",
     ))
     register(Variant(
-        id="torch_shift", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=0,
+        id="torch_shift", op="causal_conv1d_update", version="1", fn=causal_conv1d_update, priority=0, isolate=False,
         capabilities=ConvCapabilities(num_accepted_tokens=True, **_CAPS),
         description="batched shift-and-multiply-add in plain torch",
     ))

@@ -189,6 +189,10 @@ class OpSpec:
     - ``make_case(shape, *, dtype, device, seed, **options)``: a realistic call; ``options``
       are feature fields and the op's own case variations. ``conformance(caps)`` yields
       ``(label, options)`` for the suite to try (it keeps those ``caps`` cover).
+    - ``edge_cases``: the op's named edge cases, as ``make_case`` options (a ``shape`` among
+      them): qualification builds each at the features of the class it qualifies (empty: the
+      ``conformance`` list serves). ``check_options``: the ``make_case`` options that put the
+      op's traps (pad slots, poisoned rows) into the check a calibration runs at each shape.
     - ``sweeps``: named shape lists; ``default_sweep`` is calibrated when none is named.
     - ``mutates``: parameters written in place; ``outputs``: names of the returned tensors.
     - ``out``: every op takes a keyword-only ``out=`` that the core adds to the public signature
@@ -219,6 +223,8 @@ class OpSpec:
     device_values: Callable[[Sequence[Any], Capabilities], Sequence[Any]] | None = None
     out_like: str | None = None
     out_aliases: Mapping[str, str] = field(default_factory=dict)
+    edge_cases: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    check_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_id(self.name, "op name")

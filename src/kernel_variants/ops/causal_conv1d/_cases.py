@@ -20,6 +20,8 @@ PAD_SLOT_ID = -1
 
 def _lengths(gen: torch.Generator, batch: int, seqlen: int) -> list[int]:
     """B lengths averaging ``seqlen``, including short and empty ones when there is room."""
+    if seqlen == 0:
+        return [0] * batch
     lengths = torch.randint(0, 2 * seqlen, (batch,), generator=gen).tolist()
     total = batch * seqlen
     diff = total - sum(lengths)
@@ -67,11 +69,14 @@ def make_case(
     confuses a live sequence with the pad, or reads the pad slot, shows up.
     """
     gen = torch.Generator().manual_seed(seed)
+    # The values are drawn where they are used: a large prefill's x made on the host would cost
+    # seconds of host time and a copy per case on an accelerator. Indices stay on the host.
+    values = gen if torch.device(device).type == "cpu" else torch.Generator(device=device).manual_seed(seed)
     if activation == "none":  # the feature's name for no activation; the call's is None
         activation = None
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+        return torch.randn(*shape, generator=values, device=values.device).to(dtype=dtype, device=device)
 
     def maybe_strided(t: torch.Tensor) -> torch.Tensor:
         """The same values as a view with every stride doubled (last dim included)."""
@@ -190,6 +195,9 @@ FN_CASES: dict[str, dict[str, Any]] = {
     # (adapters that compact sequences 0..B-1 then must not hand a kernel pad id 0), and packed.
     "pad-in-range": dict(shape=(4, 48, 5), pad=True, pad_slot_id=0, noncontig=True, poison=True),
     "pad-in-range-varlen": dict(shape=(4, 32, 3), varlen=True, pad=True, pad_slot_id=0, poison=True),
+    # The only empty call the contract has: packed sequences that are all empty (T = 0). The
+    # pool must come back untouched but for the history each sequence carries over.
+    "empty-varlen": dict(shape=(3, 32, 0), varlen=True, poison=True),
 }
 UPDATE_CASES: dict[str, dict[str, Any]] = {
     "2d": dict(shape=(3, 64, 1)),
@@ -210,6 +218,11 @@ UPDATE_CASES: dict[str, dict[str, Any]] = {
                                    poison=True),
     "spec-pad-in-range": dict(shape=(4, 24, 3), spec=True, pad=True, pad_slot_id=0, extra_rows=1, poison=True),
 }
+
+
+# The check a calibration runs at each shape it measures holds the traps of the small cases too:
+# a pad sequence, and NaN in every state row the call must not read.
+CHECK_OPTIONS: dict[str, Any] = dict(pad=True, poison=True)
 
 
 def conformance(named: dict[str, dict[str, Any]]):

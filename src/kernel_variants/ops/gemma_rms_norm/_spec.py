@@ -115,10 +115,11 @@ def make_case(op: str, shape: tuple[int, ...], *, dtype: torch.dtype, device: st
     from . import SPECS  # the specs are built from this module's functions
 
     tokens, dim = shape
-    gen = torch.Generator().manual_seed(seed)
+    # Drawn on the device itself (a host-made prefill would cost host time and a copy per case).
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*size, generator=gen) * scale).to(dtype=dtype, device=device)
+        return (torch.randn(*size, generator=gen, device=gen.device) * scale).to(dtype=dtype, device=device)
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         if strided:

@@ -1,0 +1,347 @@
+"""No wrong answer can win: variants as fast as the fastest built-in, wrong the way real kernels are
+wrong, registered by a plugin with the highest priority, are never chosen by any route where they
+were checked, and the dispatched call still equals the reference with its inputs untouched."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import kernel_variants as kv
+from kernel_variants.dispatch import dispatcher
+from kernel_variants.dispatch._verify import verify
+from kernel_variants.kernels import cpu_native
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.ops.causal_conv1d._cases import make_case
+from kernel_variants.registry import Capabilities, Variant
+
+FN, UPDATE, RMS, ADD = "causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm"
+FAST = {FN: cpu_native.causal_conv1d_fn, UPDATE: cpu_native.causal_conv1d_update,
+        RMS: cpu_native.gemma_rms_norm, ADD: cpu_native.add_gemma_rms_norm}
+CONV_CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)
+QUICK = dict(warmup=1, windows=1, iters=2, window_budget_s=0.05)
+
+
+def _slots(op, args, kwargs):
+    return kwargs.get("cache_indices") if op == FN else kwargs.get("conv_state_indices")
+
+
+def _pad_rows(op, args, kwargs, y):
+    """The output rows of padded sequences, as a boolean mask over y's leading dims."""
+    slots, pad = _slots(op, args, kwargs), kwargs.get("pad_slot_id", -1)
+    if slots is None:
+        return None
+    padded = slots == pad
+    qsl = kwargs.get("query_start_loc")
+    if qsl is None:
+        return padded
+    rows = torch.zeros(y.shape[0], dtype=torch.bool)
+    for b in torch.nonzero(padded).flatten().tolist():
+        rows[qsl[b]:qsl[b + 1]] = True
+    return rows
+
+
+def nan_on_pads(op):
+    def fn(*args, **kwargs):
+        y = FAST[op](*args, **kwargs)
+        rows = _pad_rows(op, args, kwargs, y)
+        if rows is not None and rows.any():
+            y[rows] = float("nan")
+        return y
+    return fn
+
+
+def writes_input(op):
+    def fn(*args, **kwargs):
+        y = FAST[op](*args, **kwargs)
+        args[0].mul_(1.5)
+        return y
+    return fn
+
+
+def state_outside_view(op):
+    def fn(*args, **kwargs):
+        y = FAST[op](*args, **kwargs)
+        pool = kwargs["conv_states"] if op == FN else args[1]
+        if pool is not None and pool.storage_offset() > 0:  # a kernel that assumes a dense pool
+            torch.empty(0, dtype=pool.dtype).set_(pool.untyped_storage())[0] = 7.0
+        return y
+    return fn
+
+
+def wrong_above(op, axis_size):
+    def fn(*args, **kwargs):
+        y = FAST[op](*args, **kwargs)
+        first = y[0] if isinstance(y, tuple) else y
+        big = first.shape[-1] > axis_size if op in (FN, UPDATE) else first.numel() // first.shape[-1] > axis_size
+        if big:
+            first.mul_(1.05)
+        return y
+    return fn
+
+
+def ignores_initial_state(op):
+    def fn(*args, **kwargs):
+        if op == FN:
+            flags = kwargs.get("has_initial_state")
+            kwargs = {**kwargs, "has_initial_state": None if flags is None else torch.zeros_like(flags)}
+            return FAST[op](*args, **kwargs)
+        x, pool, *rest = args
+        y = FAST[op](x, torch.zeros_like(pool), *rest, **kwargs)  # outputs from a zero history...
+        FAST[op](x.clone(), pool, *rest, **kwargs)  # ...while the state moves on as it should
+        return y
+    return fn
+
+
+def zeros(op):
+    def fn(*args, **kwargs):
+        y = FAST[op](*args, **kwargs)
+        return tuple(torch.zeros_like(t) for t in y) if isinstance(y, tuple) else torch.zeros_like(y)
+    return fn
+
+
+def slightly_off(op):
+    def fn(*args, **kwargs):
+        y = FAST[op](*args, **kwargs)
+        (y[0] if isinstance(y, tuple) else y).mul_(1.01)
+        return y
+    return fn
+
+
+def wrong_dtype(op):
+    def fn(*args, **kwargs):
+        return FAST[op](*args, **kwargs).double()
+    return fn
+
+
+def wrong_residual_sum(op):
+    def fn(*args, **kwargs):
+        out, s = FAST[op](*args, **kwargs)
+        return out, s + 0.125
+    return fn
+
+
+def crashes(op):
+    def fn(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGSEGV)  # what a kernel reading past its pool does
+    return fn
+
+
+CONV_BAD = [nan_on_pads, writes_input, state_outside_view, ignores_initial_state, zeros, slightly_off, wrong_dtype]
+RMS_BAD = [zeros, writes_input]
+
+
+def _variant(op, make, *, isolate=False, priority=100):
+    caps = (ConvCapabilities(varlen=op == FN, num_accepted_tokens=op == UPDATE, **CONV_CAPS) if op in (FN, UPDATE)
+            else Capabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}))
+    return Variant(id="evil", op=op, version="1", fn=make(op), capabilities=caps, priority=priority, isolate=isolate)
+
+
+def _calls(op):
+    """Calls a serving engine makes: padded (both pad forms), packed, with initial state."""
+    if op == FN:
+        return [make_case(FN, 4, 64, 5, pad=True, poison=True), make_case(FN, 4, 64, 5, pad=True, pad_slot_id=0,
+                                                                            noncontig=True, poison=True),
+                make_case(FN, 4, 64, 3, varlen=True, pad=True, poison=True)]
+    if op == UPDATE:
+        return [make_case(UPDATE, 4, 64, 1, pad=True, poison=True),
+                make_case(UPDATE, 4, 64, 1, pad=True, pad_slot_id=0, noncontig=True, poison=True),
+                make_case(UPDATE, 4, 64, 3, spec=True, pad=True, extra_rows=1, poison=True)]
+    spec = dispatcher().registry.spec(op)
+    return [spec.make_case((6, 96), dtype=torch.float32), spec.make_case((1, 64), dtype=torch.float32)]
+
+
+def _assert_never_chosen(op, calls=None):
+    public = getattr(kv, op)
+    for case in calls if calls is not None else _calls(op):
+        # The dispatched call itself, judged like a variant: outputs, state and inputs.
+        assert verify(public, case) is None
+        decision = kv.explain(op, *case.args, **case.kwargs)
+        assert decision.chosen is not None and decision.chosen.id != "evil", str(decision)
+        evil = next(r for r in decision.trace if r.variant == "evil")
+        assert not evil.accepted and "failed qualification" in evil.reason, str(decision)
+        assert kv.bind(op, *case.args, **case.kwargs).variant != "evil"
+    return evil.reason
+
+
+@pytest.mark.parametrize("op", [FN, UPDATE])
+@pytest.mark.parametrize("make", CONV_BAD, ids=lambda f: f.__name__)
+def test_a_wrong_conv_variant_is_never_chosen(with_variants, op, make):
+    with_variants(_variant(op, make))
+    _assert_never_chosen(op)
+
+
+@pytest.mark.parametrize("op", [RMS, ADD])
+@pytest.mark.parametrize("make", RMS_BAD, ids=lambda f: f.__name__)
+def test_a_wrong_rmsnorm_variant_is_never_chosen(with_variants, op, make):
+    with_variants(_variant(op, make))
+    _assert_never_chosen(op)
+
+
+def test_a_wrong_residual_sum_is_never_chosen(with_variants):
+    with_variants(_variant(ADD, wrong_residual_sum))
+    assert "residual_sum" in _assert_never_chosen(ADD)
+
+
+@pytest.mark.parametrize("op", [FN, UPDATE])
+def test_nan_on_pad_rows_is_caught_by_the_pad_cases(with_variants, op):
+    with_variants(_variant(op, nan_on_pads))
+    reason = _assert_never_chosen(op)
+    assert ("pad" in reason and "NaN" in reason) or "differ" in reason
+
+
+@pytest.mark.parametrize("op", [FN, UPDATE, RMS, ADD])
+def test_a_crashing_variant_fails_in_its_child_and_the_caller_lives(with_variants, op):
+    with_variants(_variant(op, crashes, isolate=True))
+    reason = _assert_never_chosen(op)
+    assert "SIGSEGV" in reason
+    v = next(v for v in kv.verdicts() if v.variant == "evil")
+    assert v.where == "child" and not v.passed
+
+
+@pytest.mark.parametrize(("op", "shapes"), [(FN, [(2, 256, 16), (2, 1024, 16)]), (UPDATE, [(8, 256, 1), (8, 1024, 1)]),
+                                             (RMS, [(16, 256), (128, 256)]), (ADD, [(16, 256), (128, 256)])])
+def test_wrong_only_at_large_sizes_is_caught_where_calibrated_and_fails_the_class(with_variants, op, shapes):
+    """Right on every small edge case, wrong above D=512 (T=64 for RMSNorm): the check at the
+    calibrated shape catches it, and the class is failed, so no route chooses it anywhere."""
+    with_variants(_variant(op, lambda o: wrong_above(o, 512 if o in (FN, UPDATE) else 64)))
+    result = kv.calibrate(op, shapes, dtype="float32", variants=["evil", "cpu_native"], **QUICK)
+    rejected = {m.shape: m.reason for m in result.rejected() if m.variant == "evil"}
+    assert shapes[1] in rejected and "check at" in rejected[shapes[1]]
+    assert all(w is None or w.variant != "evil" for w in result.winners.values())
+    # The table, the nearest shape and priority alike, on calls of the class it was calibrated in
+    # (a packed prefill or a verify step is a class of its own, qualified on its own).
+    reason = _assert_never_chosen(op, [c for c in _calls(op) if c.get("query_start_loc") is None
+                                       and c.get("num_accepted_tokens") is None])
+    assert "check at" in reason
+
+
+@pytest.mark.parametrize("op", [FN, RMS])
+def test_strict_checks_a_shape_beyond_every_checked_one_before_running_it(with_variants, monkeypatch, op):
+    monkeypatch.setenv("KV_QUALIFY", "strict")
+    with_variants(_variant(op, lambda o: wrong_above(o, 512 if o == FN else 64)))
+    spec = dispatcher().registry.spec(op)
+    big = (2, 1024, 8) if op == FN else (256, 128)
+    case = spec.make_case(big, dtype=torch.float32)
+    kv.qualify(op, variants=["evil"], dtype="float32")
+    decision = kv.explain(op, *case.args, **case.kwargs)
+    assert decision.chosen.id == "evil" and "smaller sizes only" in decision.note  # passed the small cases
+    assert verify(getattr(kv, op), case) is None  # the call checks it at this shape first, and bars it
+    assert kv.explain(op, *case.args, **case.kwargs).chosen.id != "evil"
+
+
+def test_require_says_when_a_call_is_beyond_every_checked_shape(with_variants):
+    with_variants(_variant(FN, lambda op: FAST[op]))  # a right one
+    case = make_case(FN, 2, 2048, 8)
+    kv.causal_conv1d_fn(*case.args, **case.kwargs)
+    decision = kv.explain(FN, *case.args, **case.kwargs)
+    assert decision.chosen.id == "evil" and "D=2048 > " in decision.note
+
+
+def test_tuning_online_never_times_a_wrong_variant(with_variants, monkeypatch):
+    monkeypatch.setenv("KV_TUNE", "1")
+    with_variants(_variant(FN, writes_input))
+    case = make_case(FN, 2, 64, 8)
+    assert verify(kv.causal_conv1d_fn, case) is None
+    row = next(r for r in kv.table(FN) if r.shape == (2, 64, 8))
+    assert "evil" not in row.times_us and "evil" in row.rejected
+
+
+def test_a_forced_variant_runs_but_explain_says_it_failed(with_variants):
+    with_variants(_variant(FN, zeros))
+    case = make_case(FN, 2, 32, 4)
+    kv.causal_conv1d_fn(*case.args, **case.kwargs)  # qualifies (and bars) it
+    with kv.force(causal_conv1d_fn="evil"):
+        decision = kv.explain(FN, *case.args, **case.kwargs)
+        assert decision.chosen.id == "evil" and "failed qualification" in decision.note
+        assert not kv.causal_conv1d_fn(*case.args, **case.kwargs).any()  # as the user insisted
+
+
+def test_no_qualification_runs_while_a_graph_is_captured(with_variants, monkeypatch):
+    """Under capture only variants already qualified are eligible: an unqualified one is passed
+    over (nothing runs its cases then), and qualifies on the next eager call."""
+    from kernel_variants.dispatch import _dispatcher
+
+    with_variants(_variant(FN, lambda op: FAST[op], isolate=True))
+    case = make_case(FN, 2, 32, 4)
+    key = dispatcher().registry.spec(FN).key_of_case(case)
+    monkeypatch.setattr(_dispatcher, "capturing", lambda device: True)
+    decision = dispatcher().decide(key)
+    assert decision.chosen.id != "evil"
+    assert "not qualified on this device yet" in next(r.reason for r in decision.trace if r.variant == "evil")
+    assert kv.verdicts() == []
+    monkeypatch.setattr(_dispatcher, "capturing", lambda device: False)
+    assert dispatcher().decide(key).chosen.id == "evil"
+
+
+def test_policy_off_chooses_without_checking_and_says_so_once(with_variants, monkeypatch, capfd):
+    monkeypatch.setenv("KV_QUALIFY", "off")
+    with_variants(_variant(FN, zeros))
+    case = make_case(FN, 2, 32, 4)
+    assert kv.explain(FN, *case.args, **case.kwargs).chosen.id == "evil"
+    kv.explain(FN, *case.args, **case.kwargs)
+    assert capfd.readouterr().err.count("KV_QUALIFY=off") == 1
+
+
+def test_a_bad_policy_names_the_variable(monkeypatch):
+    monkeypatch.setenv("KV_QUALIFY", "sometimes")
+    with pytest.raises(ValueError, match="KV_QUALIFY: expected one of require, strict, off, got 'sometimes'"):
+        kv.reload()
+    monkeypatch.delenv("KV_QUALIFY")
+
+
+def test_every_builtin_qualifies_on_this_cpu():
+    """No false alarm: every available built-in passes every class it claims here (fp32, bf16,
+    fp16 at the default features), with the number of cases each ran."""
+    verdicts = kv.qualify()
+    failed = [f"{v.group.op} {v.group.dtype} {v.variant}: {v.failed_case}: {v.reason}" for v in verdicts if not v.passed]
+    assert not failed, "\n".join(failed)
+    ran = {(v.group.op, v.variant) for v in verdicts}
+    assert {(op, "cpu_native") for op in FAST} <= ran and (FN, "aten") in ran and (UPDATE, "torch_shift") in ran
+    assert all(v.cases >= 9 for v in verdicts)
+
+
+def test_verdicts_persist_follow_the_version_and_clear(with_variants):
+    with_variants(_variant(FN, lambda op: FAST[op]))
+    assert [v.passed for v in kv.qualify(FN, variants=["evil"], dtype="float32")] == [True]
+    first = kv.verdicts()[0]
+    kv.reload()  # a new process would read it back: nothing is qualified again
+    with_variants(_variant(FN, lambda op: FAST[op]))
+    assert kv.qualify(FN, variants=["evil"], dtype="float32")[0].qualified_at == first.qualified_at
+    # Another version of the variant is another kernel: its verdict is redone.
+    with_variants(_variant(FN, lambda op: FAST[op]).model_copy(update={"version": "2"}))
+    assert kv.qualify(FN, variants=["evil"], dtype="float32")[0].qualified_at > first.qualified_at
+    assert kv.clear_verdicts(FN, "evil") == 1 and kv.verdicts() == []
+
+
+def test_export_and_import_carry_verdicts_with_the_fingerprint(with_variants, tmp_path):
+    with_variants(_variant(FN, zeros))
+    kv.qualify(FN, variants=["evil"], dtype="float32")
+    from kernel_variants.dispatch._exchange import export_table, import_table
+
+    doc = tmp_path / "table.json"
+    export_table(doc)
+    assert kv.clear_verdicts() == 1
+    report = import_table(doc)
+    assert report.verdicts == 1
+    assert [v.summary().startswith("failed qualification") for v in kv.verdicts()] == [True]
+
+
+def test_the_compiled_graph_runs_only_qualified_variants(with_variants):
+    """Under torch.compile the op is one custom op that dispatches when the graph runs: the
+    same rule applies there (its first run qualifies, as an eager call would)."""
+    with_variants(_variant(FN, zeros))
+    case = make_case(FN, 2, 32, 4, pad=True, poison=True)
+    compiled = torch.compile(lambda *a, **k: kv.causal_conv1d_fn(*a, **k) * 1.0, fullgraph=True)
+    assert verify(compiled, case, layout=False) is None
+
+
+def test_policy_off_still_rejects_a_wrong_variant_at_a_calibrated_shape(with_variants, monkeypatch):
+    monkeypatch.setenv("KV_QUALIFY", "off")
+    with_variants(_variant(FN, zeros))
+    result = kv.calibrate(FN, [(2, 64, 16)], dtype="float32", variants=["evil", "cpu_native"], **QUICK)
+    assert [m.variant for m in result.rejected()] == ["evil"]
+    assert kv.verdicts() == [], "off keeps no verdicts"
