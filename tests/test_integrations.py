@@ -955,3 +955,28 @@ def test_vllm_plugin_entry_point_is_declared():
     assert [ep.value for ep in eps if ep.name == "kernel_variants"] == [
         "kernel_variants.integrations.vllm:plugin"]
     assert next(ep for ep in eps if ep.name == "kernel_variants").load() is kv_vllm.plugin
+
+
+def test_forked_child_runs_one_thread_under_vllm_cpus_thread_binding(monkeypatch):
+    """vLLM-CPU's worker replaces torch.set_num_threads with a no-op once it has bound its
+    threads; a child forked there (a compiled variant qualifying) must still run one GNU OpenMP
+    thread, or it hangs in its first parallel region (seen: 300 s, then a failed verdict)."""
+    import os
+
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        if "libgomp" not in maps.read():
+            pytest.skip("torch here is not on GNU OpenMP, whose pool does not survive fork")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # what vLLM-CPU's worker does
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports its thread count and leaves at once
+        os.write(write, str(torch.get_num_threads()).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    got = os.read(read, 16)
+    os.close(read)
+    os.close(write)
+    torch._C.set_num_threads(before)
+    assert got == b"1"

@@ -45,11 +45,16 @@ for arch in mamba2 gdn; do
     || { tail -n 30 "$work/$arch-off.err"; exit 1; }
   "$venv/bin/python" tools/vllm_cpu_e2e.py --arch "$arch" --dir "$work/$arch" --patch 2>"$work/$arch-on.err" | grep '^{"pid"' | tail -n 1 >"$work/$arch-on.json" \
     || { tail -n 30 "$work/$arch-on.err"; exit 1; }
-  "$venv/bin/python" - "$work/$arch-off.json" "$work/$arch-on.json" <<'EOF'
+  "$venv/bin/python" - "$work/$arch-off.json" "$work/$arch-on.json" "$work/$arch-on.err" <<'EOF'
 import json, sys
-off, on = (json.load(open(p)) for p in sys.argv[1:])
+off, on = (json.load(open(p)) for p in sys.argv[1:3])
 arch = off["arch"]
 problems = []
+# A variant failing qualification inside the engine (a crash, a hang in its forked child) would
+# leave the reference to serve; the dispatch counts alone would not show it.
+failed = [line for line in open(sys.argv[3]) if "failed qualification" in line]
+if failed:
+    problems.append("qualification failed inside the engine:\n  " + "  ".join(failed))
 if off["tokens"] != on["tokens"]:
     problems.append(f"token ids differ:\n  vLLM's own: {off['tokens']}\n  patched:    {on['tokens']}")
 if on["engine_calls"] or on["kernel_calls"]:

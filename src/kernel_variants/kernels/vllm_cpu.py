@@ -305,7 +305,7 @@ def causal_conv1d_update(
         conv_state[:, :lead].index_copy_(0, *shifted)
     mark_written(conv_state)
     if x.ndim == 3:
-        y = y.transpose(1, 2)
+        y = y.transpose(1, 2).contiguous()  # the kernel's (B, dim, L) result in x's layout
     if indices is not None:
         # The kernel skips a padded sequence but leaves its x in the output: the contract says zero.
         dead = (indices == pad_slot_id).view(-1, *([1] * (y.ndim - 1)))
