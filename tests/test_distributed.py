@@ -141,6 +141,28 @@ def test_each_rank_takes_its_own_device():
         rank_device("cuda:1", 0)
 
 
+def _two_ranks(tmp_path, source: str, **env_vars: str) -> tuple[dict, dict]:
+    """Run ``source`` (formatted with ``base``) as ranks 0 and 1 under gloo; each rank's last
+    stdout line, as JSON."""
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(source.format(base=str(tmp_path))))
+    env = _env(WORLD_SIZE="2", MASTER_PORT=str(_free_port()), **env_vars)
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    done = []
+    try:
+        for p in procs:
+            done.append(p.communicate(timeout=120))
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    for p, (_, err) in zip(procs, done, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    rank0, rank1 = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in done)
+    return rank0, rank1
+
+
 AGREE = """
     import os, sys, json
 
@@ -185,23 +207,7 @@ AGREE = """
 def test_online_tuning_measures_on_rank_0_and_every_rank_runs_its_choice(tmp_path):
     """KV_TUNE=1 under torch.distributed: rank 0 measures a key no rank has, the others take its
     choice (and its rows); check_agreement() is empty until a rank runs something else."""
-    script = tmp_path / "agree.py"
-    script.write_text(textwrap.dedent(AGREE.format(base=str(tmp_path))))
-    port = str(_free_port())
-    env = _env(KV_TUNE="1", KV_DISABLE_PLUGINS="cpu_native", WORLD_SIZE="2", MASTER_PORT=port)
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
-    done = []
-    try:
-        for p in procs:
-            done.append(p.communicate(timeout=120))
-    finally:
-        for p in procs:
-            p.kill()
-            p.communicate()
-    for p, (_, err) in zip(procs, done, strict=True):
-        assert p.returncode == 0, err[-4000:]
-    rank0, rank1 = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in done)
+    rank0, rank1 = _two_ranks(tmp_path, AGREE, KV_TUNE="1", KV_DISABLE_PLUGINS="cpu_native")
     assert rank0["measured"] == [[1, 16, 8], [2, 32, 16]] and rank1["measured"] == []
     assert rank0["agreed"] == rank1["agreed"] == []
     assert rank0["chosen"] == rank1["chosen"] and len(rank0["chosen"]) == 2
@@ -256,23 +262,8 @@ def test_rank_0_chooses_only_among_variants_qualified_on_every_rank(tmp_path):
     """A variant right on rank 0's device and wrong on rank 1's (faster than anything else there):
     rank 0 measures it fastest, but it failed qualification on rank 1, so rank 0 chooses among
     the others and every rank runs that, right on each."""
-    script = tmp_path / "everywhere.py"
-    script.write_text(textwrap.dedent(QUALIFIED_EVERYWHERE.format(base=str(tmp_path))))
-    env = _env(KV_TUNE="1", KV_DISABLE_PLUGINS="cpu_native,aten,torch_shift", WORLD_SIZE="2",
-               MASTER_PORT=str(_free_port()))
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
-    done = []
-    try:
-        for p in procs:
-            done.append(p.communicate(timeout=120))
-    finally:
-        for p in procs:
-            p.kill()
-            p.communicate()
-    for p, (_, err) in zip(procs, done, strict=True):
-        assert p.returncode == 0, err[-4000:]
-    rank0, rank1 = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in done)
+    rank0, rank1 = _two_ranks(tmp_path, QUALIFIED_EVERYWHERE, KV_TUNE="1",
+                              KV_DISABLE_PLUGINS="cpu_native,aten,torch_shift")
     assert ["fast", True] in rank0["verdicts"] and ["fast", False] in rank1["verdicts"]
     (times,) = rank0["times"]
     assert times["fast"] < times["reference"], "rank 0 would have chosen it"
