@@ -56,13 +56,13 @@ def bare_call(op: str, case, kernels):
         return lambda: fwd(x.t(), packed, bias, pool, qsl, idx, init, True, -1, True)
     x, pool, weight, bias = args
     idx = kw["conv_state_indices"].to(torch.int32)
-    if kw.get("num_accepted_tokens") is not None:
-        packed = vllm_cpu.PACKED.get(weight)
-        nat = kw["num_accepted_tokens"].to(torch.int32)
-        update = kernels["causal_conv1d_update_cpu"]
-        return lambda: update(x, pool.transpose(1, 2), packed, bias, True, nat, idx, -1, True)
-    vec = kernels["causal_conv1d_update_cpu_vec"]
-    return lambda: vec(x, pool.transpose(1, 2), weight, bias, "silu", idx, None, -1)
+    # The kernel vllm_cpu runs for these calls: the packed one (dense pools, W-1 rows, one token
+    # or num_accepted_tokens).
+    packed = vllm_cpu.PACKED.get(weight)
+    nat = kw.get("num_accepted_tokens")
+    nat = nat.to(torch.int32) if nat is not None else None
+    update = kernels["causal_conv1d_update_cpu"]
+    return lambda: update(x, pool.transpose(1, 2), packed, bias, True, nat, idx, -1, True)
 
 
 def main(argv: list[str] | None = None) -> int:
