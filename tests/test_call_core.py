@@ -389,6 +389,7 @@ def test_kv_call_core_0_takes_the_python_path(reference_only, path, python_calls
 def test_without_a_build_the_python_path_serves_and_says_so_once(reference_only, monkeypatch, tmp_path, python_calls,
                                                                    capfd):
     monkeypatch.setenv("KV_BUILD_DIR", str(tmp_path / "no-build"))
+    monkeypatch.delenv(_callcore.ENV, raising=False)
     monkeypatch.setattr(_callcore, "_announced", False)
     kv.reload()
     for _ in range(2):
