@@ -57,9 +57,12 @@ def test_a_build_announces_itself_once_and_kv_build_reports_where(fresh_build_di
     out, err = capsys.readouterr()
     assert out.count("FAILED") == 2
     assert all("has no attribute" in v.reason for v in kv.verdicts() if v.variant == "cpu_native")
-    assert len(fresh_build_dir) == 2, "one extension per op family, each serving both of its ops: built once"
-    for ext, where in zip(("causal_conv1d", "gemma_rms_norm"), fresh_build_dir, strict=True):
-        notice = [ln for ln in err.splitlines() if f"building the cpu_native C++ kernel of {ext}" in ln]
+    assert len(fresh_build_dir) == 3, ("one extension per op family, each serving both of its ops, and the "
+                                       "call core: each built once")
+    for ext, what, where in zip(("causal_conv1d", "gemma_rms_norm", "call_core"),
+                                ("C++ kernel of causal_conv1d", "C++ kernel of gemma_rms_norm", "C++ call core"),
+                                fresh_build_dir, strict=True):
+        notice = [ln for ln in err.splitlines() if f"building the cpu_native {what}" in ln]
         assert len(notice) == 1 and str(where) in notice[0] and "about a minute" in notice[0]
         assert f"cpu_native {ext} build finished in" in err
         assert str(where) in out

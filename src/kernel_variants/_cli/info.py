@@ -1,12 +1,13 @@
 """What this machine's table is keyed by and where it lives: the device fingerprint, the cache
-directory (or that it is in memory), the table size and the plugins loaded."""
+directory (or that it is in memory), the table size, the call path the ops take (the compiled
+call core, or Python and why) and the plugins loaded."""
 
 from __future__ import annotations
 
 import argparse
 
 from kernel_variants._version import __version__
-from kernel_variants.dispatch import dispatcher
+from kernel_variants.dispatch import _callcore, dispatcher
 from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
 
 from . import _options as opt
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         "in_memory": table.in_memory,
         "read_only": table.store.read_only,
         "table_entries": len(table),
+        "call_path": _callcore.status()[1],
         "plugins": d.registry.plugins(),
         "broken_plugins": d.registry.broken,
         "variants": {spec.name: [rv.id for rv in d.registry.variants(spec.name)] for spec in d.registry.ops()},
@@ -44,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     where = facts["cache_dir"] + (" (read-only: its entries are used, new ones stay in memory)"
                                   if facts["read_only"] else
                                   " (unusable: in memory for this process)" if table.in_memory else "")
-    rows += [["cache", where], ["table entries", len(table)], ["plugins", ", ".join(facts["plugins"])]]
+    rows += [["cache", where], ["table entries", len(table)], ["call path", facts["call_path"]],
+             ["plugins", ", ".join(facts["plugins"])]]
     rows += [[f"broken plugin {name}", why] for name, why in d.registry.broken.items()]
     for op, ids in facts["variants"].items():
         o = facts["ops"][op]

@@ -27,6 +27,7 @@ from kernel_variants._capture import capturing
 from kernel_variants.registry import CallKey
 from kernel_variants.registry._registry import RegisteredVariant, Registry, make_plugin_manager
 
+from . import _callcore
 from ._fingerprint import fingerprint, fingerprint_id
 from ._qualify import NOT_YET, Qualifier, beyond, policy_from
 from ._select import Decision, NoVariantError, TraceRow, select
@@ -47,6 +48,15 @@ class Hit(NamedTuple):
 
 
 _MEMO_LIMIT = 65536  # varlen batches make many distinct keys; a bound keeps serving memory flat
+
+
+class Memo(dict):
+    """The memo: call signature -> Hit. The compiled call cores hold copies of its entries, so
+    clearing it (invalidation, calibration, its bound) clears them too."""
+
+    def clear(self) -> None:
+        super().clear()
+        _callcore.clear_all()
 
 # Pins set by force(), as a hashable tuple of (op, id) pairs so that it can be part of a memo key.
 _pins: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar("kv_pins", default=())
@@ -134,7 +144,7 @@ class Dispatcher:
         # A verdict turning to a failure drops every memoised decision: one may have chosen it.
         self.qualifier = Qualifier(lambda: self.table, policy_from(env.get("KV_QUALIFY", "")), self.memo_clear)
         # call signature (op, pins, each argument's metadata) -> what runs for it (a Hit)
-        self.memo: dict[tuple[Any, ...], Hit] = {}
+        self.memo: dict[tuple[Any, ...], Hit] = Memo()
         # key_text -> (key, the variant chosen): what this process ran, for check_agreement()
         self.decided: dict[str, tuple[CallKey, str]] = {}
         # key_text -> the variant rank 0 chose for it (distributed tuning): every rank runs it
@@ -357,6 +367,7 @@ def dispatcher() -> Dispatcher:
     global _current
     if _current is None:
         _current = Dispatcher()
+        _callcore.rearm()
     return _current
 
 
@@ -364,6 +375,7 @@ def reset(registry: Registry | None = None) -> Dispatcher:
     """Start over: re-read the environment and plugins (or use ``registry``), forget decisions."""
     global _current
     _current = Dispatcher(registry)
+    _callcore.rearm()  # the cores held the old memo's entries; KV_CALL_CORE is read again
     return _current
 
 

@@ -6,6 +6,10 @@ builds a memo signature from its arguments (``OpSpec.memo_key``: shapes, dtypes,
 mutated tensors' strides, every other argument's value and type, and the pins in force); a hit
 skips validation of the metadata and the decision. Under ``torch.compile`` the call goes through the op's
 ``torch.library`` custom op instead, which dispatches when the graph runs.
+
+Where the compiled call core is built (``_callcore``), an eager call goes to it first: it runs
+the memoised path (key, lookup, index value checks, write guard, variant) in C++ and hands
+anything else to :func:`call`, which decides, raises, and teaches it the entry.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from kernel_variants.registry import OpSpec
 
+from . import _callcore
 from ._dispatcher import Hit, VariantFailed, dispatcher, pins_in_context
 from ._select import Decision
 
@@ -97,7 +102,9 @@ def _write_plan(spec: OpSpec, args: tuple[Any, ...], out: Any) -> Callable[..., 
     """:func:`guard_writes` split for one memo signature: what depends only on
     metadata (which tensors share the written tensor's dtype, how many bytes it spans) is
     worked out here, once; a call then reads data pointers (and a tensor's span only when it
-    starts inside the written tensor's allocation, before it). ``None``: nothing to guard."""
+    starts inside the written tensor's allocation, before it). ``None``: nothing to guard.
+    Its ``declared`` attribute is that work as data, (checks, has out), where checks are
+    (written index, its span, the indices compared with it): what the call core reads."""
     checks = []
     for mi in spec.mutated_indices:
         m = args[mi]
@@ -130,6 +137,7 @@ def _write_plan(spec: OpSpec, args: tuple[Any, ...], out: Any) -> Callable[..., 
                     raise _overlap_error(spec, i, spec.params[mi])
         return False if out is None else _guard_out(spec, args, spec.out_tensors(out))
 
+    plan.declared = (checks_t, out is not None)  # type: ignore[attr-defined]
     return plan
 
 
@@ -179,9 +187,15 @@ def _on_cpu(spec: OpSpec, args: tuple[Any, ...]) -> bool:
     return getattr(args[spec.tensor_indices[0]], "is_cpu", True)
 
 
-def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None) -> Any:
+def variant_failed(spec: OpSpec, vid: str, exc: BaseException) -> VariantFailed:
+    """What a variant's exception becomes, on every call path (``__cause__``: the original)."""
+    return VariantFailed(f"variant {vid!r} of {spec.name} failed: {type(exc).__name__}: {exc}")
+
+
+def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None, core: Any = None) -> Any:
     """Validate, decide (memoised) and run one call of ``spec``; ``args`` in signature order,
-    ``out`` as the public function takes it (None, a tensor, or one per output)."""
+    ``out`` as the public function takes it (None, a tensor, or one per output). ``core``: the
+    compiled call core that handed this call over, taught the memoised entry before it runs."""
     d = dispatcher()
     try:
         sig = spec.memo_key(args, pins_in_context())
@@ -200,6 +214,8 @@ def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None) -> Any:
         hit.checks(args)
     vid, fn, invoke, subs, guard, _, rule = hit
     aliased = guard is not None and guard(args, out)
+    if core is not None and sig is not None:
+        _callcore.learn(core, spec, args, out, hit)
     if subs:
         args = _with(args, subs)
     if rule is not None:
@@ -207,7 +223,7 @@ def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None) -> Any:
     try:
         return invoke(fn, args) if out is None else invoke(fn, args, out, aliased)
     except Exception as exc:
-        raise VariantFailed(f"variant {vid!r} of {spec.name} failed: {type(exc).__name__}: {exc}") from exc
+        raise variant_failed(spec, vid, exc) from exc
 
 
 def _params_source(spec: OpSpec, namespace: dict[str, Any]) -> str:
@@ -231,19 +247,27 @@ def _params_source(spec: OpSpec, namespace: dict[str, Any]) -> str:
 
 def make_op(spec: OpSpec) -> Callable[..., Any]:
     """The public function of ``spec``: its signature and docstring, dispatched per call."""
-    namespace: dict[str, Any] = {"_call": call, "_spec": spec, "_compiling": _compiling}
+    namespace: dict[str, Any] = {"_call": call, "_spec": spec, "_compiling": _compiling, "_MISS": _callcore.MISS}
     params = _params_source(spec, namespace)
     names = ", ".join(spec.params)
     # Traced: one custom op, which dispatches when the graph runs. The import runs for real under
     # Dynamo (it is not traced), and importing _custom_ops registers the ops made so far.
+    # Eager: the compiled call core when there is one (_core: None otherwise), which hands a
+    # call it does not serve to the Python path with itself, to learn the decision.
     src = (f"def {spec.name}({params}):\n"
            f"    if _compiling():\n"
            f"        from kernel_variants.dispatch import _custom_ops\n"
            f"        return _custom_ops.OPS[{spec.name!r}]({names}, out)\n"
+           f"    if _core is not None:\n"
+           f"        r = _core({names}, out)\n"
+           f"        if r is not _MISS:\n"
+           f"            return r\n"
+           f"        return _call(_spec, ({names},), out, _core)\n"
            f"    if out is None:\n"
            f"        return _call(_spec, ({names},))\n"
            f"    return _call(_spec, ({names},), out)\n")
     exec(src, namespace)  # noqa: S102 - source made from the spec's own signature
+    _callcore.arm(spec, namespace)
     fn = namespace[spec.name]
     stub = spec.signature
     fn.__doc__ = (stub.__doc__ or "").rstrip() + "\n\n" + out_doc(spec)
@@ -328,6 +352,8 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     tensors like the example's.
     The choice is fixed: calibration, ``force`` or ``reload`` after ``bind`` do not change it
     (bind again). ``op`` is the op's name or its public function; ``.variant`` says what runs.
+    Where the compiled call core is built, the result is a C object that behaves as this
+    function (and hands it what it does not run itself: ``out=``, a changed value, a bad index).
     """
     d = dispatcher()
     name = op if isinstance(op, str) else getattr(op, "__name__", None)
@@ -347,9 +373,9 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     fixed = [i for i in range(len(spec.params)) if i not in tensors]
     normalized = dict(subs)
     namespace: dict[str, Any] = {
-        "_with": _with, "_fn": fn, "_check_values": checks, "_changed": _changed(spec, fixed, tuple(args[i] for i in fixed)), "_out": _bound_out(spec, vid, fn, caps, subs, rule), "_Failed": VariantFailed,
-        "_rule": rule, "_invoke": spec.invoke, "_subs": subs,
-        "_failed": f"variant {vid!r} of {spec.name} failed: ",
+        "_with": _with, "_fn": fn, "_check_values": checks, "_changed": _changed(spec, fixed, tuple(args[i] for i in fixed)),
+        "_out": _bound_out(spec, vid, fn, caps, subs, rule), "_variant_failed": variant_failed, "_spec": spec,
+        "_vid": vid, "_rule": rule, "_invoke": spec.invoke, "_subs": subs,
     }
     params = _params_source(spec, namespace)
     pos = set(spec.positional)
@@ -376,14 +402,19 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
            "    try:\n"
            f"        return {run}\n"
            "    except Exception as exc:\n"
-           "        raise _Failed(_failed + f'{type(exc).__name__}: {exc}') from exc\n")
+           "        raise _variant_failed(_spec, _vid, exc) from exc\n")
     exec(src, namespace)  # noqa: S102 - source made from the spec's own signature
     bound = namespace["bound"]
-    bound.__doc__ = f"{spec.name}, bound to variant {vid!r} for calls shaped like the example (kernel_variants.bind)."
-    bound.__qualname__ = bound.__name__ = f"{spec.name}_bound"
-    bound.__signature__ = spec.py_signature
-    bound.op, bound.variant = spec.name, vid
-    return bound
+    # The same in C where the call core is built: this function then serves only what the C
+    # object hands it (out=, a changed value, a bad index value), raising with its messages.
+    fast = None if rule is not None else _callcore.bound(spec, bound, vid, fn, subs, checks, fixed,
+                                                         tuple(args[i] for i in fixed))
+    for made in (bound, fast) if fast is not None else (bound,):
+        made.__doc__ = f"{spec.name}, bound to variant {vid!r} for calls shaped like the example (kernel_variants.bind)."
+        made.__qualname__ = made.__name__ = f"{spec.name}_bound"
+        made.__signature__ = spec.py_signature
+        made.op, made.variant = spec.name, vid
+    return fast if fast is not None else bound
 
 
 def _changed(spec: OpSpec, fixed: list[int], expected: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], ValueError]:
@@ -423,6 +454,6 @@ def _bound_out(spec: OpSpec, vid: str, fn: Callable[..., Any], caps: Any, subs: 
         try:
             return _out_runner(spec, direct, caps.in_place)(fn, args, out, aliased)
         except Exception as exc:
-            raise VariantFailed(f"variant {vid!r} of {spec.name} failed: {type(exc).__name__}: {exc}") from exc
+            raise variant_failed(spec, vid, exc) from exc
 
     return run

@@ -24,22 +24,37 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 
 @dataclass(frozen=True)
 class Extension:
-    """One extension: ``{name}_cpu.cpp`` first (its copies of shared inline functions are the
-    baseline-ISA ones the linker keeps), then one file per ISA, and the headers they share."""
+    """One extension. A kernel's: ``{name}_cpu.cpp`` first (its copies of shared inline
+    functions are the baseline-ISA ones the linker keeps), then one file per ISA, and the headers
+    they share. Any other (the call core) names its own files."""
 
     name: str
+    own_sources: tuple[str, ...] = ()
+    own_headers: tuple[str, ...] = ()
 
     @property
     def sources(self) -> tuple[str, ...]:
+        if self.own_sources:
+            return self.own_sources
         return tuple(f"{self.name}_{isa}.cpp" for isa in ("cpu", "avx2", "avx512", "avx512bf16"))
 
     @property
+    def what(self) -> str:
+        """How a build notice names it."""
+        return "C++ call core" if self.own_sources else f"C++ kernel of {self.name}"
+
+    @property
     def headers(self) -> tuple[str, ...]:
+        if self.own_sources:
+            return self.own_headers
         return (f"{self.name}_kernel.h", f"{self.name}_params.h", "cpu_common.h")
 
 
 CONV = Extension("causal_conv1d")
 RMS = Extension("gemma_rms_norm")
+# The dispatched ops' per-call path (kernel_variants.dispatch._callcore): plain CPython C-API
+# on ATen's tensor metadata, no kernel in it.
+CORE = Extension("call_core", own_sources=("call_core.cpp",))
 
 # No -march=native: the cached .so must run on any x86-64 sharing the cache
 # dir, and AVX2 / AVX-512 code is compiled per file and chosen at runtime.
@@ -167,7 +182,7 @@ def _notice(build_dir: Path, ext: Extension) -> Iterator[None]:
     import time
 
     start = time.monotonic()
-    print(f"kernel_variants: building the cpu_native C++ kernel of {ext.name} ({len(ext.sources)} files) in "
+    print(f"kernel_variants: building the cpu_native {ext.what} ({len(ext.sources)} files) in "
           f"{build_dir}; "
           "this takes about a minute, once per machine and torch version "
           "(`kv build` does it ahead of time)", file=sys.stderr, flush=True)

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from kernel_variants._capture import capturing
 from kernel_variants._dtypes import dtype_name
 from kernel_variants._validate import floating, like_x, shape_str, tensor
 from kernel_variants.dispatch import _device_errors as errors
+from kernel_variants.dispatch._values import Bounded, Offsets, SlotIds, plan
 from kernel_variants.registry import Features
 from kernel_variants.registry._spec import KeyParts
 
@@ -86,106 +86,6 @@ def _enough_slots(name: str, idx: object, batch: int, pool: torch.Tensor, pool_n
         raise ValueError(f"{pool_name}: expected at least B={batch} slots when {name} is None, got N={pool.shape[0]}")
 
 
-def _slot_values(name: str, slots: list[int], n_slots: int, pad_slot_id: int) -> None:
-    seen: set[int] = set()
-    for b, s in enumerate(slots):
-        if s == pad_slot_id:
-            continue
-        if not 0 <= s < n_slots:
-            raise ValueError(
-                f"{name}: expected slot indices in [0, {n_slots}) or pad_slot_id={pad_slot_id}, "
-                f"got {s} at position {b}"
-            )
-        if s in seen:
-            raise ValueError(f"{name}: expected distinct slots, got slot {s} twice (second at position {b})")
-        seen.add(s)
-
-
-def _slots_check(i: int, name: str, n_slots: int, pad_slot_id: int, batch: int) -> Callable[[Sequence[Any]], None]:
-    """Checks ``args[i]``, slot ids ``[batch]`` into a pool of ``n_slots``."""
-    if batch == 1:  # a decode step of one sequence: one read, no list, no set (per call, so it counts)
-
-        def check_one(args: Sequence[Any]) -> None:
-            try:
-                s = args[i].item()
-            except RuntimeError:  # not one element: a bound call given other sizes; check them all
-                _slot_values(name, args[i].tolist(), n_slots, pad_slot_id)
-                return
-            if s != pad_slot_id and not 0 <= s < n_slots:
-                _slot_values(name, [s], n_slots, pad_slot_id)
-
-        return check_one
-
-    def check(args: Sequence[Any]) -> None:
-        slots = args[i].tolist()
-        live = [s for s in slots if s != pad_slot_id] if pad_slot_id in slots else slots
-        # min, max and set run in C: the per-entry loop only runs to name a bad entry.
-        if live and (min(live) < 0 or max(live) >= n_slots or len(set(live)) != len(live)):
-            _slot_values(name, slots, n_slots, pad_slot_id)
-
-    return check
-
-
-def _starts_check(i: int, total: int) -> Callable[[Sequence[Any]], None]:
-    """Checks ``args[i]``, ``query_start_loc`` ``[B+1]`` of a varlen batch of ``total`` tokens."""
-
-    def check(args: Sequence[Any]) -> None:
-        starts = args[i].tolist()
-        if starts[0] != 0:
-            raise ValueError(f"query_start_loc: expected to start at 0, got {starts[0]}")
-        for b in range(len(starts) - 1):
-            if starts[b + 1] < starts[b]:
-                raise ValueError(
-                    f"query_start_loc: expected non-decreasing values, got {starts[b]} then "
-                    f"{starts[b + 1]} at position {b + 1}"
-                )
-        if starts[-1] != total:
-            raise ValueError(f"query_start_loc: expected to end at T={total} (x.shape[0]), got {starts[-1]}")
-
-    return check
-
-
-def _accepted_check(i: int, length: int) -> Callable[[Sequence[Any]], None]:
-    """Checks ``args[i]``, ``num_accepted_tokens`` ``[B]``, against 1..L."""
-
-    def check(args: Sequence[Any]) -> None:
-        for b, n in enumerate(args[i].tolist()):
-            if not 1 <= n <= length:
-                raise ValueError(f"num_accepted_tokens: expected values in 1..L={length}, got {n} at position {b}")
-
-    return check
-
-
-def _plan(x: torch.Tensor, checks: list[Callable[[Sequence[Any]], None]]) -> Callable[[Sequence[Any]], None] | None:
-    """One function running ``checks`` on a call's arguments (None: no index tensors). It first
-    reports what the device rule counted on x's device, and off the CPU reads nothing while a
-    graph is being captured."""
-    if not checks:
-        return None
-    device = x.device
-    kind = device.type
-    pending = errors.pending
-    if kind == "cpu" and len(checks) == 1:  # no graph capture on the CPU; the one-check case unrolled
-        (only,) = checks
-
-        def run_one(args: Sequence[Any]) -> None:
-            if pending():
-                errors.raise_pending(device)
-            only(args)
-
-        return run_one
-
-    def run(args: Sequence[Any]) -> None:
-        if kind != "cpu" and capturing(kind):
-            return
-        if pending():
-            errors.raise_pending(device)
-        for check in checks:
-            check(args)
-
-    return run
-
-
 def _run(checks: Callable[[Sequence[Any]], None] | None, args: Sequence[Any]) -> None:
     if checks is not None:
         checks(args)
@@ -194,24 +94,23 @@ def _run(checks: Callable[[Sequence[Any]], None] | None, args: Sequence[Any]) ->
 def fn_value_checks(x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc, activation,
                     pad_slot_id) -> Callable[[Sequence[Any]], None] | None:
     """The value checks of ``causal_conv1d_fn`` calls with this call's metadata (which passed)."""
-    checks = []
+    checks: list[Callable[[Sequence[Any]], None]] = []
     if query_start_loc is not None:
-        checks.append(_starts_check(6, x.shape[0]))
+        checks.append(Offsets(6, "query_start_loc", x.shape[0], f"T={x.shape[0]} (x.shape[0])"))
     if conv_states is not None and cache_indices is not None:
-        checks.append(_slots_check(4, "cache_indices", conv_states.shape[0], pad_slot_id, cache_indices.shape[0]))
-    return _plan(x, checks)
+        checks.append(SlotIds(4, "cache_indices", conv_states.shape[0], pad_slot_id, cache_indices.shape[0]))
+    return plan(x, checks)
 
 
 def update_value_checks(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
                         pad_slot_id) -> Callable[[Sequence[Any]], None] | None:
     """The value checks of ``causal_conv1d_update`` calls with this call's metadata (which passed)."""
-    checks = []
+    checks: list[Callable[[Sequence[Any]], None]] = []
     if conv_state_indices is not None:
-        checks.append(_slots_check(5, "conv_state_indices", conv_state.shape[0], pad_slot_id,
-                                    conv_state_indices.shape[0]))
+        checks.append(SlotIds(5, "conv_state_indices", conv_state.shape[0], pad_slot_id, conv_state_indices.shape[0]))
     if num_accepted_tokens is not None:
-        checks.append(_accepted_check(6, x.shape[1] if x.ndim == 3 else 1))
-    return _plan(x, checks)
+        checks.append(Bounded(6, "num_accepted_tokens", 1, x.shape[1] if x.ndim == 3 else 1, "L"))
+    return plan(x, checks)
 
 
 def check_fn(features: type[Features], x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc,

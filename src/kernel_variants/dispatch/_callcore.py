@@ -1,0 +1,237 @@
+"""The compiled call core: which call path the ops take, and the core's side of the memo.
+
+A dispatched call's per-call work (the memo key from the tensors' metadata and the other
+arguments, the lookup, the index value checks, the write guard, the call of the variant) runs
+in C++ (``kernels/cpu_native/csrc/call_core.cpp``) when the core is built: ``kv build`` builds
+it with the C++ kernels; a call never does. Where it is not built (or does not load), the Python
+path (``_op.call``) serves every call, and the first call says so once on stderr.
+``KV_CALL_CORE=0`` turns the core off (read at the first call after each ``kv.reload()``).
+
+The core decides nothing. A call it has no entry for, or one it does not serve (``out=``, a
+tensor off the CPU or of a subclass, a torch function mode) or in which it detects a problem (a
+bad index value, an overlap with a written tensor), goes to the Python path, which validates,
+decides, raises with its message, or memoises the decision and hands the core the same entry
+(:func:`learn`). Anything that clears the Python memo clears every core too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from kernel_variants.registry import OpSpec
+
+    from ._dispatcher import Hit
+
+ENV = "KV_CALL_CORE"
+
+
+class _Miss:
+    """What the core returns for a call the Python path must serve."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<kernel_variants call core: miss>"
+
+
+MISS = _Miss()
+
+_lock = threading.Lock()
+_loaded: dict[str, tuple[ModuleType | None, str | None]] = {}  # .so path -> (module, why not)
+_cores: dict[tuple[str, OpSpec], Any] = {}  # (the module's file, the op) -> the op's CallCore
+_armed: list[tuple[OpSpec, dict[str, Any]]] = []  # each op function's namespace
+_announced = False
+
+
+def _off(raw: str) -> bool:
+    return raw.strip().lower() in ("0", "false", "no", "off")
+
+
+def _library() -> tuple[ModuleType | None, str]:
+    """(the core's extension module, or None; a short reason when None). Never builds."""
+    from kernel_variants.kernels.cpu_native import _build
+
+    try:
+        name, build_dir = _build._name_and_dir(_build.CORE)
+    except Exception as exc:  # torch or the sources unreadable: say so, serve in Python
+        return None, f"cannot locate the build ({type(exc).__name__}: {exc})"
+    path = build_dir / f"{name}.so"
+    if not path.exists():
+        return None, "not built: run kv build"
+    with _lock:
+        if str(path) not in _loaded:
+            try:
+                spec = importlib.util.spec_from_file_location(name, path)
+                if spec is None or spec.loader is None:
+                    raise ImportError(f"{path} is not an extension module")
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                module.CallCore  # noqa: B018 - a stand-in file without the type is not the core
+                _loaded[str(path)] = (module, None)
+            except Exception as exc:
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                _loaded[str(path)] = (None, f"the build does not load ({first}); run kv build")
+        module, why = _loaded[str(path)]
+    return module, why or ""
+
+
+def status() -> tuple[bool, str]:
+    """(whether the ops take the compiled core, the call path in words) for this environment."""
+    if _off(os.environ.get(ENV, "")):
+        return False, f"Python ({ENV}=0)"
+    module, why = _library()
+    if module is None:
+        return False, f"Python ({why})"
+    return True, "compiled core"
+
+
+def _make(spec: OpSpec, module: ModuleType) -> Any:
+    """The CallCore of ``spec``: its parameters as the core reads them."""
+    from ._device_errors import _counters
+    from ._dispatcher import _pins
+    from ._op import variant_failed
+
+    optional = dict(spec._tensor_params)
+    kinds = tuple(0 if i not in optional else 2 if optional[i] else 1 for i in range(len(spec.params)))
+    mutated = tuple(i in spec.mutated_indices for i in range(len(spec.params)))
+    npos = len(spec.positional)
+
+    def fail(vid: str, exc: BaseException) -> None:
+        raise variant_failed(spec, vid, exc) from exc
+
+    return module.CallCore(kinds, mutated, npos, spec.params[npos:], _pins, _counters, fail, MISS)
+
+
+def core_for(spec: OpSpec) -> Any:
+    """The core that serves ``spec``'s calls now, or None (the Python path); announces once
+    per process that the core is not there."""
+    global _announced
+    if _off(os.environ.get(ENV, "")):
+        return None
+    module, why = _library()
+    if module is None:
+        if not _announced:
+            _announced = True
+            print(f"kernel_variants: ops take the Python call path (the compiled call core: {why}; "
+                  f"{ENV}=0 silences this)", file=sys.stderr, flush=True)
+        return None
+    if len(spec.params) > 32:  # the core's own bound on parameters
+        return None
+    key = (str(module.__file__), spec)
+    with _lock:
+        core = _cores.get(key)
+        if core is None:
+            core = _cores[key] = _make(spec, module)
+    return core
+
+
+_REQUIRED = object()  # a BoundCore default slot: the parameter has none
+
+
+def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., Any],
+          subs: tuple[tuple[int, Any], ...], checks: Callable[..., None] | None, fixed: list[int],
+          expected: tuple[Any, ...]) -> Any:
+    """``kv.bind``'s object in C (the op's signature bound there, then the bound call's checks and
+    the variant), handing any call it does not run to ``python``, the bound function in Python;
+    None where the core is off or not built, or the signature has positional-only parameters."""
+    import inspect
+
+    from ._device_errors import _counters
+    from ._op import variant_failed
+    from ._values import ValuePlan
+
+    if core_for(spec) is None:
+        return None
+    module, _ = _library()
+    params = list(spec.py_signature.parameters.values())
+    if module is None or any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in params):
+        return None
+    data = gate = py_checks = None
+    if checks is not None:
+        declared = getattr(checks, "declared", None)
+        if isinstance(declared, ValuePlan):
+            data, gate = declared.core_data(), declared.device
+        if data is None:
+            py_checks, gate = checks, None
+    optional = dict(spec._tensor_params)
+    kinds = tuple(0 if i not in optional else 2 if optional[i] else 1 for i in range(len(spec.params)))
+    npos = len(spec.positional)
+
+    def fail(vid: str, exc: BaseException) -> None:
+        raise variant_failed(spec, vid, exc) from exc
+
+    return module.BoundCore(
+        tuple(p.name for p in params), npos, tuple(_REQUIRED if p.default is p.empty else p.default for p in params),
+        _REQUIRED, kinds, tuple(fixed), expected, subs, data, gate, py_checks, _counters, fn, vid,
+        spec.params[npos:], fail, python)
+
+
+class _Resolve:
+    """An op function's ``_core`` until its first call: finds the core (or None), puts it in
+    the function's globals, and serves this call with it."""
+
+    __slots__ = ("namespace", "spec")
+
+    def __init__(self, spec: OpSpec, namespace: dict[str, Any]) -> None:
+        self.spec, self.namespace = spec, namespace
+
+    def __call__(self, *args: Any) -> Any:
+        core = core_for(self.spec)
+        self.namespace["_core"] = core
+        return MISS if core is None else core(*args)
+
+
+def arm(spec: OpSpec, namespace: dict[str, Any]) -> None:
+    """Give an op function (its globals ``namespace``) the core on its next call."""
+    namespace["_core"] = _Resolve(spec, namespace)
+    _armed.append((spec, namespace))
+
+
+def rearm() -> None:
+    """A new dispatcher: every core forgets its entries, and each op finds its path again on
+    its next call (``KV_CALL_CORE`` is read then)."""
+    clear_all()
+    for spec, namespace in _armed:
+        namespace["_core"] = _Resolve(spec, namespace)
+
+
+def clear_all() -> None:
+    """Forget every core's entries (the Python memo was cleared)."""
+    for core in list(_cores.values()):
+        core.clear()
+
+
+def learn(core: Any, spec: OpSpec, args: tuple[Any, ...], out: Any, hit: Hit) -> None:
+    """Hand ``core`` the entry the Python path memoised for this call. A hit the core cannot
+    run (an ``out=`` runner, a device rule, a write guard or value check it cannot read) is
+    kept as the Python path's, so the core hands such calls over without asking again."""
+    from ._values import ValuePlan
+
+    vid, fn, invoke, subs, guard, checks, rule = hit
+    python_only = rule is not None or invoke is not spec.invoke or out is not None
+    data = py_checks = gate = None
+    if checks is not None and not python_only:
+        declared = getattr(checks, "declared", None)
+        if isinstance(declared, ValuePlan):
+            data = declared.core_data()
+            gate = declared.device
+        if data is None:  # not declared as data the core reads: it calls the check as it is
+            py_checks, gate = checks, None
+    guards: tuple[Any, ...] = ()
+    if guard is not None and not python_only:
+        declared = getattr(guard, "declared", None)
+        if isinstance(declared, tuple) and not declared[1]:
+            guards = declared[0]
+        else:
+            python_only = True
+    core.learn(args, out, fn, vid, subs, data, gate, py_checks, guards, python_only)
+
+

@@ -1,0 +1,1151 @@
+// The compiled call core: the per-call work of a dispatched op, in C++.
+//
+// One CallCore per op spec. A call hands it the op's arguments in signature order plus `out`
+// (a vectorcall, no tuple or dict built). It reads what the Python memo key reads (each
+// tensor's sizes, dtype and device, the mutated tensors' strides, whether grad mode is on and
+// a tensor requires grad, every other argument with its type, the pins of kv.force), looks
+// the decision up in its own map, runs the op's declared index value checks and the write
+// guard on data learned once per signature, and calls the chosen variant the way
+// OpSpec.invoke does (positional parameters by position, keyword-only ones by name).
+//
+// The C++ detects, the Python raises: on a miss, on anything it does not serve (an `out`, a
+// tensor subclass, a tensor off the CPU or with another dispatch key, a torch function mode)
+// and on any problem it detects (a bad index value, an overlap with a written tensor, an
+// inference tensor written outside inference mode) it returns the MISS sentinel, and the
+// Python path (_op.call) decides, raises with its own message, or fills the memo and then
+// teaches this core the entry (learn). So each error message is written in one place.
+// A variant's own exception goes to a Python function that raises VariantFailed from it.
+//
+// The map only ever holds entries the Python memo holds too: the Python side clears both
+// together (Dispatcher memo cleared, reset, calibration), so the core never decides.
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+// The most parameters an op may have for the core to serve it (a stack array per call).
+constexpr int kMaxParams = 32;
+constexpr size_t kMapLimit = 65536;  // the Python memo's bound: serving memory stays flat
+
+enum Param : int8_t { kValue = 0, kTensor = 1, kOptionalTensor = 2 };
+enum CheckKind : int { kSlots = 1, kOffsets = 2, kBounded = 3 };
+
+struct Check {
+  int kind;
+  int index;
+  int64_t a;  // kSlots: slot count; kOffsets: the end value; kBounded: low
+  int64_t b;  // kSlots: pad id; kBounded: high
+  bool has_pad;  // kSlots: whether some int64 can equal the pad id
+};
+
+struct Guard {
+  int mutated;
+  int64_t span;  // bytes from the written tensor's first element to past its last
+  std::vector<int> near;  // the arguments compared with it (its dtype, non-empty)
+};
+
+// One memoised decision: its key, and what a call with that key runs around the variant.
+// Counted by hand (every count changes under the GIL): the map holds one, a call in progress
+// another, so a map cleared by Python code the call runs does not free what it still reads.
+struct Entry {
+  int refs = 1;
+  std::vector<int64_t> words;
+  std::vector<PyObject*> objs;  // owned: the non-tensor arguments, then the pins
+  bool python_only = false;  // the Python path serves this key (an out= runner, a device rule)
+  PyObject* fn = nullptr;
+  PyObject* vid = nullptr;
+  std::vector<PyObject*> subs;  // per parameter: the normalised value, or nullptr
+  std::vector<Check> checks;
+  PyObject* gate = nullptr;  // the device whose pending device-rule counts a host check reports first
+  PyObject* py_checks = nullptr;  // a value check the core cannot read as data: called as is
+  std::vector<Guard> guards;
+
+  Entry() = default;
+  Entry(const Entry&) = delete;
+  Entry& operator=(const Entry&) = delete;
+  ~Entry() {  // dropped with the GIL held: every path that releases an entry holds it
+    for (PyObject* o : objs) Py_DECREF(o);
+    for (PyObject* o : subs) Py_XDECREF(o);
+    Py_XDECREF(fn);
+    Py_XDECREF(vid);
+    Py_XDECREF(gate);
+    Py_XDECREF(py_checks);
+  }
+};
+
+void release(Entry* e) {
+  if (--e->refs == 0) delete e;
+}
+
+struct State {
+  int n = 0;
+  std::vector<int8_t> kind;
+  std::vector<uint8_t> mutated;
+  int npos = 0;
+  PyObject* kwnames = nullptr;  // the keyword-only parameters' names, for the variant's call
+  PyObject* pins_var = nullptr;
+  PyObject* counters = nullptr;  // the device-rule counters by device (a dict)
+  PyObject* fail = nullptr;  // fail(vid, exc): raises VariantFailed from exc
+  PyObject* miss = nullptr;
+  // A hash bucket holds every entry whose key hashes alike (compared word by word).
+  std::unordered_map<uint64_t, std::vector<Entry*>> map;
+  size_t size = 0;
+  // The pins object last seen and its hash: a tuple's hash is not cached, and a force()
+  // block hands every call the same tuple.
+  PyObject* last_pins = nullptr;
+  Py_hash_t last_pins_hash = 0;
+  // Scratch for building a key: reused, so a call allocates nothing once warm. Only read
+  // before any Python code runs in a call (a nested op call may overwrite it). nwords: how
+  // many of words the key uses (the vector only grows).
+  std::vector<int64_t> words = std::vector<int64_t>(256);
+  size_t nwords = 0;
+  std::vector<PyObject*> objs;
+};
+
+struct CallCore {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  State* st;
+};
+
+// Dense CPU tensors, with or without autograd (every CPU tensor carries the autocast key):
+// what the key's fields fully describe. Anything with another dispatch key (a wrapper of
+// torch.func, a Python-dispatch tensor, sparse, another device) is served by the Python path.
+// Compared as raw bits: DispatchKeySet's difference keeps the backend bits.
+const uint64_t kServed = c10::DispatchKeySet({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
+                                              c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU})
+                             .raw_repr();
+
+constexpr uint64_t kMul = 0x9e3779b97f4a7c15ULL;
+
+inline uint64_t mix(uint64_t h, uint64_t v) {
+  return (h ^ v) * kMul;
+}
+
+// Four independent lanes: a key is tens of words, and one chained multiply per word would be
+// the call's longest dependency.
+uint64_t hash_words(const int64_t* w, size_t n) {
+  uint64_t h0 = 1, h1 = 2, h2 = 3, h3 = 4;
+  size_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    h0 = mix(h0, static_cast<uint64_t>(w[j]));
+    h1 = mix(h1, static_cast<uint64_t>(w[j + 1]));
+    h2 = mix(h2, static_cast<uint64_t>(w[j + 2]));
+    h3 = mix(h3, static_cast<uint64_t>(w[j + 3]));
+  }
+  for (; j < n; ++j) h0 = mix(h0, static_cast<uint64_t>(w[j]));
+  uint64_t h = h0 ^ (h1 << 16 | h1 >> 48) ^ (h2 << 32 | h2 >> 32) ^ (h3 << 48 | h3 >> 16);
+  h ^= h >> 29;
+  return h * kMul;
+}
+
+// The key of a call, into st->words / st->objs. 1: built (hash in *hash, each tensor argument
+// in ts, nullptr for None); 0: not a call the core serves; no Python error is left set.
+int build_key(State* st, PyObject* const* args, PyObject* out, const at::Tensor** ts, uint64_t* hash) {
+  if (out != Py_None || at::impl::torch_function_mode_enabled()) {
+    return 0;
+  }
+  auto& objs = st->objs;
+  objs.clear();
+  const bool grad = c10::GradMode::is_enabled();
+  bool requires_grad = false;
+  size_t pos = 1;  // words[0]: whether the call needs autograd
+  for (int i = 0; i < st->n; ++i) {
+    PyObject* a = args[i];
+    int8_t k = st->kind[i];
+    if (k == kValue) {
+      // Values whose hash and == are C code: nothing run here can switch threads (the scratch
+      // key is this core's), nor differ from what the Python memo's dict would do.
+      if (!(a == Py_None || PyUnicode_CheckExact(a) || PyLong_CheckExact(a) || PyBool_Check(a) ||
+            PyFloat_CheckExact(a)))
+        return 0;
+      objs.push_back(a);
+      continue;
+    }
+    if (a == Py_None) {
+      if (k != kOptionalTensor) return 0;  // validation says what is wrong
+      ts[i] = nullptr;
+      if (pos + 1 > st->words.size()) st->words.resize(2 * st->words.size());
+      st->words[pos++] = -1;
+      continue;
+    }
+    if (!THPVariable_CheckExact(a)) return 0;  // a subclass may see its own __torch_function__
+    const at::Tensor& t = THPVariable_Unpack(a);
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    if ((impl->key_set().raw_repr() & ~kServed) != 0) return 0;
+    auto sizes = impl->sizes();
+    size_t nd = sizes.size();
+    size_t need = pos + 3 + 2 * nd;
+    if (need > st->words.size()) st->words.resize(2 * need);
+    int64_t* w = st->words.data() + pos;
+    *w++ = static_cast<int64_t>(nd);
+    for (size_t d = 0; d < nd; ++d) *w++ = sizes[d];
+    *w++ = static_cast<int64_t>(impl->dtype().toScalarType());
+    c10::Device dev = impl->device();
+    *w++ = (static_cast<int64_t>(dev.type()) << 8) | static_cast<uint8_t>(dev.index());
+    if (st->mutated[i]) {
+      auto strides = impl->strides();
+      for (size_t d = 0; d < nd; ++d) *w++ = strides[d];
+    }
+    pos = static_cast<size_t>(w - st->words.data());
+    if (grad && !requires_grad) requires_grad = impl->requires_grad();
+    ts[i] = &t;
+  }
+  st->words[0] = requires_grad;
+  st->nwords = pos;
+  uint64_t h = hash_words(st->words.data(), pos);
+  for (PyObject* o : objs) {
+    Py_hash_t oh = PyObject_Hash(o);
+    if (oh == -1) {  // unhashable: the Python path validates it
+      PyErr_Clear();
+      return 0;
+    }
+    h = mix(mix(h, reinterpret_cast<uintptr_t>(Py_TYPE(o))), static_cast<uint64_t>(oh));
+  }
+  PyObject* pins = nullptr;
+  if (PyContextVar_Get(st->pins_var, nullptr, &pins) < 0 || pins == nullptr) {
+    PyErr_Clear();
+    return 0;
+  }
+  Py_hash_t ph;
+  if (pins == st->last_pins) {
+    ph = st->last_pins_hash;
+  } else {
+    ph = PyObject_Hash(pins);
+    if (ph == -1) {
+      PyErr_Clear();
+      Py_DECREF(pins);
+      return 0;
+    }
+    Py_XSETREF(st->last_pins, Py_NewRef(pins));
+    st->last_pins_hash = ph;
+  }
+  objs.push_back(pins);  // borrowed from here on: last_pins holds a reference
+  Py_DECREF(pins);
+  *hash = mix(h, static_cast<uint64_t>(ph));
+  return 1;
+}
+
+inline bool same_words(const Entry& e, const State* st) {
+  return e.words.size() == st->nwords &&
+         std::equal(e.words.begin(), e.words.end(), st->words.begin());
+}
+
+// Python's tuple equality on the key's objects: identity, else same type and ==.
+bool same_objects(const std::vector<PyObject*>& a, const std::vector<PyObject*>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] == b[i]) continue;
+    if (Py_TYPE(a[i]) != Py_TYPE(b[i])) return false;
+    int eq = PyObject_RichCompareBool(a[i], b[i], Py_EQ);
+    if (eq != 1) {
+      if (eq < 0) PyErr_Clear();
+      return false;
+    }
+  }
+  return true;
+}
+
+// The entry of the key in st's scratch, borrowed (nullptr: none).
+Entry* find(State* st, uint64_t hash) {
+  auto it = st->map.find(hash);
+  if (it == st->map.end()) return nullptr;
+  for (Entry* e : it->second) {
+    if (same_words(*e, st) && same_objects(e->objs, st->objs)) return e;
+  }
+  return nullptr;
+}
+
+// A 1-D int32/int64 index tensor read in place, through its stride (nothing copied).
+struct Index {
+  const void* data = nullptr;
+  int64_t n = 0;
+  int64_t stride = 0;
+  bool wide = false;
+  int64_t operator[](int64_t j) const {
+    return wide ? static_cast<const int64_t*>(data)[j * stride] : static_cast<const int32_t*>(data)[j * stride];
+  }
+};
+
+bool as_index(const at::Tensor& t, Index* out) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  auto type = impl->dtype().toScalarType();
+  if (impl->dim() != 1 || (type != at::kInt && type != at::kLong)) return false;
+  out->data = impl->data();
+  out->n = impl->sizes()[0];
+  out->stride = impl->strides()[0];
+  out->wide = type == at::kLong;
+  return true;
+}
+
+// Whether the live slots (every entry but pads) are distinct.
+bool distinct_slots(const Index& v, const Check& c) {
+  if (v.n <= 32) {  // a decode batch: fewer compares than a sort's setup, and nothing allocated
+    for (int64_t i = 1; i < v.n; ++i) {
+      int64_t s = v[i];
+      if (c.has_pad && s == c.b) continue;
+      for (int64_t j = 0; j < i; ++j)
+        if (v[j] == s) return false;
+    }
+    return true;
+  }
+  std::vector<int64_t> live;
+  live.reserve(v.n);
+  for (int64_t j = 0; j < v.n; ++j)
+    if (!(c.has_pad && v[j] == c.b)) live.push_back(v[j]);
+  std::sort(live.begin(), live.end());
+  return std::adjacent_find(live.begin(), live.end()) == live.end();
+}
+
+// Whether every declared index value check passes (the same conditions as the Python checks
+// of dispatch/_values.py, which say what is wrong when one does not).
+bool values_pass(const std::vector<Check>& checks, const at::Tensor* const* ts) {
+  for (const Check& c : checks) {
+    const at::Tensor* t = ts[c.index];
+    Index v;
+    if (t == nullptr || !as_index(*t, &v)) return false;
+    switch (c.kind) {
+      case kSlots: {
+        for (int64_t j = 0; j < v.n; ++j) {
+          int64_t s = v[j];
+          if (c.has_pad && s == c.b) continue;
+          if (s < 0 || s >= c.a) return false;
+        }
+        if (v.n > 1 && !distinct_slots(v, c)) return false;
+        break;
+      }
+      case kOffsets: {
+        if (v.n == 0 || v[0] != 0 || v[v.n - 1] != c.a) return false;
+        for (int64_t j = 1; j < v.n; ++j)
+          if (v[j] < v[j - 1]) return false;
+        break;
+      }
+      case kBounded: {
+        for (int64_t j = 0; j < v.n; ++j)
+          if (v[j] < c.a || v[j] > c.b) return false;
+        break;
+      }
+      default:
+        return false;
+    }
+  }
+  return true;
+}
+
+inline int64_t span_bytes(const at::Tensor& t) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  auto sizes = impl->sizes();
+  auto strides = impl->strides();
+  int64_t last = 0;
+  for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
+  return (last + 1) * static_cast<int64_t>(impl->itemsize());
+}
+
+// The write guard of _op._write_plan: no argument of a written tensor's dtype may start
+// inside it or reach into it; an inference tensor is written only in inference mode.
+bool writes_safe(const Entry& e, const at::Tensor* const* ts) {
+  if (e.guards.empty()) return true;
+  bool inference = c10::InferenceMode::is_enabled();
+  for (const Guard& g : e.guards) {
+    const at::Tensor* m = ts[g.mutated];
+    if (m == nullptr) return false;
+    if (!inference && m->is_inference()) return false;
+    auto lo = reinterpret_cast<uintptr_t>(m->const_data_ptr());
+    uintptr_t hi = lo + static_cast<uintptr_t>(g.span);
+    auto base = reinterpret_cast<uintptr_t>(m->storage().data());
+    for (int i : g.near) {
+      const at::Tensor* a = ts[i];
+      if (a == nullptr) return false;
+      auto a_lo = reinterpret_cast<uintptr_t>(a->const_data_ptr());
+      // Past m's last byte, or in another allocation (allocations are disjoint, and strides
+      // are never negative: a tensor never reaches below its first byte).
+      if (a_lo >= hi || a_lo < base) continue;
+      if (a_lo >= lo || a_lo + static_cast<uintptr_t>(span_bytes(*a)) > lo) return false;
+    }
+  }
+  return true;
+}
+
+PyObject* call_py_checks(State* st, const Entry& e, PyObject* const* args) {
+  PyObject* tup = PyTuple_New(st->n);
+  if (tup == nullptr) return nullptr;
+  for (int i = 0; i < st->n; ++i) PyTuple_SET_ITEM(tup, i, Py_NewRef(args[i]));
+  PyObject* r = PyObject_CallOneArg(e.py_checks, tup);
+  Py_DECREF(tup);
+  return r;
+}
+
+// The variant's exception becomes VariantFailed, raised by the Python side's one message.
+PyObject* variant_failed(State* st, PyObject* vid) {
+  if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;  // KeyboardInterrupt and kin pass
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  if (tb != nullptr) PyException_SetTraceback(value, tb);
+  PyObject* r = PyObject_CallFunctionObjArgs(st->fail, vid, value, nullptr);
+  Py_XDECREF(r);  // fail raises; a return would be a bug there, reported as the original error
+  if (r != nullptr) {
+    PyErr_Restore(type, value, tb);
+    return nullptr;
+  }
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(tb);
+  return nullptr;
+}
+
+PyObject* run(State* st, Entry* e, PyObject* const* args, const at::Tensor* const* ts) {
+  if (!e->checks.empty() || e->py_checks != nullptr) {
+    // What the device rule counted on this device is reported before a host check passes.
+    if (e->gate != nullptr && PyDict_GET_SIZE(st->counters) > 0) {
+      int has = PyDict_Contains(st->counters, e->gate);
+      if (has != 0) {
+        if (has < 0) PyErr_Clear();
+        return Py_NewRef(st->miss);
+      }
+    }
+    if (!values_pass(e->checks, ts)) return Py_NewRef(st->miss);
+  }
+  if (!writes_safe(*e, ts)) return Py_NewRef(st->miss);
+  if (e->py_checks != nullptr) {
+    PyObject* r = call_py_checks(st, *e, args);
+    if (r == nullptr) return nullptr;  // the Python check's own error
+    Py_DECREF(r);
+  }
+  PyObject* stack[kMaxParams + 1];
+  stack[0] = nullptr;  // the slot PY_VECTORCALL_ARGUMENTS_OFFSET lends the callee
+  for (int i = 0; i < st->n; ++i) {
+    PyObject* s = e->subs[i];
+    stack[i + 1] = s != nullptr ? s : args[i];
+  }
+  PyObject* r = PyObject_Vectorcall(e->fn, stack + 1, st->npos | PY_VECTORCALL_ARGUMENTS_OFFSET, st->kwnames);
+  if (r == nullptr) return variant_failed(st, e->vid);
+  return r;
+}
+
+PyObject* serve(State* st, PyObject* const* args, PyObject* out) {
+  const at::Tensor* ts[kMaxParams];
+  uint64_t hash;
+  if (build_key(st, args, out, ts, &hash) != 1) return Py_NewRef(st->miss);
+  Entry* e = find(st, hash);
+  if (e == nullptr || e->python_only) return Py_NewRef(st->miss);
+  // Python code run below (a check, the variant) may clear the map: this call holds the entry.
+  struct Hold {
+    Entry* e;
+    ~Hold() { release(e); }
+  } hold{e};
+  ++e->refs;
+  return run(st, e, args, ts);
+}
+
+PyObject* core_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  State* st = reinterpret_cast<CallCore*>(self)->st;
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (nargs != st->n + 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0)) {
+    PyErr_Format(PyExc_TypeError, "CallCore: expected the op's %d arguments in signature order and out, got %zd",
+                 st->n, nargs);
+    return nullptr;
+  }
+  try {
+    return serve(st, args, args[st->n]);
+  } catch (const c10::Error&) {
+    // A tensor whose metadata cannot be read this way (no storage, symbolic sizes): the
+    // Python path serves it, and says what is wrong if anything is.
+    return Py_NewRef(st->miss);
+  }
+}
+
+void clear_map(State* st) {
+  // Moved out first: an entry's last reference may run Python code (a finalizer) that calls
+  // back into this core.
+  std::unordered_map<uint64_t, std::vector<Entry*>> old;
+  old.swap(st->map);
+  st->size = 0;
+  for (auto& bucket : old)
+    for (Entry* e : bucket.second) release(e);
+}
+
+int64_t as_int64(PyObject* o, bool* ok) {
+  int overflow = 0;
+  long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    *ok = false;
+    return 0;
+  }
+  *ok = overflow == 0;
+  return v;
+}
+
+bool parse_checks(int n, const std::vector<int8_t>& kind, PyObject* seq, std::vector<Check>& out) {
+  if (seq == Py_None) return true;
+  if (!PyTuple_Check(seq)) {
+    PyErr_SetString(PyExc_TypeError, "learn: checks must be a tuple of (kind, index, a, b) tuples or None");
+    return false;
+  }
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(seq); ++k) {
+    PyObject* item = PyTuple_GET_ITEM(seq, k);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
+      PyErr_SetString(PyExc_TypeError, "learn: each check must be a (kind, index, a, b) tuple");
+      return false;
+    }
+    Check c{};
+    bool ok_kind, ok_index, ok_a, ok_b = true;
+    c.kind = static_cast<int>(as_int64(PyTuple_GET_ITEM(item, 0), &ok_kind));
+    c.index = static_cast<int>(as_int64(PyTuple_GET_ITEM(item, 1), &ok_index));
+    c.a = as_int64(PyTuple_GET_ITEM(item, 2), &ok_a);
+    PyObject* b = PyTuple_GET_ITEM(item, 3);
+    c.has_pad = b != Py_None;
+    if (c.has_pad) c.b = as_int64(b, &ok_b);
+    if (c.kind == kSlots && c.has_pad && !ok_b) {  // a pad id no int64 equals: never a pad
+      c.has_pad = false;
+      ok_b = true;
+    }
+    if (!ok_kind || !ok_index || !ok_a || !ok_b || c.index < 0 || c.index >= n || kind[c.index] == kValue ||
+        (c.kind == kBounded && !c.has_pad)) {
+      PyErr_SetString(PyExc_ValueError, "learn: a check names no tensor parameter or has a bound out of int64");
+      return false;
+    }
+    out.push_back(c);
+  }
+  return true;
+}
+
+bool parse_guards(State* st, PyObject* seq, Entry& e) {
+  if (!PyTuple_Check(seq)) {
+    PyErr_SetString(PyExc_TypeError, "learn: guard must be a tuple of (mutated, span, near) tuples");
+    return false;
+  }
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(seq); ++k) {
+    PyObject* item = PyTuple_GET_ITEM(seq, k);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3 || !PyTuple_Check(PyTuple_GET_ITEM(item, 2))) {
+      PyErr_SetString(PyExc_TypeError, "learn: each guard must be a (mutated, span, near) tuple");
+      return false;
+    }
+    Guard g;
+    bool ok_m, ok_s;
+    g.mutated = static_cast<int>(as_int64(PyTuple_GET_ITEM(item, 0), &ok_m));
+    g.span = as_int64(PyTuple_GET_ITEM(item, 1), &ok_s);
+    bool bad = !ok_m || !ok_s || g.mutated < 0 || g.mutated >= st->n || st->kind[g.mutated] == kValue;
+    PyObject* near = PyTuple_GET_ITEM(item, 2);
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(near) && !bad; ++j) {
+      bool ok;
+      int i = static_cast<int>(as_int64(PyTuple_GET_ITEM(near, j), &ok));
+      bad = !ok || i < 0 || i >= st->n || st->kind[i] == kValue;
+      g.near.push_back(i);
+    }
+    if (bad) {
+      PyErr_SetString(PyExc_ValueError, "learn: a guard names no tensor parameter");
+      return false;
+    }
+    e.guards.push_back(std::move(g));
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Python-facing type
+// ---------------------------------------------------------------------------------------------
+
+bool unpack_call(State* st, PyObject* args_tuple, const char* who) {
+  if (!PyTuple_Check(args_tuple) || PyTuple_GET_SIZE(args_tuple) != st->n) {
+    PyErr_Format(PyExc_TypeError, "%s: expected a tuple of the op's %d arguments", who, st->n);
+    return false;
+  }
+  return true;
+}
+
+// learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only) -> bool:
+// remember what the Python path decided for this call's key (False: not a call it serves).
+PyObject* core_learn(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  State* st = reinterpret_cast<CallCore*>(self)->st;
+  if (nargs != 10) {
+    PyErr_SetString(PyExc_TypeError,
+                    "learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only)");
+    return nullptr;
+  }
+  if (!unpack_call(st, a[0], "learn")) return nullptr;
+  const at::Tensor* ts[kMaxParams];
+  uint64_t hash;
+  int built;
+  try {
+    built = build_key(st, &PyTuple_GET_ITEM(a[0], 0), a[1], ts, &hash);
+  } catch (const c10::Error&) {
+    built = 0;
+  }
+  if (built != 1) Py_RETURN_FALSE;
+  std::unique_ptr<Entry> e(new Entry());
+  e->words.assign(st->words.begin(), st->words.begin() + static_cast<std::ptrdiff_t>(st->nwords));
+  e->objs = st->objs;
+  for (PyObject* o : e->objs) Py_INCREF(o);
+  e->python_only = PyObject_IsTrue(a[9]) == 1;
+  e->fn = Py_NewRef(a[2]);
+  e->vid = Py_NewRef(a[3]);
+  e->subs.assign(st->n, nullptr);
+  if (!PyTuple_Check(a[4])) {
+    PyErr_SetString(PyExc_TypeError, "learn: subs must be a tuple of (index, value) pairs");
+    return nullptr;
+  }
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(a[4]); ++k) {
+    PyObject* pair = PyTuple_GET_ITEM(a[4], k);
+    bool ok = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
+    int i = ok ? static_cast<int>(as_int64(PyTuple_GET_ITEM(pair, 0), &ok)) : -1;
+    if (!ok || i < 0 || i >= st->n) {
+      PyErr_SetString(PyExc_ValueError, "learn: subs must be (parameter index, value) pairs");
+      return nullptr;
+    }
+    Py_XSETREF(e->subs[i], Py_NewRef(PyTuple_GET_ITEM(pair, 1)));
+  }
+  if (!parse_checks(st->n, st->kind, a[5], e->checks) || !parse_guards(st, a[8], *e)) return nullptr;
+  if (a[6] != Py_None) e->gate = Py_NewRef(a[6]);
+  if (a[7] != Py_None) e->py_checks = Py_NewRef(a[7]);
+  if (st->size >= kMapLimit) clear_map(st);
+  auto& bucket = st->map[hash];
+  for (Entry*& old : bucket) {
+    if (old->words == e->words && same_objects(old->objs, e->objs)) {
+      Entry* replaced = old;
+      old = e.release();
+      release(replaced);
+      Py_RETURN_TRUE;
+    }
+  }
+  bucket.push_back(e.release());
+  ++st->size;
+  Py_RETURN_TRUE;
+}
+
+PyObject* key_tuple(State* st) {
+  PyObject* w = PyTuple_New(static_cast<Py_ssize_t>(st->nwords));
+  if (w == nullptr) return nullptr;
+  for (size_t k = 0; k < st->nwords; ++k) {
+    PyObject* v = PyLong_FromLongLong(st->words[k]);
+    if (v == nullptr) {
+      Py_DECREF(w);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(w, k, v);
+  }
+  PyObject* o = PyTuple_New(static_cast<Py_ssize_t>(st->objs.size()));
+  if (o == nullptr) {
+    Py_DECREF(w);
+    return nullptr;
+  }
+  for (size_t k = 0; k < st->objs.size(); ++k) {
+    // With its type, as the core compares them (1 == True == 1.0 as values alone).
+    PyObject* pair = PyTuple_Pack(2, st->objs[k], reinterpret_cast<PyObject*>(Py_TYPE(st->objs[k])));
+    if (pair == nullptr) {
+      Py_DECREF(w);
+      Py_DECREF(o);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(o, k, pair);
+  }
+  return Py_BuildValue("(NN)", w, o);
+}
+
+// key(args, out) -> (words, ((object, its type), ...)) or None: the key the core builds for
+// this call (tests compare its classes with the Python memo key's).
+PyObject* core_key(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  State* st = reinterpret_cast<CallCore*>(self)->st;
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "key(args, out)");
+    return nullptr;
+  }
+  if (!unpack_call(st, a[0], "key")) return nullptr;
+  const at::Tensor* ts[kMaxParams];
+  uint64_t hash;
+  try {
+    if (build_key(st, &PyTuple_GET_ITEM(a[0], 0), a[1], ts, &hash) != 1) Py_RETURN_NONE;
+  } catch (const c10::Error&) {
+    Py_RETURN_NONE;
+  }
+  return key_tuple(st);
+}
+
+// lookup(args, out) -> the variant id memoised for this call's key, or None.
+PyObject* core_lookup(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  State* st = reinterpret_cast<CallCore*>(self)->st;
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "lookup(args, out)");
+    return nullptr;
+  }
+  if (!unpack_call(st, a[0], "lookup")) return nullptr;
+  const at::Tensor* ts[kMaxParams];
+  uint64_t hash;
+  try {
+    if (build_key(st, &PyTuple_GET_ITEM(a[0], 0), a[1], ts, &hash) != 1) Py_RETURN_NONE;
+  } catch (const c10::Error&) {
+    Py_RETURN_NONE;
+  }
+  Entry* e = find(st, hash);
+  if (e == nullptr || e->python_only) Py_RETURN_NONE;
+  return Py_NewRef(e->vid);
+}
+
+PyObject* core_clear(PyObject* self, PyObject*) {
+  clear_map(reinterpret_cast<CallCore*>(self)->st);
+  Py_RETURN_NONE;
+}
+
+Py_ssize_t core_len(PyObject* self) {
+  return static_cast<Py_ssize_t>(reinterpret_cast<CallCore*>(self)->st->size);
+}
+
+// CallCore(kinds, mutated, npos, kwnames, pins_var, counters, fail, miss)
+//   kinds: per parameter 0 (not a tensor), 1 (a tensor), 2 (a tensor or None)
+//   mutated: per parameter, whether the op writes it (its strides are part of the key)
+PyObject* core_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject *kinds, *mutated, *kwnames, *pins_var, *counters, *fail, *miss;
+  int npos;
+  static const char* names[] = {"kinds", "mutated", "npos", "kwnames", "pins_var", "counters", "fail", "miss",
+                                nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!iO!OO!OO", const_cast<char**>(names), &PyTuple_Type, &kinds,
+                                   &PyTuple_Type, &mutated, &npos, &PyTuple_Type, &kwnames, &pins_var, &PyDict_Type,
+                                   &counters, &fail, &miss)) {
+    return nullptr;
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(kinds);
+  if (n > kMaxParams || PyTuple_GET_SIZE(mutated) != n || npos < 0 || npos > n ||
+      PyTuple_GET_SIZE(kwnames) != n - npos || !PyContextVar_CheckExact(pins_var) || !PyCallable_Check(fail)) {
+    PyErr_Format(PyExc_ValueError,
+                 "CallCore: expected up to %d parameters, a kind and a mutated flag for each, the keyword-only "
+                 "names after npos, a ContextVar and a callable",
+                 kMaxParams);
+    return nullptr;
+  }
+  auto st = std::make_unique<State>();
+  st->n = static_cast<int>(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long k = PyLong_AsLong(PyTuple_GET_ITEM(kinds, i));
+    if (k < kValue || k > kOptionalTensor) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "CallCore: each kind is 0, 1 or 2");
+      return nullptr;
+    }
+    st->kind.push_back(static_cast<int8_t>(k));
+    int m = PyObject_IsTrue(PyTuple_GET_ITEM(mutated, i));
+    if (m < 0) return nullptr;
+    st->mutated.push_back(static_cast<uint8_t>(m && k != kValue));
+  }
+  st->npos = npos;
+  st->kwnames = Py_NewRef(kwnames);
+  st->pins_var = Py_NewRef(pins_var);
+  st->counters = Py_NewRef(counters);
+  st->fail = Py_NewRef(fail);
+  st->miss = Py_NewRef(miss);
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  auto* core = reinterpret_cast<CallCore*>(self);
+  core->vectorcall = core_vectorcall;
+  core->st = st.release();
+  return self;
+}
+
+void core_dealloc(PyObject* self) {
+  auto* core = reinterpret_cast<CallCore*>(self);
+  PyObject_GC_UnTrack(self);
+  if (core->st != nullptr) {
+    State* st = core->st;
+    core->st = nullptr;
+    clear_map(st);
+    Py_XDECREF(st->kwnames);
+    Py_XDECREF(st->pins_var);
+    Py_XDECREF(st->counters);
+    Py_XDECREF(st->fail);
+    Py_XDECREF(st->miss);
+    Py_XDECREF(st->last_pins);
+    delete st;
+  }
+  Py_TYPE(self)->tp_free(self);
+}
+
+int core_traverse(PyObject* self, visitproc visit, void* arg) {
+  State* st = reinterpret_cast<CallCore*>(self)->st;
+  if (st == nullptr) return 0;
+  Py_VISIT(st->fail);  // a closure over the spec: the one reference a cycle could go through
+  for (auto& kv : st->map)
+    for (Entry* e : kv.second) {
+      Py_VISIT(e->fn);
+      Py_VISIT(e->py_checks);
+    }
+  return 0;
+}
+
+int core_clear_refs(PyObject* self) {
+  State* st = reinterpret_cast<CallCore*>(self)->st;
+  if (st != nullptr) {
+    clear_map(st);
+    Py_CLEAR(st->fail);
+    st->fail = Py_NewRef(Py_None);
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// BoundCore: what kv.bind returns where the core is built
+// ---------------------------------------------------------------------------------------------
+//
+// The op's signature bound in C (positional and keyword arguments, defaults), then what a bound
+// call checks (every non-tensor argument equals the example's; the index values, against the
+// example's sizes), then the variant, called the way OpSpec.invoke does. Anything else (an
+// `out`, a binding error, a changed value, a bad index value, an index tensor it cannot read)
+// goes to the Python bound function it was made with, which runs or raises with its message.
+
+struct BoundState {
+  int n = 0;  // the op's parameters; names[n] is "out"
+  int npos = 0;  // how many may be passed by position
+  std::vector<PyObject*> names;  // owned
+  std::vector<PyObject*> defaults;  // owned; nullptr: required
+  std::vector<int> fixed;  // the non-tensor parameters
+  std::vector<PyObject*> expected;  // owned: the example's value of each
+  std::vector<PyObject*> subs;  // owned or nullptr: the normalised values
+  std::vector<Check> checks;
+  PyObject* gate = nullptr;
+  PyObject* py_checks = nullptr;
+  PyObject* counters = nullptr;
+  PyObject* fn = nullptr;
+  PyObject* vid = nullptr;
+  PyObject* kwnames = nullptr;
+  PyObject* fail = nullptr;
+  PyObject* fallback = nullptr;
+
+  ~BoundState() {
+    for (PyObject* o : names) Py_XDECREF(o);
+    for (PyObject* o : defaults) Py_XDECREF(o);
+    for (PyObject* o : expected) Py_XDECREF(o);
+    for (PyObject* o : subs) Py_XDECREF(o);
+    Py_XDECREF(gate);
+    Py_XDECREF(py_checks);
+    Py_XDECREF(counters);
+    Py_XDECREF(fn);
+    Py_XDECREF(vid);
+    Py_XDECREF(kwnames);
+    Py_XDECREF(fail);
+    Py_XDECREF(fallback);
+  }
+};
+
+struct BoundCore {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* dict;  // __doc__, __signature__, op, variant: what kv.bind's function carries
+  BoundState* st;
+};
+
+inline int param_index(const BoundState* st, PyObject* name) {
+  int total = st->n + 1;
+  for (int i = 0; i < total; ++i)
+    if (st->names[i] == name) return i;  // identifiers are interned: the usual hit
+  for (int i = 0; i < total; ++i)
+    if (PyUnicode_Compare(st->names[i], name) == 0) return i;
+  if (PyErr_Occurred()) PyErr_Clear();
+  return -1;
+}
+
+// Python's `value != expected` as the Python bound function evaluates it; -1 on an error.
+inline int differs(PyObject* value, PyObject* expected) {
+  if (value == expected &&
+      (PyUnicode_CheckExact(value) || PyLong_CheckExact(value) || value == Py_None || PyBool_Check(value)))
+    return 0;  // what != gives for the same str, int, bool or None, without asking
+  PyObject* r = PyObject_RichCompare(value, expected, Py_NE);
+  if (r == nullptr) return -1;
+  int t = PyObject_IsTrue(r);
+  Py_DECREF(r);
+  return t;
+}
+
+PyObject* bound_fallback(BoundState* st, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  return PyObject_Vectorcall(st->fallback, args, nargsf, kwnames);
+}
+
+PyObject* bound_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  BoundState* st = reinterpret_cast<BoundCore*>(self)->st;
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  int total = st->n + 1;
+  PyObject* slot[kMaxParams + 1] = {};
+  if (nargs > st->npos) return bound_fallback(st, args, nargsf, kwnames);  // Python says what is wrong
+  for (Py_ssize_t i = 0; i < nargs; ++i) slot[i] = args[i];
+  if (kwnames != nullptr) {
+    Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t k = 0; k < nk; ++k) {
+      int i = param_index(st, PyTuple_GET_ITEM(kwnames, k));
+      if (i < 0 || slot[i] != nullptr) return bound_fallback(st, args, nargsf, kwnames);
+      slot[i] = args[nargs + k];
+    }
+  }
+  for (int i = 0; i < total; ++i) {
+    if (slot[i] == nullptr) {
+      if (st->defaults[i] == nullptr) return bound_fallback(st, args, nargsf, kwnames);
+      slot[i] = st->defaults[i];
+    }
+  }
+  if (slot[st->n] != Py_None) return bound_fallback(st, args, nargsf, kwnames);  // out=: checked in Python
+  for (size_t k = 0; k < st->fixed.size(); ++k) {
+    int d = differs(slot[st->fixed[k]], st->expected[k]);
+    if (d != 0) {
+      if (d < 0) PyErr_Clear();
+      return bound_fallback(st, args, nargsf, kwnames);
+    }
+  }
+  if (!st->checks.empty()) {
+    if (st->gate != nullptr && PyDict_GET_SIZE(st->counters) > 0) {
+      int has = PyDict_Contains(st->counters, st->gate);
+      if (has != 0) {
+        if (has < 0) PyErr_Clear();
+        return bound_fallback(st, args, nargsf, kwnames);
+      }
+    }
+    const at::Tensor* ts[kMaxParams] = {};
+    for (const Check& c : st->checks) {
+      PyObject* a = slot[c.index];
+      if (!THPVariable_CheckExact(a)) return bound_fallback(st, args, nargsf, kwnames);
+      const at::Tensor& t = THPVariable_Unpack(a);
+      if ((t.unsafeGetTensorImpl()->key_set().raw_repr() & ~kServed) != 0)
+        return bound_fallback(st, args, nargsf, kwnames);
+      ts[c.index] = &t;
+    }
+    bool ok;
+    try {
+      ok = values_pass(st->checks, ts);
+    } catch (const c10::Error&) {
+      ok = false;
+    }
+    if (!ok) return bound_fallback(st, args, nargsf, kwnames);
+  }
+  if (st->py_checks != nullptr) {
+    PyObject* tup = PyTuple_New(st->n);
+    if (tup == nullptr) return nullptr;
+    for (int i = 0; i < st->n; ++i) PyTuple_SET_ITEM(tup, i, Py_NewRef(slot[i]));
+    PyObject* r = PyObject_CallOneArg(st->py_checks, tup);
+    Py_DECREF(tup);
+    if (r == nullptr) return nullptr;  // the Python check's own error
+    Py_DECREF(r);
+  }
+  PyObject* stack[kMaxParams + 1];
+  stack[0] = nullptr;
+  for (int i = 0; i < st->n; ++i) stack[i + 1] = st->subs[i] != nullptr ? st->subs[i] : slot[i];
+  PyObject* r = PyObject_Vectorcall(st->fn, stack + 1, st->npos | PY_VECTORCALL_ARGUMENTS_OFFSET, st->kwnames);
+  if (r != nullptr) return r;
+  if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  if (tb != nullptr) PyException_SetTraceback(value, tb);
+  PyObject* f = PyObject_CallFunctionObjArgs(st->fail, st->vid, value, nullptr);
+  if (f != nullptr) {  // fail raises; a return would be a bug there, reported as the original error
+    Py_DECREF(f);
+    PyErr_Restore(type, value, tb);
+    return nullptr;
+  }
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(tb);
+  return nullptr;
+}
+
+bool owned_tuple(PyObject* t, std::vector<PyObject*>& out, PyObject* required) {
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(t); ++k) {
+    PyObject* o = PyTuple_GET_ITEM(t, k);
+    out.push_back(o == required ? nullptr : Py_NewRef(o));
+  }
+  return true;
+}
+
+// BoundCore(names, npos, defaults, required, kinds, fixed, expected, subs, checks, gate, py_checks,
+//           counters, fn, vid, kwnames, fail, fallback)
+PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject *names, *defaults, *required, *kinds, *fixed, *expected, *subs, *checks, *gate, *py_checks, *counters, *fn,
+      *vid, *kwnames, *fail, *fallback;
+  int npos;
+  if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
+    PyErr_SetString(PyExc_TypeError, "BoundCore takes positional arguments only");
+    return nullptr;
+  }
+  if (!PyArg_ParseTuple(args, "O!iO!OO!O!O!O!OOOO!OOO!OO", &PyTuple_Type, &names, &npos, &PyTuple_Type, &defaults,
+                        &required, &PyTuple_Type, &kinds, &PyTuple_Type, &fixed, &PyTuple_Type, &expected,
+                        &PyTuple_Type, &subs, &checks, &gate, &py_checks, &PyDict_Type, &counters, &fn, &vid,
+                        &PyTuple_Type, &kwnames, &fail, &fallback)) {
+    return nullptr;
+  }
+  Py_ssize_t total = PyTuple_GET_SIZE(names);
+  Py_ssize_t n = total - 1;
+  if (n < 1 || n > kMaxParams || PyTuple_GET_SIZE(defaults) != total || PyTuple_GET_SIZE(kinds) != n ||
+      PyTuple_GET_SIZE(fixed) != PyTuple_GET_SIZE(expected) || npos < 0 || npos > n ||
+      PyTuple_GET_SIZE(kwnames) != n - npos || !PyCallable_Check(fail) || !PyCallable_Check(fallback)) {
+    PyErr_SetString(PyExc_ValueError, "BoundCore: inconsistent signature data");
+    return nullptr;
+  }
+  auto st = std::make_unique<BoundState>();
+  st->n = static_cast<int>(n);
+  st->npos = npos;
+  std::vector<int8_t> kind;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long k = PyLong_AsLong(PyTuple_GET_ITEM(kinds, i));
+    if (k < kValue || k > kOptionalTensor) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "BoundCore: each kind is 0, 1 or 2");
+      return nullptr;
+    }
+    kind.push_back(static_cast<int8_t>(k));
+  }
+  for (Py_ssize_t k = 0; k < total; ++k) {
+    PyObject* name = PyTuple_GET_ITEM(names, k);
+    if (!PyUnicode_Check(name)) {
+      PyErr_SetString(PyExc_TypeError, "BoundCore: parameter names are strings");
+      return nullptr;
+    }
+    Py_INCREF(name);
+    PyUnicode_InternInPlace(&name);  // the identity test of param_index then hits
+    st->names.push_back(name);
+  }
+  owned_tuple(defaults, st->defaults, required);
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(fixed); ++k) {
+    long i = PyLong_AsLong(PyTuple_GET_ITEM(fixed, k));
+    if (i < 0 || i >= n) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "BoundCore: a fixed index is out of range");
+      return nullptr;
+    }
+    st->fixed.push_back(static_cast<int>(i));
+    st->expected.push_back(Py_NewRef(PyTuple_GET_ITEM(expected, k)));
+  }
+  st->subs.assign(n, nullptr);
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(subs); ++k) {
+    PyObject* pair = PyTuple_GET_ITEM(subs, k);
+    bool ok = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
+    int i = ok ? static_cast<int>(as_int64(PyTuple_GET_ITEM(pair, 0), &ok)) : -1;
+    if (!ok || i < 0 || i >= n) {
+      PyErr_SetString(PyExc_ValueError, "BoundCore: subs must be (parameter index, value) pairs");
+      return nullptr;
+    }
+    Py_XSETREF(st->subs[i], Py_NewRef(PyTuple_GET_ITEM(pair, 1)));
+  }
+  if (!parse_checks(st->n, kind, checks, st->checks)) return nullptr;
+  if (gate != Py_None) st->gate = Py_NewRef(gate);
+  if (py_checks != Py_None) st->py_checks = Py_NewRef(py_checks);
+  st->counters = Py_NewRef(counters);
+  st->fn = Py_NewRef(fn);
+  st->vid = Py_NewRef(vid);
+  st->kwnames = Py_NewRef(kwnames);
+  st->fail = Py_NewRef(fail);
+  st->fallback = Py_NewRef(fallback);
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  auto* b = reinterpret_cast<BoundCore*>(self);
+  b->vectorcall = bound_vectorcall;
+  b->dict = nullptr;
+  b->st = st.release();
+  return self;
+}
+
+int bound_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* b = reinterpret_cast<BoundCore*>(self);
+  Py_VISIT(b->dict);
+  if (b->st != nullptr) {
+    Py_VISIT(b->st->fn);
+    Py_VISIT(b->st->fail);
+    Py_VISIT(b->st->fallback);
+    Py_VISIT(b->st->py_checks);
+  }
+  return 0;
+}
+
+int bound_clear(PyObject* self) {
+  auto* b = reinterpret_cast<BoundCore*>(self);
+  Py_CLEAR(b->dict);
+  if (b->st != nullptr) {
+    BoundState* st = b->st;
+    b->st = nullptr;
+    delete st;
+  }
+  return 0;
+}
+
+void bound_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  bound_clear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* bound_call(PyObject* self, PyObject* args, PyObject* kwargs) {
+  if (reinterpret_cast<BoundCore*>(self)->st == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "a cleared bound op");
+    return nullptr;
+  }
+  return PyVectorcall_Call(self, args, kwargs);
+}
+
+PyTypeObject BoundCoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyMethodDef core_methods[] = {
+    {"learn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_learn)), METH_FASTCALL,
+     "learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only) -> bool"},
+    {"key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_key)), METH_FASTCALL,
+     "key(args, out) -> (words, objects) or None"},
+    {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_lookup)), METH_FASTCALL,
+     "lookup(args, out) -> the variant id memoised for the call's key, or None"},
+    {"clear", core_clear, METH_NOARGS, "forget every entry"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PySequenceMethods core_sequence = {
+    core_len,  // sq_length
+};
+
+PyTypeObject CallCoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT};
+
+}  // namespace
+
+#define KV_CONCAT2(a, b) a##b
+#define KV_CONCAT(a, b) KV_CONCAT2(a, b)
+#define KV_STR2(a) #a
+#define KV_STR(a) KV_STR2(a)
+
+PyMODINIT_FUNC KV_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  CallCoreType.tp_name = KV_STR(TORCH_EXTENSION_NAME) ".CallCore";
+  CallCoreType.tp_basicsize = sizeof(CallCore);
+  CallCoreType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC;
+  CallCoreType.tp_doc = "The compiled per-call path of one op (see call_core.cpp).";
+  CallCoreType.tp_new = core_new;
+  CallCoreType.tp_dealloc = core_dealloc;
+  CallCoreType.tp_traverse = core_traverse;
+  CallCoreType.tp_clear = core_clear_refs;
+  CallCoreType.tp_free = PyObject_GC_Del;
+  CallCoreType.tp_vectorcall_offset = offsetof(CallCore, vectorcall);
+  CallCoreType.tp_call = PyVectorcall_Call;
+  CallCoreType.tp_methods = core_methods;
+  CallCoreType.tp_as_sequence = &core_sequence;
+  if (PyType_Ready(&CallCoreType) < 0) return nullptr;
+  BoundCoreType.tp_name = KV_STR(TORCH_EXTENSION_NAME) ".BoundCore";
+  BoundCoreType.tp_basicsize = sizeof(BoundCore);
+  BoundCoreType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC;
+  BoundCoreType.tp_doc = "An op bound to one variant by kernel_variants.bind, called in C (see call_core.cpp).";
+  BoundCoreType.tp_new = bound_new;
+  BoundCoreType.tp_dealloc = bound_dealloc;
+  BoundCoreType.tp_traverse = bound_traverse;
+  BoundCoreType.tp_clear = bound_clear;
+  BoundCoreType.tp_free = PyObject_GC_Del;
+  BoundCoreType.tp_vectorcall_offset = offsetof(BoundCore, vectorcall);
+  BoundCoreType.tp_call = bound_call;
+  BoundCoreType.tp_dictoffset = offsetof(BoundCore, dict);
+  if (PyType_Ready(&BoundCoreType) < 0) return nullptr;
+  module_def.m_name = KV_STR(TORCH_EXTENSION_NAME);
+  module_def.m_doc = "kernel_variants' compiled call core";
+  module_def.m_size = -1;
+  PyObject* m = PyModule_Create(&module_def);
+  if (m == nullptr) return nullptr;
+  if (PyModule_AddObjectRef(m, "CallCore", reinterpret_cast<PyObject*>(&CallCoreType)) < 0 ||
+      PyModule_AddObjectRef(m, "BoundCore", reinterpret_cast<PyObject*>(&BoundCoreType)) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -1,0 +1,520 @@
+"""The compiled call core and the Python call path: the same keys, decisions, results and errors.
+
+Every call is made twice per path (the first one decides and teaches the core its entry, the
+second is served by the core, where it is on), with ``KV_CALL_CORE`` on and off. The core is
+built here when it is not (as ``kv build`` does); a machine without a C++ toolchain skips this
+file, and every other test file passes there on the Python path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernel_variants as kv
+from kernel_variants.dispatch import VariantFailed, _callcore, _dispatcher, dispatcher
+from kernel_variants.kernels.cpu_native import _build
+from kernel_variants.ops.causal_conv1d import FN_SPEC, ConvCapabilities, _reference
+from kernel_variants.registry import Variant
+
+pytestmark = pytest.mark.skipif(_build.toolchain_missing() is not None,
+                                reason=f"the call core cannot be built here: {_build.toolchain_missing()}")
+
+B, L, D, W, N, S = 3, 4, 8, 4, 6, 3
+FN, UP = "causal_conv1d_fn", "causal_conv1d_update"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    _build.build(_build.CORE)
+
+
+@pytest.fixture
+def path(monkeypatch):
+    """``path(on)``: put the ops on the core (or the Python path), in a fresh dispatcher."""
+
+    def use(on: bool) -> None:
+        monkeypatch.setenv(_callcore.ENV, "1" if on else "0")
+        kv.reload()
+
+    return use
+
+
+@pytest.fixture
+def python_calls(monkeypatch):
+    """How many calls the Python path served (each reads the memo once)."""
+    count = [0]
+    get = _dispatcher.Memo.get
+
+    def counting(self, key, default=None):
+        count[0] += 1
+        return get(self, key, default)
+
+    monkeypatch.setattr(_dispatcher.Memo, "get", counting)
+    return count
+
+
+def _fn_call(seed: int = 0, **changes):
+    g = torch.Generator().manual_seed(seed)
+    call = dict(x=torch.randn(B, L, D, generator=g), weight=torch.randn(D, W, generator=g),
+                bias=torch.randn(D, generator=g), conv_states=torch.randn(N, S, D, generator=g),
+                cache_indices=torch.tensor([4, 0, 2], dtype=torch.int32),
+                has_initial_state=torch.tensor([True, False, True]), activation="silu")
+    call.update(changes)
+    return call
+
+
+def _varlen_call(seed: int = 0, **changes):
+    call = _fn_call(seed)
+    call["x"] = torch.randn(10, D, generator=torch.Generator().manual_seed(seed + 1))
+    call["query_start_loc"] = torch.tensor([0, 3, 3, 10], dtype=torch.int64)
+    call.update(changes)
+    return call
+
+
+def _update_call(seed: int = 0, **changes):
+    g = torch.Generator().manual_seed(seed)
+    call = dict(x=torch.randn(B, 2, D, generator=g), conv_state=torch.randn(N, S + 1, D, generator=g),
+                weight=torch.randn(D, W, generator=g), bias=torch.randn(D, generator=g),
+                conv_state_indices=torch.tensor([1, -1, 3], dtype=torch.int64),
+                num_accepted_tokens=torch.tensor([1, 2, 2], dtype=torch.int32), activation="swish")
+    call.update(changes)
+    return call
+
+
+def _decode_call(seed: int = 0, **changes):
+    g = torch.Generator().manual_seed(seed)
+    call = dict(x=torch.randn(1, D, generator=g), conv_state=torch.randn(N, W - 1, D, generator=g),
+                weight=torch.randn(D, W, generator=g), conv_state_indices=torch.tensor([5], dtype=torch.int32))
+    call.update(changes)
+    return call
+
+
+def _rms_call(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(x=torch.randn(4, D, generator=g), weight=torch.randn(D, generator=g))
+
+
+CALLS = {
+    "fn, states and slots": (FN, _fn_call),
+    "fn, no states": (FN, lambda seed=0: _fn_call(seed, conv_states=None, cache_indices=None, has_initial_state=None)),
+    "fn, varlen": (FN, _varlen_call),
+    "fn, strided pool": (FN, lambda seed=0: _fn_call(seed, conv_states=torch.randn(
+        S, N, D, generator=torch.Generator().manual_seed(seed)).transpose(0, 1))),
+    "fn, pad slot": (FN, lambda seed=0: _fn_call(seed, cache_indices=torch.tensor([4, 7, 2], dtype=torch.int64),
+                                                  pad_slot_id=7)),
+    "update, speculative": (UP, _update_call),
+    "update, decode step": (UP, _decode_call),
+    "gemma_rms_norm": ("gemma_rms_norm", _rms_call),
+}
+
+
+def _run(op: str, call: dict) -> tuple[object, dict]:
+    """(the result, the tensors after the call: states are written in place)."""
+    res = getattr(kv, op)(**call)
+    return res, {k: v.clone() for k, v in call.items() if isinstance(v, torch.Tensor)}
+
+
+def _decisions() -> dict:
+    return {sig: hit.vid for sig, hit in dispatcher().memo.items()}
+
+
+def _calls_twice(calls, grad: bool = False):
+    out = []
+    with torch.enable_grad() if grad else torch.no_grad():
+        for op, make in calls.values():
+            out.append([_run(op, make(seed)) for seed in (0, 1)])
+    return out
+
+
+def _same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, tuple | list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    else:
+        assert a == b
+
+
+def test_both_paths_give_the_same_results_and_decisions(reference_only, path, python_calls):
+    path(True)
+    on = _calls_twice(CALLS)
+    assert python_calls[0] == len(CALLS), "the second call of each signature is the core's"
+    core_decisions = _decisions()
+    for op, make in CALLS.values():
+        args = dispatcher().registry.spec(op).bind(**make())
+        assert _callcore.core_for(dispatcher().registry.spec(op)).lookup(args, None) == "reference"
+    path(False)
+    python_calls[0] = 0
+    off = _calls_twice(CALLS)
+    assert python_calls[0] == 2 * len(CALLS)
+    _same(on, off)
+    assert _decisions() == core_decisions
+
+
+def test_the_core_serves_grad_mode_and_inference_mode_alike(reference_only, path, python_calls):
+    calls = {k: CALLS[k] for k in ("fn, states and slots", "update, decode step")}
+    path(True)
+    on = _calls_twice(calls, grad=True)
+    with torch.inference_mode():
+        inf = [[_run(op, make(seed)) for seed in (0, 1)] for op, make in calls.values()]
+    assert python_calls[0] == len(calls), "grad mode is not part of a signature unless a tensor requires grad"
+    path(False)
+    _same(on, _calls_twice(calls, grad=True))
+    _same(inf, on)
+
+
+def _pairs():
+    """(description, call a, call b) of one op; a and b share a memo signature or do not."""
+    base = _fn_call()
+    yield "same metadata, other values", base, _fn_call(seed=3)
+    yield "x strided, not written", base, {**base, "x": torch.randn(B, D, L).transpose(1, 2)}
+    yield "pool strided: written", base, {**base, "conv_states": torch.randn(S, N, D).transpose(0, 1)}
+    yield "another pool size", base, {**base, "conv_states": torch.randn(N + 1, S, D)}
+    yield "another dtype", base, {**base, "x": base["x"].double()}
+    yield "int64 indices", base, {**base, "cache_indices": base["cache_indices"].long()}
+    yield "no bias", base, {**base, "bias": None}
+    yield "swish, not silu", base, {**base, "activation": "swish"}
+    yield "pad id True, not 1", {**base, "pad_slot_id": 1}, {**base, "pad_slot_id": True}
+    yield "pad id 1.0, not 1", {**base, "pad_slot_id": 1}, {**base, "pad_slot_id": 1.0}
+    yield "an equal, other string", base, {**base, "activation": "".join(["si", "lu"])}
+    yield "requires grad", base, {**base, "weight": base["weight"].clone().requires_grad_()}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_the_core_key_and_the_memo_key_make_the_same_classes(path, grad):
+    path(True)
+    spec = FN_SPEC
+    core = _callcore.core_for(spec)
+    pins = _dispatcher.pins_in_context()
+    with torch.enable_grad() if grad else torch.no_grad():
+        for what, a, b in _pairs():
+            a, b = spec.bind(**a), spec.bind(**b)
+            ka, kb = core.key(a, None), core.key(b, None)
+            assert ka is not None and kb is not None, what
+            assert (ka == kb) == (spec.memo_key(a, pins) == spec.memo_key(b, pins)), what
+        with kv.force(causal_conv1d_fn="reference"):
+            forced = core.key(spec.bind(**_fn_call()), None)
+    assert forced != core.key(spec.bind(**_fn_call()), None), "the pins are part of the key"
+
+
+def test_calls_the_core_does_not_serve_go_to_the_python_path(reference_only, path, python_calls):
+    path(True)
+    core = _callcore.core_for(FN_SPEC)
+
+    class Sub(torch.Tensor):
+        pass
+
+    class Str(str):  # its == and hash could be Python code: the core leaves it to the Python memo
+        pass
+
+    call = _fn_call()
+    kv.causal_conv1d_fn(**call)
+    n = python_calls[0]
+    for what, changes in {"out=": dict(out=torch.empty(B, L, D)), "a subclass": dict(x=call["x"].as_subclass(Sub)),
+                          "not a tensor": dict(weight=[[1.0]]), "a str subclass": dict(activation=Str("silu"))}.items():
+        args = FN_SPEC.bind(**{**call, **{k: v for k, v in changes.items() if k != "out"}})
+        assert core.key(args, changes.get("out")) is None, what
+    kv.causal_conv1d_fn(**call, out=torch.empty(B, L, D))
+    kv.causal_conv1d_fn(**{**call, "x": call["x"].as_subclass(Sub)})
+    for _ in range(2):
+        kv.causal_conv1d_fn(**{**call, "activation": Str("silu")})
+    assert python_calls[0] == n + 4
+
+
+def _error(op: str, call: dict) -> tuple[type, str]:
+    with pytest.raises(Exception) as info:
+        getattr(kv, op)(**call)
+    return type(info.value), str(info.value)
+
+
+def _bad_calls():
+    """(op, a good call, the same signature with a problem only the values or memory show)."""
+    good = _fn_call()
+    pool = torch.randn(N, S, D)
+    yield "slot out of range", FN, good, _fn_call(cache_indices=torch.tensor([4, 6, 2], dtype=torch.int32))
+    yield "negative slot", FN, good, _fn_call(cache_indices=torch.tensor([4, -3, 2], dtype=torch.int32))
+    yield "duplicate slot", FN, good, _fn_call(cache_indices=torch.tensor([2, 0, 2], dtype=torch.int32))
+    yield "starts not from 0", FN, _varlen_call(), _varlen_call(query_start_loc=torch.tensor([1, 3, 3, 10]))
+    yield "starts decreasing", FN, _varlen_call(), _varlen_call(query_start_loc=torch.tensor([0, 4, 3, 10]))
+    yield "starts short of T", FN, _varlen_call(), _varlen_call(query_start_loc=torch.tensor([0, 3, 3, 9]))
+    yield "accepted above L", UP, _update_call(), _update_call(
+        num_accepted_tokens=torch.tensor([1, 3, 2], dtype=torch.int32))
+    yield "decode slot out of range", UP, _decode_call(), _decode_call(
+        conv_state_indices=torch.tensor([6], dtype=torch.int32))
+    # x a view of the pool's own memory (same dtype and shapes: the signature of the good call)
+    yield "x inside the pool", FN, _fn_call(conv_states=pool), _fn_call(
+        conv_states=pool, x=pool.view(-1)[: B * L * D].view(B, L, D))
+    # bias starting before the pool, in the same allocation, and reaching into it
+    below, other = torch.randn(D + N * S * D), torch.randn(D + N * S * D)
+    yield "bias reaching into the pool", FN, _fn_call(conv_states=other[D:].view(N, S, D)), _fn_call(
+        conv_states=below[D:].view(N, S, D), bias=below[D // 2: D // 2 + D])
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_both_paths_raise_the_same_errors(reference_only, path, grad):
+    outcomes = {}
+    for on in (True, False):
+        path(on)
+        seen = []
+        with torch.enable_grad() if grad else torch.no_grad():
+            for what, op, good, bad in _bad_calls():
+                getattr(kv, op)(**good)  # the signature is memoised: the core serves the next call
+                if on:  # the core has the bad call's entry: it detected the problem and handed it over
+                    spec = dispatcher().registry.spec(op)
+                    assert _callcore.core_for(spec).lookup(spec.bind(**bad), None) == "reference", what
+                seen.append((what, _error(op, bad)))
+        outcomes[on] = seen
+    assert outcomes[True] == outcomes[False]
+    assert all(t is ValueError for _, (t, _) in outcomes[True])
+
+
+def test_an_inference_state_is_refused_outside_inference_mode_on_both_paths(reference_only, path):
+    errors = []
+    for on in (True, False):
+        path(on)
+        with torch.inference_mode():
+            pool = torch.randn(N, S, D)
+            kv.causal_conv1d_fn(**_fn_call(conv_states=pool))  # learned inside inference mode
+        call = _fn_call(conv_states=pool)
+        if on:
+            assert _callcore.core_for(FN_SPEC).lookup(FN_SPEC.bind(**call), None) == "reference"
+        errors.append(_error(FN, call))
+    assert errors[0] == errors[1] and "inference tensor" in errors[0][1]
+
+
+def test_wrong_non_tensor_values_raise_the_same_errors(reference_only, path):
+    errors = {}
+    for on in (True, False):
+        path(on)
+        kv.causal_conv1d_fn(**_fn_call())
+        errors[on] = [_error(FN, _fn_call(activation="relu")), _error(FN, _fn_call(pad_slot_id=1.5)),
+                      _error(FN, _fn_call(pad_slot_id=[1]))]
+    assert errors[True] == errors[False]
+    assert [t for t, _ in errors[True]] == [ValueError, TypeError, TypeError]
+
+
+def _recording(op: str, seen: list, fail: bool = False):
+    ref = _reference.causal_conv1d_fn if op == FN else _reference.causal_conv1d_update
+
+    def fn(*args, **kwargs):
+        seen.append((len(args), dict(kwargs)))
+        if fail:
+            raise RuntimeError("kernel exploded")
+        return ref(*args, **kwargs)
+
+    return Variant(id="rec", op=op, version="1", fn=fn, capabilities=ConvCapabilities(
+        devices={"cpu"}, dtypes={"float32"}, noncontiguous_states=True, num_accepted_tokens=True, varlen=True))
+
+
+def test_a_forced_variant_gets_the_same_arguments_on_both_paths(with_variants, path):
+    seen: dict[bool, list] = {True: [], False: []}
+    for on in (True, False):
+        path(on)
+        with_variants(_recording(FN, seen[on]), _recording(UP, seen[on]))
+        with kv.force(causal_conv1d_fn="rec", causal_conv1d_update="rec"):
+            for _ in range(2):
+                kv.causal_conv1d_fn(**_fn_call(activation="swish"))
+                kv.causal_conv1d_update(**_update_call())
+    assert len(seen[True]) == 4
+    assert [(n, {k: (type(v), v.shape if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+            for n, kw in seen[True]] == [(n, {k: (type(v), v.shape if isinstance(v, torch.Tensor) else v)
+                                              for k, v in kw.items()}) for n, kw in seen[False]]
+    assert seen[True][1][1]["activation"] == "silu", "normalised once per signature, on the core too"
+
+
+def test_a_variant_that_raises_is_reported_the_same_on_both_paths(with_variants, path):
+    errors = []
+    for on in (True, False):
+        path(on)
+        with_variants(_recording(FN, [], fail=True))
+        with kv.force(causal_conv1d_fn="rec"):
+            for _ in range(2):  # the second call is the core's
+                with pytest.raises(VariantFailed) as info:
+                    kv.causal_conv1d_fn(**_fn_call())
+                errors.append((str(info.value), type(info.value.__cause__), str(info.value.__cause__)))
+    assert len(set(errors)) == 1
+    assert errors[0] == ("variant 'rec' of causal_conv1d_fn failed: RuntimeError: kernel exploded", RuntimeError,
+                         "kernel exploded")
+
+
+def test_invalidation_clears_the_core(reference_only, path, python_calls):
+    path(True)
+    core = _callcore.core_for(FN_SPEC)
+    for clear in (lambda: dispatcher().invalidate(), lambda: dispatcher().memo.clear(), kv.reload,
+                  lambda: kv.clear_table()):
+        kv.causal_conv1d_fn(**_fn_call())
+        kv.causal_conv1d_fn(**_fn_call())
+        assert len(core) == 1
+        n = python_calls[0]
+        clear()
+        assert len(core) == 0
+        kv.causal_conv1d_fn(**_fn_call())
+        assert python_calls[0] == n + 1, "after invalidation the Python path decides again"
+
+
+def test_a_force_block_is_its_own_key_and_unforced_calls_are_not_served_its_entry(with_variants, path, python_calls):
+    path(True)
+    seen: list = []
+    with_variants(_recording(FN, seen))
+    kv.causal_conv1d_fn(**_fn_call())
+    kv.causal_conv1d_fn(**_fn_call())
+    with kv.force(causal_conv1d_fn="rec"):
+        kv.causal_conv1d_fn(**_fn_call())
+        kv.causal_conv1d_fn(**_fn_call())
+    kv.causal_conv1d_fn(**_fn_call())
+    assert len(seen) == 2, "only the forced calls ran the forced variant"
+    assert python_calls[0] == 2
+
+
+def test_kv_call_core_0_takes_the_python_path(reference_only, path, python_calls, capfd):
+    path(False)
+    for _ in range(3):
+        kv.causal_conv1d_fn(**_fn_call())
+    assert python_calls[0] == 3
+    assert _callcore.status() == (False, "Python (KV_CALL_CORE=0)")
+    assert "call path" not in capfd.readouterr().err, "turned off on purpose: nothing to announce"
+    from kernel_variants._cli import main
+
+    assert main(["info"]) == 0
+    assert "Python (KV_CALL_CORE=0)" in capfd.readouterr().out
+
+
+def test_without_a_build_the_python_path_serves_and_says_so_once(reference_only, monkeypatch, tmp_path, python_calls,
+                                                                   capfd):
+    monkeypatch.setenv("KV_BUILD_DIR", str(tmp_path / "no-build"))
+    monkeypatch.delenv(_callcore.ENV, raising=False)
+    monkeypatch.setattr(_callcore, "_announced", False)
+    kv.reload()
+    for _ in range(2):
+        kv.causal_conv1d_fn(**_fn_call())
+        kv.gemma_rms_norm(**_rms_call())
+    assert python_calls[0] == 4
+    err = capfd.readouterr().err
+    assert err.count("ops take the Python call path") == 1 and "not built: run kv build" in err
+    assert _callcore.status() == (False, "Python (not built: run kv build)")
+
+
+def test_kv_info_names_the_compiled_core(path, capfd):
+    from kernel_variants._cli import main
+
+    path(True)
+    assert main(["info", "--json"]) == 0
+    assert '"call_path": "compiled core"' in capfd.readouterr().out
+
+
+def test_a_device_rule_count_on_the_cpu_is_reported_first_on_both_paths(reference_only, path, monkeypatch):
+    from kernel_variants.dispatch import _device_errors
+
+    errors = []
+    for on in (True, False):
+        path(on)
+        kv.causal_conv1d_fn(**_fn_call())
+        counter = torch.zeros(len(_device_errors.KINDS), dtype=torch.int64)
+        counter[_device_errors.SLOT] = 2
+        monkeypatch.setitem(_device_errors._counters, torch.device("cpu"), counter)
+        errors.append(_error(FN, _fn_call()))
+    assert errors[0] == errors[1] and "2 x slot index" in errors[0][1]
+
+
+def _bound_outcomes(bound, calls):
+    """Per call: ("ok", result) or (the error's type, its message)."""
+    out = []
+    for args, kwargs in calls:
+        try:
+            out.append(("ok", bound(*args, **kwargs)))
+        except Exception as exc:
+            out.append((type(exc), str(exc)))
+    return out
+
+
+def _bind_calls():
+    """(the example, calls of the bound op): fresh tensors each time (the pool is written)."""
+    example = _fn_call()
+    x, w, b = example.pop("x"), example.pop("weight"), example.pop("bias")
+    pool = example["conv_states"]
+    calls = [
+        ((x, w, b), example),
+        ((x, w), {**example, "bias": b}),
+        ((x, w, b), {**example, "cache_indices": torch.tensor([1, 0, 3], dtype=torch.int64)}),
+        ((x, w, b), {**example, "activation": "swish"}),  # another value: refused
+        ((x, w, b), {**example, "pad_slot_id": 0}),
+        ((x, w, b), {**example, "cache_indices": torch.tensor([1, 6, 3], dtype=torch.int32)}),
+        ((x, w, b), {**example, "cache_indices": torch.tensor([1, 1, 3], dtype=torch.int32)}),
+        ((x, w, b), {**example, "cache_indices": None}),  # not what the example had: Python says so
+        ((x, w, b), {**example, "out": torch.zeros(B, L, D)}),
+        ((x, w, b), {**example, "out": pool}),  # overlaps the written pool
+        ((x, w, b, pool), {}),  # too many positional arguments
+        ((x,), example),  # weight missing
+        ((x, w, b), {**example, "nonsense": 1}),
+    ]
+    return ((x, w, b), example), calls
+
+
+def test_kv_bind_is_c_level_on_the_core_and_behaves_as_the_python_bound_function(reference_only, path):
+    import inspect
+
+    outcomes = {}
+    for on in (True, False):
+        path(on)
+        (args, kwargs), calls = _bind_calls()
+        bound = kv.bind(kv.causal_conv1d_fn, *args, **kwargs)
+        assert (type(bound).__name__ == "BoundCore") is on
+        assert (bound.op, bound.variant, bound.__name__) == (FN, "reference", "causal_conv1d_fn_bound")
+        assert inspect.signature(bound) == FN_SPEC.py_signature
+        outcomes[on] = [*_bound_outcomes(bound, calls), ("pool after", calls[0][1]["conv_states"].clone())]
+    _same(outcomes[True], outcomes[False])
+    assert [o[0] for o in outcomes[True][:-1]] == ["ok", "ok", "ok", ValueError, ValueError, ValueError, ValueError,
+                                                   AttributeError, "ok", ValueError, TypeError, TypeError, TypeError]
+
+
+def test_a_bound_variant_that_raises_is_reported_the_same_on_both_paths(with_variants, path):
+    errors = []
+    for on in (True, False):
+        path(on)
+        with_variants(_recording(UP, [], fail=True))
+        with kv.force(causal_conv1d_update="rec"):
+            call = _decode_call()
+            bound = kv.bind(UP, **call)
+        with pytest.raises(VariantFailed) as info:
+            bound(**call)
+        errors.append((str(info.value), type(info.value.__cause__)))
+    assert errors == [("variant 'rec' of causal_conv1d_update failed: RuntimeError: kernel exploded",
+                       RuntimeError)] * 2
+
+
+def _python_frames(fn) -> set[str]:
+    """The Python functions a call enters (their code names)."""
+    import sys
+
+    names: set[str] = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            names.add(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+def test_a_served_call_runs_no_python_of_the_call_path(reference_only, path):
+    path(True)
+    call = _fn_call()
+    kv.causal_conv1d_fn(**call)
+    bound = kv.bind(FN, **call)
+    entered = _python_frames(lambda: kv.causal_conv1d_fn(**call)) | _python_frames(lambda: bound(**call))
+    assert entered, "the variant itself is Python"
+    assert not entered & {"call", "memo_key", "bound", "run_one", "plan", "check_one", "_resolve"}, entered
+    path(False)
+    kv.causal_conv1d_fn(**call)
+    assert {"call", "memo_key", "run_one"} <= _python_frames(lambda: kv.causal_conv1d_fn(**call))
