@@ -214,7 +214,7 @@ def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None, core: Any = None)
         hit.checks(args)
     vid, fn, invoke, subs, guard, _, rule = hit
     aliased = guard is not None and guard(args, out)
-    if core is not None and sig is not None:
+    if core is not None and sig is not None and sig in d.memo:  # not a decision kept out of the memo
         _callcore.learn(core, spec, args, out, hit)
     if subs:
         args = _with(args, subs)
