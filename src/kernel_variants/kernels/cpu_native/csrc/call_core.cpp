@@ -652,40 +652,40 @@ PyObject* key_tuple(State* st) {
   return Py_BuildValue("(NN)", w, o);
 }
 
+// The key of the call (args, out) that key() and lookup() inspect: 1 built (its hash in *hash),
+// 0 not a call the core keys (the Python path's), -1 a Python error set.
+int inspected_key(State* st, PyObject* const* a, Py_ssize_t nargs, const char* what, uint64_t* hash) {
+  if (nargs != 2) {
+    PyErr_Format(PyExc_TypeError, "%s(args, out)", what);
+    return -1;
+  }
+  if (!unpack_call(st, a[0], what)) return -1;
+  const at::Tensor* ts[kMaxParams];
+  try {
+    return build_key(st, &PyTuple_GET_ITEM(a[0], 0), a[1], ts, hash) == 1 ? 1 : 0;
+  } catch (const c10::Error&) {
+    return 0;
+  }
+}
+
 // key(args, out) -> (words, ((object, its type), ...)) or None: the key the core builds for
 // this call (tests compare its classes with the Python memo key's).
 PyObject* core_key(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
   State* st = reinterpret_cast<CallCore*>(self)->st;
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "key(args, out)");
-    return nullptr;
-  }
-  if (!unpack_call(st, a[0], "key")) return nullptr;
-  const at::Tensor* ts[kMaxParams];
   uint64_t hash;
-  try {
-    if (build_key(st, &PyTuple_GET_ITEM(a[0], 0), a[1], ts, &hash) != 1) Py_RETURN_NONE;
-  } catch (const c10::Error&) {
-    Py_RETURN_NONE;
-  }
+  int got = inspected_key(st, a, nargs, "key", &hash);
+  if (got < 0) return nullptr;
+  if (got == 0) Py_RETURN_NONE;
   return key_tuple(st);
 }
 
 // lookup(args, out) -> the variant id memoised for this call's key, or None.
 PyObject* core_lookup(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
   State* st = reinterpret_cast<CallCore*>(self)->st;
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "lookup(args, out)");
-    return nullptr;
-  }
-  if (!unpack_call(st, a[0], "lookup")) return nullptr;
-  const at::Tensor* ts[kMaxParams];
   uint64_t hash;
-  try {
-    if (build_key(st, &PyTuple_GET_ITEM(a[0], 0), a[1], ts, &hash) != 1) Py_RETURN_NONE;
-  } catch (const c10::Error&) {
-    Py_RETURN_NONE;
-  }
+  int got = inspected_key(st, a, nargs, "lookup", &hash);
+  if (got < 0) return nullptr;
+  if (got == 0) Py_RETURN_NONE;
   Entry* e = find(st, hash);
   if (e == nullptr || e->python_only) Py_RETURN_NONE;
   return Py_NewRef(e->vid);
