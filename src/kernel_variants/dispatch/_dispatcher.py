@@ -194,7 +194,7 @@ class Dispatcher:
         runnable = [rv.id for rv in entries if rv.why_not(key) is None]
         if not runnable:
             return select(entries, key)
-        may_run = qualify and not capturing(key.device) and not _compiling()
+        may_run = qualify and not capturing(key.device)  # (capturing() says so under compile too)
         barred = dict.fromkeys(exclude, "not qualified on every rank (rank 0 chose among the others)")
         # Failed verdicts bar their variants before anything is looked up, so the trace says why;
         # a variant with none yet is qualified below, only if it would be chosen.
@@ -347,12 +347,6 @@ class Dispatcher:
 
 def _with_note(decision: Decision, note: str) -> Decision:
     return dataclasses.replace(decision, note=f"{decision.note}; {note}" if decision.note else note)
-
-
-def _compiling() -> bool:
-    import torch
-
-    return torch.compiler.is_compiling()
 
 
 def _flag(raw: str) -> bool:
