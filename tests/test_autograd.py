@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants.dispatch import dispatcher
+from kernel_variants._runtime.dispatcher import dispatcher
 
 OPS = ("causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm")
 

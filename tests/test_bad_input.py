@@ -104,7 +104,7 @@ def test_value_checks_are_off_only_off_the_cpu(monkeypatch):
     """KV_CHECK_VALUES=0 spares accelerators a device sync per call; on the CPU reading an index
     tensor costs nothing, so the checks stay on there and a bad slot never reaches a variant
     (finding 7 of the reliability issue: the reference used to half-write the pool)."""
-    from kernel_variants.dispatch import _op
+    from kernel_variants._runtime import call as _op
 
     monkeypatch.setenv("KV_CHECK_VALUES", "0")
     kernel_variants.reload()

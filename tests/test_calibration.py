@@ -17,15 +17,15 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants import CalibrationWarning
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._table import SCHEMA, CalibrationTable, Group, Measurement
+from kernel_variants._registry import Variant
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._table.store import CalibrationWarning
+from kernel_variants._table.table import SCHEMA, CalibrationTable, Group, Measurement
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as reference
-from kernel_variants.registry import Variant
 
 FN = "causal_conv1d_fn"
-QUICK = dict(dtype="float32", warmup=1, windows=2, iters=3)
+QUICK = dict(dtype="float32", timing=kv.TimingConfig(warmup=1, windows=2, iters=3))
 SHAPES = [(1, 16, 8), (2, 32, 16)]
 
 
@@ -65,7 +65,7 @@ def test_calibration_records_figures_and_dispatch_follows_the_table(reference_on
 
 def test_unseen_shape_uses_the_nearest_calibrated_shape_in_log_space(reference_only, with_variants):
     with_variants(_variant("sleepy", _slow(0.002), priority=100))
-    kv.calibrate(FN, [(1, 16, 8), (8, 128, 64)], variants=["reference", "sleepy"], **QUICK | {"iters": 1})
+    kv.calibrate(FN, [(1, 16, 8), (8, 128, 64)], variants=["reference", "sleepy"], dtype="float32", timing=kv.TimingConfig(warmup=1, windows=2, iters=1))
     args, kw = _call(b=2, d=32, seq=16)
     decision = kv.explain(FN, *args, **kw)
     assert decision.source == "nearest" and decision.measured_key == (1, 16, 8)
@@ -109,7 +109,7 @@ def test_a_new_variant_needs_only_itself_measured(with_variants):
 
 
 def _fpid():
-    from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
+    from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
     return fingerprint_id(fingerprint("cpu"))
 
 
@@ -119,7 +119,7 @@ def _group(**kw):
 
 
 def _m(variant, us, version, shape=(1, 16, 8), fp=None):
-    from kernel_variants.dispatch._fingerprint import fingerprint
+    from kernel_variants._table.fingerprint import fingerprint
     return Measurement(fingerprint=fingerprint("cpu"), fingerprint_id=fp or _fpid(), group=_group(), shape=shape,
                        variant=variant, version=version, status="ok", best_us=us, median_us=us, spread=0.0,
                        windows=5, iters=100, method="test", measured_at=time.time())
@@ -350,7 +350,7 @@ def test_real_calls_follow_the_table_after_calibrate_and_clear(reference_only, w
 
 def test_import_re_decides_winners_from_the_merged_timings(with_variants):
     """A newer imported timing that dethrones the local winner wins, whatever the winner rows say."""
-    from kernel_variants.dispatch._exchange import build_document, import_document
+    from kernel_variants._table.exchange import build_document, import_document
 
     with_variants(_variant("a", reference.causal_conv1d_fn), _variant("b", reference.causal_conv1d_fn))
     versions = dispatcher().versions()
@@ -382,7 +382,7 @@ def test_a_row_naming_a_file_never_makes_the_table_delete_it(tmp_path):
 
 
 def test_a_busy_table_is_not_called_corrupt(tmp_path):
-    from kernel_variants.dispatch._table import is_corrupt
+    from kernel_variants._table.table import is_corrupt
 
     assert not is_corrupt(sqlite3.OperationalError("database is locked"))
     assert not is_corrupt(sqlite3.OperationalError("attempt to write a readonly database"))
@@ -437,7 +437,7 @@ def test_a_read_only_table_is_read_and_new_measurements_stay_in_memory(monkeypat
     """Finding 5 of the reliability issue: a table shipped read-only (an image, a shared mount)
     used to be ignored entirely. (Tests run as root, whom file modes do not stop, so the
     refused write is simulated where diskcache would meet it.)"""
-    from kernel_variants.dispatch._store import Store
+    from kernel_variants._table.store import Store
 
     kv.calibrate(FN, SHAPES, **QUICK)
     winner = {r.shape: r.winner for r in kv.table(FN)}[SHAPES[0]]
@@ -465,7 +465,7 @@ def test_decisions_read_one_snapshot_row_which_any_write_makes_out_of_date(refer
     """Finding 8 (scale): a fresh process's first decision reads the snapshot the calibration
     left, not every row; a write renews the table's token, so a stale or planted snapshot is
     rebuilt from the rows, never trusted. (tools/bench_table_scale.py times it at 5000 shapes.)"""
-    from kernel_variants.dispatch._fastindex import SNAPSHOT_PREFIX
+    from kernel_variants._table.index import SNAPSHOT_PREFIX
 
     kv.calibrate(FN, SHAPES, **QUICK)
     args, kw = _call(*SHAPES[1])

@@ -15,18 +15,19 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants import CalibrationWarning
 from kernel_variants._cli import main
-from kernel_variants.dispatch import _timing, dispatcher
-from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
-from kernel_variants.dispatch._table import CalibrationTable, Group, Measurement
-from kernel_variants.dispatch._timing import TimingConfig, measure, measure_interleaved
+from kernel_variants._registry import Variant
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.store import CalibrationWarning
+from kernel_variants._table.table import CalibrationTable, Group, Measurement
+from kernel_variants._tuning import timing as _timing
+from kernel_variants._tuning.timing import TimingConfig, measure, measure_interleaved
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as reference
-from kernel_variants.registry import Variant
 
 FN = "causal_conv1d_fn"
-QUICK = dict(dtype="float32", warmup=1, windows=3, iters=3)
+QUICK = dict(dtype="float32", timing=kv.TimingConfig(warmup=1, windows=3, iters=3))
 
 
 def _variant(vid, fn=reference.causal_conv1d_fn, priority=0, **kw):
@@ -96,8 +97,8 @@ def test_calibration_stores_the_interleaved_winner_with_its_windows(reference_on
     machine = _LoadedMachine(busy_until=0.15)
     monkeypatch.setattr(_timing, "_now", machine.now)
     with_variants(_variant("fast", machine.variant(1e-3)), _variant("slow", machine.variant(1.3e-3)))
-    result = kv.calibrate(FN, [(1, 16, 8)], variants=["fast", "slow"], window_budget_s=None, prune=None,
-                          **QUICK | {"windows": 5, "iters": 5})
+    result = kv.calibrate(FN, [(1, 16, 8)], variants=["fast", "slow"], prune=None,
+                          dtype="float32", timing=kv.TimingConfig(warmup=1, windows=5, iters=5, window_budget_s=None))
     assert result.winners[(1, 16, 8)].variant == "fast"
     m = {m.variant: m for m in result.measurements}["fast"]
     assert len(m.samples_us) == 5 and m.best_us == min(m.samples_us) and m.noise is not None
@@ -180,7 +181,7 @@ def test_without_pruning_every_variant_is_timed_fully(reference_only, with_varia
 def test_a_budget_bounds_the_sweep_and_says_what_it_skipped(reference_only, with_variants, capsys):
     with_variants(_variant("sleepy", _slow(0.01)))
     shapes = [(1, 16, 8), (2, 16, 8), (3, 16, 8), (4, 16, 8), (5, 16, 8)]
-    result = kv.calibrate(FN, shapes, variants=["sleepy"], budget_s=0.3, window_budget_s=0.05, **QUICK)
+    result = kv.calibrate(FN, shapes, variants=["sleepy"], budget_s=0.3, dtype="float32", timing=kv.TimingConfig(warmup=1, windows=3, iters=3, window_budget_s=0.05))
     assert result.skipped and len(result.winners) + len(result.skipped) == len(shapes)
     assert result.skipped == shapes[len(shapes) - len(result.skipped):]
     rc, out, err = run(capsys, "calibrate", "--shapes", *(",".join(map(str, s)) for s in shapes[:3]), "--dtype",
@@ -205,7 +206,7 @@ def test_kv_record_notes_each_unmeasured_key_once_and_calibrate_recorded_measure
         kv.causal_conv1d_fn(*args, **kw)
     args, kw = _call(1, 16, 4)
     kv.causal_conv1d_fn(args[0].contiguous(), args[1], None, **kw)  # another group: no bias
-    from kernel_variants.dispatch._api import recorded
+    from kernel_variants._api import recorded
 
     got = recorded()
     assert sorted((tuple(e["shape"]), e["features"]["bias"]) for e in got) == [
@@ -253,7 +254,7 @@ def test_many_processes_record_into_one_bounded_record(tmp_path):
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
-    from kernel_variants.dispatch._store import Recorder
+    from kernel_variants._table.store import Recorder
 
     entries = Recorder(cache).entries()
     # key D=8+i is met by the processes starting at 0 (i < 6), 2 (2 <= i < 8) and 4 (i >= 4)
@@ -309,7 +310,7 @@ def test_the_builtin_kernels_declare_what_their_speed_depends_on():
 
 
 def test_a_dependency_upgrade_makes_only_its_variants_stale(reference_only, with_variants, monkeypatch, capsys):
-    from kernel_variants.registry import _registry
+    from kernel_variants._registry import registry as _registry
 
     fake = {"kv-test-kernels": "1.0"}
     monkeypatch.setattr(_registry, "dependency_version", lambda name: fake.get(name, "9.9"))
@@ -391,9 +392,9 @@ def test_a_document_of_an_earlier_release_is_refused_saying_why(capsys, tmp_path
 
 def test_graph_mode_and_cold_l2_need_cuda(capsys):
     with pytest.raises(ValueError, match="timing mode graph: replays a captured CUDA graph"):
-        kv.calibrate(FN, [(1, 16, 8)], timing_mode="graph", **QUICK)
+        kv.calibrate(FN, [(1, 16, 8)], dtype="float32", timing=kv.TimingConfig(warmup=1, windows=3, iters=3, mode="graph"))
     with pytest.raises(ValueError, match="cold L2"):
-        kv.calibrate(FN, [(1, 16, 8)], cold_l2=True, **QUICK)
+        kv.calibrate(FN, [(1, 16, 8)], dtype="float32", timing=kv.TimingConfig(warmup=1, windows=3, iters=3, cold_l2=True))
     with pytest.raises(ValueError, match="mode: expected one of eager, graph"):
         TimingConfig(mode="lazy")
     rc, _, err = run(capsys, "calibrate", "--shapes", "1,16,8", "--timing-mode", "graph")
@@ -420,14 +421,14 @@ def test_graph_mode_records_the_method_of_each_row(reference_only, with_variants
     with_variants(Variant(id="safe", op=FN, version="1", fn=reference.causal_conv1d_fn,
                           capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, varlen=True,
                                                         graph_safe=True)))
-    result = kv.calibrate(FN, [(2, 256, 64)], variants=["safe", "reference"], timing_mode="graph", cold_l2=True,
-                          prune=None, **QUICK)
+    result = kv.calibrate(FN, [(2, 256, 64)], variants=["safe", "reference"],
+                          prune=None, dtype="float32", timing=kv.TimingConfig(warmup=1, windows=3, iters=3, mode="graph", cold_l2=True))
     methods = {m.variant: m.method for m in result.measurements}
     # inputs of (2, 256, 64) fp32: x 128 KiB + pool, weight, bias: 2 x 1 MiB / ~134 KiB -> 16 input sets
     assert methods["safe"].startswith("perf_counter, graph replay, interleaved, cold L2 (")
     assert methods["reference"].startswith("perf_counter, eager (not graph_safe)")
     assert "input sets)" in methods["safe"] and captured == [3]
-    from kernel_variants.dispatch._calibrate import case_bytes
+    from kernel_variants._tuning.calibrate import case_bytes
 
     spec = dispatcher().registry.spec(FN)
     case = spec.sweep_case((2, 256, 64), spec.features(), dtype=torch.float32, device="cpu")
@@ -438,7 +439,7 @@ def test_graph_mode_records_the_method_of_each_row(reference_only, with_variants
 def test_a_key_recorded_with_another_thread_count_is_measured_with_it(capsys):
     """Serving processes often run with another intra-op thread count than `kv calibrate`: the
     key is measured with the recorded count (the only fingerprint difference allowed)."""
-    from kernel_variants.dispatch._api import recorded, recorder
+    from kernel_variants._api import recorded, recorder
 
     before = torch.get_num_threads()
     theirs = {**fingerprint("cpu"), "threads": str(before + 1)}

@@ -12,10 +12,14 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants.dispatch import VariantFailed, _callcore, _dispatcher, dispatcher
+from kernel_variants._registry import Variant
+from kernel_variants._runtime import callcore as _callcore
+from kernel_variants._runtime import dispatcher as _dispatcher
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._runtime.errors import VariantFailed
+from kernel_variants._runtime.pins import pins_in_context
 from kernel_variants.kernels.cpu_native import _build
 from kernel_variants.ops.causal_conv1d import FN_SPEC, ConvCapabilities, _reference
-from kernel_variants.registry import Variant
 
 pytestmark = pytest.mark.skipif(_build.toolchain_missing() is not None,
                                 reason=f"the call core cannot be built here: {_build.toolchain_missing()}")
@@ -192,7 +196,7 @@ def test_the_core_key_and_the_memo_key_make_the_same_classes(path, grad):
     path(True)
     spec = FN_SPEC
     core = _callcore.core_for(spec)
-    pins = _dispatcher.pins_in_context()
+    pins = pins_in_context()
     with torch.enable_grad() if grad else torch.no_grad():
         for what, a, b in _pairs():
             a, b = spec.bind(**a), spec.bind(**b)
@@ -410,7 +414,7 @@ def test_kv_info_names_the_compiled_core(path, capfd):
 
 
 def test_a_device_rule_count_on_the_cpu_is_reported_first_on_both_paths(reference_only, path, monkeypatch):
-    from kernel_variants.dispatch import _device_errors
+    from kernel_variants._runtime import device_errors as _device_errors
 
     errors = []
     for on in (True, False):

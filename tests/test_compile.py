@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kernel_variants
-from kernel_variants.dispatch import _custom_ops
-from kernel_variants.dispatch._dispatcher import Dispatcher
+from kernel_variants._runtime import custom_ops as _custom_ops
+from kernel_variants._runtime.dispatcher import Dispatcher
 from kernel_variants.ops.causal_conv1d._cases import make_case
 
 
@@ -103,9 +103,9 @@ FN = "causal_conv1d_fn"
 
 def _spy(op, vid, seen, fn=None, priority=0, **caps):
     """A variant of ``op`` that records (its id, the call's state tensor) and runs the reference."""
+    from kernel_variants._registry import Variant
     from kernel_variants.ops.causal_conv1d import ConvCapabilities
     from kernel_variants.ops.causal_conv1d import _reference as reference
-    from kernel_variants.registry import Variant
 
     real = getattr(reference, op)
 
@@ -133,7 +133,7 @@ def test_force_kv_force_and_calibration_take_effect_in_a_compiled_graph(referenc
     force() block, KV_FORCE, and a calibration that makes another variant the winner."""
     import time
 
-    from kernel_variants.dispatch import dispatcher, reset
+    from kernel_variants._runtime.dispatcher import dispatcher, reset
 
     seen = []
     with_variants(_spy(FN, "first", seen, fn=lambda: time.sleep(0.002), priority=100), _spy(FN, "second", seen))
@@ -161,8 +161,7 @@ def test_force_kv_force_and_calibration_take_effect_in_a_compiled_graph(referenc
     monkeypatch.delenv("KV_FORCE")
     reset(dispatcher().registry)
     assert ran() == ["first"]
-    kernel_variants.calibrate(FN, [(2, 32, 16)], variants=["first", "second"], dtype="float32",
-                              warmup=1, windows=2, iters=3)
+    kernel_variants.calibrate(FN, [(2, 32, 16)], variants=["first", "second"], dtype="float32", timing=kernel_variants.TimingConfig(warmup=1, windows=2, iters=3))
     assert kernel_variants.explain(FN, x, w, b, conv_states=pool, activation="silu").source == "table"
     assert ran() == ["second"]  # "first" sleeps: the table's winner is "second"
     assert len(compiles) == 1, "a pin or the table changed and the graph was recompiled"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernel_variants
-from kernel_variants.dispatch._verify import verify
+from kernel_variants._tuning.verify import verify
 from kernel_variants.ops.causal_conv1d import _reference as reference
 from kernel_variants.ops.causal_conv1d._cases import make_case
 
@@ -30,11 +30,11 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture
 def variant(entry):
     op, vid = entry
-    return kernel_variants.dispatch.dispatcher().registry.get(op, vid)
+    return kernel_variants._runtime.dispatcher.dispatcher().registry.get(op, vid)
 
 
 def _spec(rv):
-    return kernel_variants.dispatch.dispatcher().registry.spec(rv.op)
+    return kernel_variants._runtime.dispatcher.dispatcher().registry.spec(rv.op)
 
 
 def _claimed_cases(rv, device):

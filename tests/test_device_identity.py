@@ -12,9 +12,12 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants.dispatch import _dispatcher, _fingerprint, dispatcher
-from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
-from kernel_variants.registry._spec import device_index
+from kernel_variants._registry.spec import device_index
+from kernel_variants._runtime import dispatcher as _dispatcher
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._table import fingerprint as _fingerprint
+from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.rows import key_text
 
 FN = "causal_conv1d_fn"
 
@@ -46,7 +49,7 @@ def test_a_key_carries_its_devices_ordinal_and_the_table_is_read_for_that_device
     assert cpu_key.index is None and cpu_key.where == "cpu"
     key = cpu_key._replace(device="cuda", index=1)
     assert key.where == "cuda:1" and "on cuda:1 " in key.describe()
-    assert _dispatcher.key_text(key) == _dispatcher.key_text(key._replace(index=0))  # rows keyed by type + fingerprint
+    assert key_text(key) == key_text(key._replace(index=0))  # rows keyed by type + fingerprint
     asked = []
     real = _dispatcher.fingerprint
     monkeypatch.setattr(_dispatcher, "fingerprint", lambda device: asked.append(device) or real(device))

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 import kernel_variants
-from kernel_variants import NoVariantError, VariantFailed
-from kernel_variants.dispatch import dispatcher, parse_force, select
+from kernel_variants._policy import NoVariantError, select
+from kernel_variants._registry import Variant
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._runtime.errors import VariantFailed
+from kernel_variants._runtime.pins import parse_force
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as reference
-from kernel_variants.registry import Variant
 
 
 def _args():
@@ -47,8 +49,8 @@ def test_capabilities_route_calls_a_variant_cannot_run():
 
 def test_select_is_pure_and_reports_every_reason():
     """No registry, no device: candidates, a call key and timings in, a decision out."""
-    from kernel_variants.dispatch import call_key
-    from kernel_variants.registry._registry import RegisteredVariant
+    from kernel_variants._registry.registry import RegisteredVariant
+    from kernel_variants._runtime.bind import call_key
 
     def entry(vid, **caps):
         v = Variant(id=vid, op="causal_conv1d_fn", version="1", fn=reference.causal_conv1d_fn,

@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from kernel_variants.dispatch._distributed import mismatches, rank_device, shard
-from kernel_variants.dispatch._table import CalibrationTable, Measurement, Winner
+from kernel_variants._table.table import CalibrationTable, Measurement, Winner
+from kernel_variants._tuning.distributed import mismatches, rank_device, shard
 
 WRAPPER = """
     import os, sys
@@ -173,7 +173,7 @@ AGREE = """
 
     torch.set_num_threads(1)
     import kernel_variants as kv
-    from kernel_variants.dispatch import _calibrate, dispatcher
+    from kernel_variants._runtime import _calibrate, dispatcher
 
     dist.init_process_group("gloo")
     measured = []
@@ -227,11 +227,11 @@ QUALIFIED_EVERYWHERE = """
 
     torch.set_num_threads(1)
     import kernel_variants as kv
-    from kernel_variants.dispatch import dispatcher, reset
+    from kernel_variants._runtime import dispatcher, reset
     from kernel_variants.kernels import cpu_native
     from kernel_variants.ops.causal_conv1d import ConvCapabilities
-    from kernel_variants.registry import Variant, hookimpl
-    from kernel_variants.registry._registry import Registry, make_plugin_manager
+    from kernel_variants._registry import Variant, hookimpl
+    from kernel_variants._registry.registry import Registry, make_plugin_manager
 
     def fast(*args, **kwargs):  # right on rank 0's device, wrong on rank 1's
         y = cpu_native.causal_conv1d_fn(*args, **kwargs)

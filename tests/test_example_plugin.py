@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import kernel_variants as kv
-from kernel_variants.dispatch import dispatcher
+from kernel_variants._runtime.dispatcher import dispatcher
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "kv-my-conv"
@@ -77,6 +77,6 @@ def test_example_plugin_loads_through_its_entry_point_and_conforms(monkeypatch):
     # It qualified first, from the new op's own conformance list, as a built-in op's variants do.
     (verdict,) = [v for v in kv.verdicts() if v.group.op == "silu_and_mul"]
     assert verdict.variant == "fused" and verdict.passed and verdict.cases > 0
-    result = kv.calibrate("silu_and_mul", [(4, 64)], dtype="float32", warmup=1, windows=1, iters=2)
+    result = kv.calibrate("silu_and_mul", [(4, 64)], dtype="float32", timing=kv.TimingConfig(warmup=1, windows=1, iters=2))
     assert {m.variant for m in result.measurements} == {"reference", "fused"}
     assert kv.table("silu_and_mul")[0].shape == (4, 64)

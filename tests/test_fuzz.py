@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants import NoVariantError
+from kernel_variants._policy import NoVariantError
 from kernel_variants._tolerances import mismatch
 from kernel_variants.ops.causal_conv1d import _reference as ref
 

@@ -74,7 +74,7 @@ def test_bad_input_is_named_and_nothing_is_written(call, says):
 
 
 def test_calibration_picks_per_shape_and_the_table_drives_dispatch():
-    result = kv.calibrate(FN, [(4, 256), (64, 1024)], dtype="float32", warmup=1, windows=1, iters=3)
+    result = kv.calibrate(FN, [(4, 256), (64, 1024)], dtype="float32", timing=kv.TimingConfig(warmup=1, windows=1, iters=3))
     assert {m.shape for m in result.measurements} == {(4, 256), (64, 1024)}
     rows = {r.shape: r for r in kv.table(FN)}
     assert set(rows) == {(4, 256), (64, 1024)}

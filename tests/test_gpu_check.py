@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants.dispatch import dispatcher
+from kernel_variants._runtime.dispatcher import dispatcher
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "gpu_check.py"

@@ -24,8 +24,8 @@ from test_npu_adapters import _asc, _cpu, _dao_module, _npu_conv_update, _pto, u
 from torch.overrides import TorchFunctionMode
 
 import kernel_variants
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._verify import verify
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._tuning.verify import verify
 from kernel_variants.kernels import _adapters, dao, npu_triton
 from kernel_variants.kernels._adapters import FunctionRef
 from kernel_variants.ops.causal_conv1d._cases import make_case

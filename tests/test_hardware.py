@@ -11,8 +11,8 @@ import torch
 from test_conformance import assert_conforms
 
 import kernel_variants
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._fingerprint import fingerprint
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._table.fingerprint import fingerprint
 from kernel_variants.ops.causal_conv1d import _reference as reference
 from kernel_variants.ops.causal_conv1d._cases import make_case
 
@@ -39,8 +39,7 @@ def _smoke_calibration(op, candidates, device, dtype):
     if not ids:
         pytest.skip(f"no accelerator variant of {op} available on {device}")
     shape = (4, 256, 1 if op == "causal_conv1d_update" else 64)
-    result = kernel_variants.calibrate(op, [shape], dtype=dtype, device=device, variants=[*ids, "torch_shift"],
-                                       warmup=2, windows=2, iters=10)
+    result = kernel_variants.calibrate(op, [shape], dtype=dtype, device=device, variants=[*ids, "torch_shift"], timing=kernel_variants.TimingConfig(warmup=2, windows=2, iters=10))
     assert not result.rejected(), [(m.variant, m.reason) for m in result.rejected()]
     winner = result.winners[shape]
     assert winner is not None and winner.variant in [*ids, "torch_shift"]

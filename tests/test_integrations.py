@@ -757,8 +757,8 @@ def test_patch_undo_restores_exactly_what_it_changed(monkeypatch, reference_only
 
 
 def _needs_build_variant(log: list[str]):
+    from kernel_variants._registry import Variant
     from kernel_variants.ops.causal_conv1d import ConvCapabilities
-    from kernel_variants.registry import Variant
 
     return Variant(
         id="needs_build", op="causal_conv1d_update", version="1", priority=50,
@@ -774,7 +774,7 @@ def test_patch_never_builds_inside_the_engine(monkeypatch, reference_only, with_
     _cpu_standins(monkeypatch)
     log: list[str] = []
     with_variants(_needs_build_variant(log))
-    rv = kernel_variants.dispatch.dispatcher().registry.get("causal_conv1d_update", "needs_build")
+    rv = kernel_variants._runtime.dispatcher.dispatcher().registry.get("causal_conv1d_update", "needs_build")
     cache = torch.zeros(N_SLOTS, W - 1, D)
     with pytest.warns(_common.IntegrationWarning, match=r"needs_build.*`kv build`") as caught:
         handle = kv_vllm.patch()

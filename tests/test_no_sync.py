@@ -2,7 +2,7 @@
 corrupt nothing: they are made pads on the device and counted for ``kv.check_errors()``.
 
 The accelerator path is exercised on this CPU-only machine by making the dispatcher's single
-"on the CPU?" decision (``_op._on_cpu``) answer no, with every torch call watched by a torch
+"on the CPU?" decision (``_op.on_cpu``) answer no, with every torch call watched by a torch
 function mode that fails the test on anything that would synchronise a device (``.tolist()``,
 ``.item()``, ``.cpu()``, ``bool()``, ``int()``, ``nonzero``, boolean-mask indexing...:
 ``test_graph_safe.NoHostSync``). The kernels themselves (the CPU doubles of the Ascend and
@@ -22,12 +22,14 @@ import torch
 from test_graph_safe import NoHostSync, _device_dao_module, _device_side, device_side
 
 import kernel_variants as kv
-from kernel_variants.dispatch import _device_errors, _op, dispatcher
+from kernel_variants._registry import Variant
+from kernel_variants._runtime import call as _op
+from kernel_variants._runtime import device_errors as _device_errors
+from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants.kernels import asc, dao, npu_conv_update, npu_triton, pto
 from kernel_variants.kernels._adapters import FunctionRef, OpRef
 from kernel_variants.ops.causal_conv1d import ConvCapabilities, _checks
 from kernel_variants.ops.causal_conv1d import _reference as reference
-from kernel_variants.registry import Variant
 
 FN, UP = "causal_conv1d_fn", "causal_conv1d_update"
 N, D, W = 6, 16, 4

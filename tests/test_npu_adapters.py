@@ -24,13 +24,13 @@ import torch
 from test_conformance import _claimed_cases
 
 import kernel_variants
-from kernel_variants.dispatch import call_key
-from kernel_variants.dispatch._verify import verify
+from kernel_variants._registry.registry import RegisteredVariant
+from kernel_variants._runtime.bind import call_key
+from kernel_variants._tuning.verify import verify
 from kernel_variants.kernels import _adapters, asc, dao, npu_conv_update, npu_triton, pto
 from kernel_variants.kernels._adapters import FunctionRef, OpRef
 from kernel_variants.ops.causal_conv1d import _reference as reference
 from kernel_variants.ops.causal_conv1d._cases import make_case
-from kernel_variants.registry._registry import RegisteredVariant
 
 NAN = float("nan")
 

@@ -34,7 +34,7 @@ from test_npu_adapters import (
 
 import kernel_variants
 from kernel_variants._cli import main
-from kernel_variants.dispatch._verify import verify
+from kernel_variants._tuning.verify import verify
 from kernel_variants.kernels import _adapters, asc, pto
 from kernel_variants.kernels._adapters import COMPACT_PAD, FirstDevice, OpRef
 from kernel_variants.ops.causal_conv1d import _reference as reference
@@ -253,7 +253,7 @@ def test_npu_conv_update_never_hands_the_kernel_the_callers_pool(adapters):
 
 def test_npu_conv_update_is_registered_and_says_why_it_cannot_run_here():
     kernel_variants.reload()
-    rv = kernel_variants.dispatch.dispatcher().registry.get(UPDATE, "npu_conv_update")
+    rv = kernel_variants._runtime.dispatcher.dispatcher().registry.get(UPDATE, "npu_conv_update")
     assert rv.variant.capabilities.graph_safe and rv.variant.capabilities.num_accepted_tokens
     if _adapters.import_reason(["torch_npu"]) is not None:
         assert rv.unavailable_reason() == "torch_npu not installed (pip install torch_npu)"

@@ -273,8 +273,8 @@ def test_registered_variants_pass_the_conformance_cases_on_the_double(npu, op, v
     """The variants as registered, with the double as torch_npu: available, and matching the
     reference on every case of the op's conformance list, in every dtype they declare."""
     import kernel_variants
-    from kernel_variants.dispatch import dispatcher
-    from kernel_variants.dispatch._verify import verify
+    from kernel_variants._runtime.dispatcher import dispatcher
+    from kernel_variants._tuning.verify import verify
 
     kernel_variants.reload()
     registry = dispatcher().registry

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._op import guard_writes
+from kernel_variants._registry import Capabilities, Variant
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._runtime.guards import guard_writes
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as conv_reference
-from kernel_variants.registry import Capabilities, Variant
 
 B, D, W, N = 3, 16, 4, 6
 
@@ -271,8 +271,7 @@ def test_calibration_can_time_the_out_path(with_variants):
     calls: list = []
     caps = ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, takes_out=True)
     with_variants(_counting("causal_conv1d_update", caps, calls))
-    result = kv.calibrate("causal_conv1d_update", [(2, 32, 1)], dtype="float32", variants=["probe", "reference"],
-                          warmup=1, windows=1, iters=2, prune=None, with_out=True)
+    result = kv.calibrate("causal_conv1d_update", [(2, 32, 1)], dtype="float32", variants=["probe", "reference"], prune=None, timing=kv.TimingConfig(warmup=1, windows=1, iters=2, with_out=True))
     timed = {m.variant: m for m in result.measurements if m.status == "ok"}
     assert set(timed) == {"probe", "reference"}
     assert all("out=" in m.method for m in timed.values())

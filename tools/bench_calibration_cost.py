@@ -21,7 +21,7 @@ from _report import markdown_table, write_report  # a sibling module: tools/ is 
 import kernel_variants as kv
 from kernel_variants._cli._options import find_sweep
 from kernel_variants._dtypes import canonical
-from kernel_variants.dispatch._fingerprint import fingerprint
+from kernel_variants._table.fingerprint import fingerprint
 
 
 def _calibrate(sweep, dtype: str, prune: float | None, quiet: bool) -> dict:

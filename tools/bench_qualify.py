@@ -26,7 +26,9 @@ import torch
 from _report import cpu_model  # a sibling module: tools/ is sys.path[0]
 
 import kernel_variants as kv
-from kernel_variants.dispatch import _qualify, dispatcher
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._tuning import cases as _cases
+from kernel_variants._tuning import isolate as _isolate
 
 TARGET_MS = 200.0
 
@@ -56,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
                 runs = []
                 for _ in range(args.repeat + 1):
                     t0 = time.perf_counter()
-                    got = _qualify._run_cases(spec, rv, features, dtype, "cpu")
+                    got = _cases.run_cases(spec, rv, features, dtype, "cpu")
                     runs.append(1e3 * (time.perf_counter() - t0))
                     if got.get("reason"):
                         raise SystemExit(f"{spec.name} {rv.id} {dtype}: failed: {got}")
                 t0 = time.perf_counter()
-                got = _qualify._forked(lambda spec=spec, rv=rv, dtype=dtype: _qualify._run_cases(
+                got = _isolate._forked(lambda spec=spec, rv=rv, dtype=dtype: _cases.run_cases(
                     spec, rv, features, dtype, "cpu"), 300.0)
                 child = 1e3 * (time.perf_counter() - t0)
                 if got.get("reason"):
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _key(spec, features, dtype):
-    from kernel_variants.registry import CallKey
+    from kernel_variants._registry import CallKey
 
     return CallKey(spec, "cpu", dtype, features, (1,) * len(spec.axes))
 

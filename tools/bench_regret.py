@@ -19,8 +19,8 @@ from _report import markdown_table, write_report  # a sibling module: tools/ is 
 
 import kernel_variants as kv
 from kernel_variants._dtypes import as_dtype
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._timing import TimingConfig, measure
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._tuning.timing import TimingConfig, measure
 from kernel_variants.ops.causal_conv1d._cases import make_case
 
 
@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     calibrated, held_out = _grids(args.quick)
     grid = calibrated + held_out
     timing = TimingConfig(warmup=3, windows=5, iters=args.iters, window_budget_s=0.1)
-    kv.calibrate(args.op, calibrated, dtype=dtype, warmup=timing.warmup, windows=timing.windows,
-                 iters=timing.iters, window_budget_s=timing.window_budget_s)
+    kv.calibrate(args.op, calibrated, dtype=dtype, timing=timing)
 
     op = getattr(kv, args.op)
     rows, data = [], []

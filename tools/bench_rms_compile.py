@@ -14,9 +14,9 @@ from _report import markdown_table, write_report  # a sibling module: tools/ is 
 
 import kernel_variants as kv
 from kernel_variants._dtypes import as_dtype
+from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._tolerances import mismatch
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._timing import TimingConfig, measure
+from kernel_variants._tuning.timing import TimingConfig, measure
 from kernel_variants.ops.gemma_rms_norm._spec import reference_fn
 
 SHAPES = [(1, 4096), (16, 4096), (256, 2048), (1024, 4096), (4096, 1024), (4096, 8192)]

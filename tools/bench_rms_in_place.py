@@ -15,9 +15,9 @@ import torch
 from _report import cpu_model  # a sibling module: tools/ is sys.path[0]
 
 from kernel_variants._dtypes import as_dtype
+from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._tolerances import mismatch
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._timing import Timing, TimingConfig, measure_interleaved
+from kernel_variants._tuning.timing import Timing, TimingConfig, measure_interleaved
 from kernel_variants.ops.gemma_rms_norm._spec import reference_add
 
 SHAPES = [(1, 4096), (32, 4096), (512, 4096), (4096, 4096)]  # (T, D)

@@ -22,8 +22,8 @@ from _report import markdown_table, write_report  # a sibling module: tools/ is 
 _PROBE = r"""
 import json, sys, time, torch
 import kernel_variants as kv
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
 d = dispatcher()
 spec = d.registry.spec("causal_conv1d_fn")
 x, w = torch.randn(3, 40, 96), torch.randn(96, 4)
@@ -42,9 +42,9 @@ print(json.dumps({"first_ms": first * 1e3, "nearest_ms": min(lookups) * 1e3, "ne
 
 _FILL = r"""
 import sys, time
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
-from kernel_variants.dispatch._table import Group, Measurement
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.table import Group, Measurement
 import random
 n = int(sys.argv[1])
 d = dispatcher()

@@ -9,7 +9,7 @@ each):
 - ``device rule``: the accelerator default, run here on CPU tensors: the host-side cost of the
   device ops it queues (on CUDA/NPU they run asynchronously, with no sync).
 
-The call path is made to believe it is off the CPU for the last two (``_op._on_cpu``).
+The call path is made to believe it is off the CPU for the last two (``_op.on_cpu``).
 
     python tools/bench_value_checks.py [--number 20000] [--repeat 7]
 """
@@ -25,10 +25,12 @@ import torch
 from _report import cpu_model  # a sibling module: tools/ is sys.path[0]
 
 import kernel_variants as kv
-from kernel_variants.dispatch import _device_errors, _op, dispatcher, reset
+from kernel_variants._registry import Variant, hookimpl
+from kernel_variants._registry.registry import Registry, make_plugin_manager
+from kernel_variants._runtime import call as _op
+from kernel_variants._runtime import device_errors as _device_errors
+from kernel_variants._runtime.dispatcher import dispatcher, reset
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.registry import Variant, hookimpl
-from kernel_variants.registry._registry import Registry, make_plugin_manager
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reset(Registry(make_plugin_manager(builtins=True, entry_points=False, extra_plugins=[("bench", NoopPlugin())])))
     d = dispatcher()
-    on_cpu = _op._on_cpu
+    on_cpu = _op.on_cpu
     modes = {
         "host": (on_cpu, False),
         "none": (lambda spec, a: False, False),
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeat):
             for label, x, pool, w, kw in cases:
                 for mode, (decide, rule) in modes.items():
-                    _op._on_cpu, d.device_values = decide, rule
+                    _op.on_cpu, d.device_values = decide, rule
                     # The rule's counter lives on "the device", here the CPU: kept away from the
                     # host checks, which would otherwise read it on every call.
                     _device_errors._counters = rule_counters if rule else {}
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                     call()
                     t = timeit.timeit(call, number=args.number) / args.number * 1e6
                     results[(label, mode)] = min(t, results.get((label, mode), float("inf")))
-    _op._on_cpu = on_cpu
+    _op.on_cpu = on_cpu
     _device_errors._counters = {}
     print(f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 thread; us per dispatched call "
           "(no-op variant)")

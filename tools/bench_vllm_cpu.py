@@ -16,9 +16,9 @@ import argparse
 import torch
 from _report import cpu_model  # a sibling module: tools/ is sys.path[0]
 
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._timing import Timing, TimingConfig, measure_interleaved
-from kernel_variants.dispatch._verify import verify
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._tuning.timing import Timing, TimingConfig, measure_interleaved
+from kernel_variants._tuning.verify import verify
 from kernel_variants.ops.causal_conv1d._cases import make_case
 
 # (op, B, D, L, options): prefill packed (varlen) and batched, decode, verify (spec, L tokens)

@@ -181,7 +181,7 @@ def step_environment(ctx: Ctx) -> dict[str, Any]:
     import torch
 
     import kernel_variants as kv
-    from kernel_variants.dispatch import dispatcher
+    from kernel_variants._runtime.dispatcher import dispatcher
 
     def dist(name: str) -> str | None:
         try:
@@ -241,9 +241,9 @@ def qualify_jobs(ctx: Ctx, ops: tuple[str, ...], dtypes: tuple[str, ...], jobs: 
     import torch
 
     import kernel_variants as kv
-    from kernel_variants.dispatch import dispatcher
-    from kernel_variants.dispatch._qualify import isolated
-    from kernel_variants.registry import CallKey
+    from kernel_variants._registry import CallKey
+    from kernel_variants._runtime.dispatcher import dispatcher
+    from kernel_variants._tuning.isolate import isolated
 
     d = dispatcher()
     reg = d.registry
@@ -338,7 +338,7 @@ def _tiny_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _sweeps(ctx: Ctx) -> list[tuple[str, str, list[tuple[int, ...]], dict[str, Any]]]:
     """(label, op, shapes, features) of each calibration: the seed subset, then the decode sweeps."""
-    from kernel_variants.dispatch import dispatcher
+    from kernel_variants._runtime.dispatcher import dispatcher
 
     reg = dispatcher().registry
     seed = reg.spec(FN).sweeps["seed69"]
@@ -372,8 +372,8 @@ def _bandwidth_rounds(ctx: Ctx, op: str, shape: tuple[int, ...], features: dict[
     import torch
 
     from kernel_variants._dtypes import as_dtype
-    from kernel_variants.dispatch import dispatcher
-    from kernel_variants.dispatch._timing import Timing, TimingConfig, measure_interleaved
+    from kernel_variants._runtime.dispatcher import dispatcher
+    from kernel_variants._tuning.timing import Timing, TimingConfig, measure_interleaved
 
     reg = dispatcher().registry
     spec = reg.spec(op)
@@ -403,7 +403,7 @@ def _bandwidth_rounds(ctx: Ctx, op: str, shape: tuple[int, ...], features: dict[
 
 def step_calibrate(ctx: Ctx) -> dict[str, Any]:
     import kernel_variants as kv
-    from kernel_variants.dispatch import dispatcher
+    from kernel_variants._runtime.dispatcher import dispatcher
 
     reg = dispatcher().registry
     sweeps = _sweeps(ctx)
@@ -473,7 +473,7 @@ def step_calibrate(ctx: Ctx) -> dict[str, Any]:
 
 def _decode_call(device: str, b: int, d: int, dtype: Any, seed: int = 0) -> dict[str, Any]:
     """A decode call of causal_conv1d_update as the op's case builder makes it, by parameter."""
-    from kernel_variants.dispatch import dispatcher
+    from kernel_variants._runtime.dispatcher import dispatcher
 
     spec = dispatcher().registry.spec(UPDATE)
     case = spec.sweep_case((b, d, 1), spec.features(), dtype=dtype, device=device, seed=seed)
@@ -484,7 +484,7 @@ def _qualified_graph_safe(ctx: Ctx, dtype: str) -> list[str]:
     """A qualified graph_safe decode variant (nothing is qualified during a capture, where an
     unqualified one is passed over); a stored verdict returns at once."""
     import kernel_variants as kv
-    from kernel_variants.dispatch import dispatcher
+    from kernel_variants._runtime.dispatcher import dispatcher
 
     reg = dispatcher().registry
     spec = reg.spec(UPDATE)
@@ -509,9 +509,9 @@ def _graph_replay(ctx: Ctx) -> dict[str, Any]:
     import torch
 
     import kernel_variants as kv
+    from kernel_variants._registry.spec import CAPTURE
+    from kernel_variants._runtime.dispatcher import dispatcher
     from kernel_variants._tolerances import mismatch
-    from kernel_variants.dispatch import dispatcher
-    from kernel_variants.registry._spec import CAPTURE
 
     dtype = torch.bfloat16
     b, d = (4, 64) if ctx.tiny else (64, 4096)
@@ -645,8 +645,8 @@ def step_overhead(ctx: Ctx) -> dict[str, Any]:
     import torch
 
     import kernel_variants as kv
-    from kernel_variants.dispatch import dispatcher
-    from kernel_variants.dispatch._timing import Timing, TimingConfig, measure_interleaved
+    from kernel_variants._runtime.dispatcher import dispatcher
+    from kernel_variants._tuning.timing import Timing, TimingConfig, measure_interleaved
 
     spec = dispatcher().registry.spec(UPDATE)
     d = 64 if ctx.tiny else 4096

@@ -28,9 +28,9 @@ from _report import markdown_table, write_report  # a sibling module: tools/ is 
 
 import kernel_variants as kv
 from kernel_variants._dtypes import as_dtype
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._timing import TimingConfig, measure
-from kernel_variants.registry import Sweep
+from kernel_variants._registry import Sweep
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._tuning.timing import TimingConfig, measure
 
 
 def get_sweep(name: str) -> Sweep:
@@ -96,9 +96,8 @@ def run_sweep(name: str, dtype_name: str, timing: TimingConfig, quick: bool, ski
     rows = []
     t0 = time.perf_counter()
     for i, shape in enumerate(shapes):
-        res = kv.calibrate(sweep.op, [shape], dtype=dtype, variants=variants, warmup=timing.warmup,
-                           windows=timing.windows, iters=timing.iters, window_budget_s=timing.window_budget_s,
-                           **sweep.features)
+        res = kv.calibrate(sweep.op, [shape], dtype=dtype, variants=variants,
+                           **sweep.features, timing=timing)
         copy, clone = _copy_us(sweep, shape, dtype, timing)
         times = {m.variant: m.best_us for m in res.measurements if m.status == "ok"}
         native = _native_us(sweep, shape, dtype, timing) if "cpu_native" in times else {}

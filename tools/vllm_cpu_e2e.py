@@ -186,7 +186,7 @@ def main() -> int:
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     served: dict[str, str] = {}
     if args.patch:
-        from kernel_variants.dispatch._dispatcher import dispatcher
+        from kernel_variants._runtime.dispatcher import dispatcher
 
         served = {text: vid for text, (_, vid) in dispatcher().decided.items()}
     print(json.dumps({

@@ -1,8 +1,8 @@
 import torch
 import torch.nn.functional as F
 
-from kernel_variants.dispatch import make_op
-from kernel_variants.registry import Capabilities, Case, Features, OpSpec, Variant, hookimpl
+from kernel_variants._registry import Capabilities, Case, Features, OpSpec, Variant, hookimpl
+from kernel_variants._runtime.ops import make_op
 
 
 def _signature(x: torch.Tensor) -> torch.Tensor:

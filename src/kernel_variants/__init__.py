@@ -1,13 +1,14 @@
 """kernel_variants: several implementations of one kernel side by side, each call going to the
-variant measured fastest for its shape on this device.
+variant measured fastest for its shape on this device, among those that qualified here.
 
-Public API: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`,
-:func:`gemma_rms_norm`, :func:`add_gemma_rms_norm`), inspection
-(:func:`variants`, :func:`explain`), pinning (:func:`force`), a fixed choice for a loop (:func:`bind`),
-qualification on this device (:func:`qualify`, :func:`verdicts`, :func:`clear_verdicts`),
-calibration (:func:`calibrate`, :func:`table`), ranks' agreement under torch.distributed
-(:func:`check_agreement`), bad index values met on an accelerator (:func:`check_errors`), and for
-plugin authors the :mod:`kernel_variants.registry` module.
+For callers: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`,
+:func:`gemma_rms_norm`, :func:`add_gemma_rms_norm`); why a call goes where it goes
+(:func:`explain`, :func:`variants`); pinning (:func:`force`) and a fixed choice for a loop
+(:func:`bind`); qualification (:func:`qualify`, :func:`verdicts`, :func:`clear_verdicts`);
+calibration (:func:`calibrate` with a :class:`TimingConfig`, :func:`table`, :func:`clear_table`,
+:func:`export_table`, :func:`import_table`); checks (:func:`check_errors`,
+:func:`check_agreement`); and :func:`reload`. Plugin authors use :mod:`kernel_variants.plugin`,
+engines :mod:`kernel_variants.integrations`.
 
 Names are imported on first use, so ``import kernel_variants`` (and ``kv --help``) does not pay
 for importing torch until something needs it.
@@ -23,26 +24,30 @@ from typing import TYPE_CHECKING, Any
 from kernel_variants._version import __version__
 
 if TYPE_CHECKING:
-    from kernel_variants.dispatch import Decision, NoVariantError, VariantFailed, explain, force
-    from kernel_variants.dispatch._api import (
+    from kernel_variants._api import (
         TableRow,
         calibrate,
+        check_agreement,
         clear_table,
         clear_verdicts,
+        export_table,
+        import_table,
         qualify,
         table,
         verdicts,
     )
-    from kernel_variants.dispatch._calibrate import CalibrationResult, Progress
-    from kernel_variants.dispatch._device_errors import check_errors
-    from kernel_variants.dispatch._distributed import check_agreement
-    from kernel_variants.dispatch._op import BoundOp, bind
-    from kernel_variants.dispatch._qualify import Verdict
-    from kernel_variants.dispatch._table import CalibrationWarning, Measurement
+    from kernel_variants._policy import Decision, NoVariantError
+    from kernel_variants._registry.registry import RegisteredVariant
+    from kernel_variants._runtime.bind import BoundOp, bind, explain
+    from kernel_variants._runtime.device_errors import check_errors
+    from kernel_variants._runtime.dispatcher import force
+    from kernel_variants._runtime.errors import VariantFailed
+    from kernel_variants._table.rows import Verdict
+    from kernel_variants._table.store import CalibrationWarning
+    from kernel_variants._tuning.calibrate import CalibrationResult, Progress
+    from kernel_variants._tuning.timing import TimingConfig
     from kernel_variants.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
     from kernel_variants.ops.gemma_rms_norm import add_gemma_rms_norm, gemma_rms_norm
-    from kernel_variants.registry import Capabilities, OpSpec, Variant, hookimpl
-    from kernel_variants.registry._registry import DuplicateVariantError, RegisteredVariant
 
 def _one_thread_after_fork() -> None:
     """In a forked child: GNU OpenMP's thread pool does not survive fork(), so a child whose
@@ -68,43 +73,53 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_one_thread_after_fork)
 
 _LAZY = {
-    "Decision": "kernel_variants.dispatch",
-    "NoVariantError": "kernel_variants.dispatch",
-    "VariantFailed": "kernel_variants.dispatch",
-    "force": "kernel_variants.dispatch",
-    "TableRow": "kernel_variants.dispatch._api",
-    "calibrate": "kernel_variants.dispatch._api",
-    "clear_table": "kernel_variants.dispatch._api",
-    "clear_verdicts": "kernel_variants.dispatch._api",
-    "qualify": "kernel_variants.dispatch._api",
-    "verdicts": "kernel_variants.dispatch._api",
-    "Verdict": "kernel_variants.dispatch._qualify",
-    "table": "kernel_variants.dispatch._api",
-    "CalibrationResult": "kernel_variants.dispatch._calibrate",
-    "BoundOp": "kernel_variants.dispatch._op",
-    "bind": "kernel_variants.dispatch._op",
-    "check_agreement": "kernel_variants.dispatch._distributed",
-    "check_errors": "kernel_variants.dispatch._device_errors",
-    "Progress": "kernel_variants.dispatch._calibrate",
-    "CalibrationWarning": "kernel_variants.dispatch._table",
-    "Measurement": "kernel_variants.dispatch._table",
     "causal_conv1d_fn": "kernel_variants.ops.causal_conv1d",
     "causal_conv1d_update": "kernel_variants.ops.causal_conv1d",
     "gemma_rms_norm": "kernel_variants.ops.gemma_rms_norm",
     "add_gemma_rms_norm": "kernel_variants.ops.gemma_rms_norm",
-    "explain": "kernel_variants.dispatch",
-    "Capabilities": "kernel_variants.registry",
-    "OpSpec": "kernel_variants.registry",
-    "Variant": "kernel_variants.registry",
-    "hookimpl": "kernel_variants.registry",
-    "DuplicateVariantError": "kernel_variants.registry._registry",
-    "RegisteredVariant": "kernel_variants.registry._registry",
+    "explain": "kernel_variants._runtime.bind",
+    "bind": "kernel_variants._runtime.bind",
+    "force": "kernel_variants._runtime.dispatcher",
+    "calibrate": "kernel_variants._api",
+    "qualify": "kernel_variants._api",
+    "table": "kernel_variants._api",
+    "verdicts": "kernel_variants._api",
+    "clear_table": "kernel_variants._api",
+    "clear_verdicts": "kernel_variants._api",
+    "export_table": "kernel_variants._api",
+    "import_table": "kernel_variants._api",
+    "check_agreement": "kernel_variants._api",
+    "check_errors": "kernel_variants._runtime.device_errors",
+    "TimingConfig": "kernel_variants._tuning.timing",
+    # What the functions above return or raise, for annotations and except clauses.
+    "BoundOp": "kernel_variants._runtime.bind",
+    "CalibrationResult": "kernel_variants._tuning.calibrate",
+    "CalibrationWarning": "kernel_variants._table.store",
+    "Decision": "kernel_variants._policy",
+    "NoVariantError": "kernel_variants._policy",
+    "Progress": "kernel_variants._tuning.calibrate",
+    "RegisteredVariant": "kernel_variants._registry.registry",
+    "TableRow": "kernel_variants._api",
+    "VariantFailed": "kernel_variants._runtime.errors",
+    "Verdict": "kernel_variants._table.rows",
+}
+
+# Names this package no longer has, with what replaced each (docs/changes.md lists them all).
+MOVED = {
+    "Capabilities": "kernel_variants.plugin.Capabilities",
+    "OpSpec": "kernel_variants.plugin.OpSpec",
+    "Variant": "kernel_variants.plugin.Variant",
+    "hookimpl": "kernel_variants.plugin.hookimpl",
+    "DuplicateVariantError": "kernel_variants.plugin.DuplicateVariantError",
+    "Measurement": "the rows of kernel_variants.table() (TableRow.times_us)",
 }
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        if name in MOVED:
+            raise AttributeError(f"kernel_variants.{name} is gone: use {MOVED[name]}")
         raise AttributeError(f"module 'kernel_variants' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups are a plain module attribute
@@ -117,14 +132,15 @@ def __dir__() -> list[str]:
 
 def variants(op: str | None = None) -> list[RegisteredVariant]:
     """Every registered variant (of ``op``, if given), with its plugin, full version and probe."""
-    from kernel_variants.dispatch._dispatcher import dispatcher
+    from kernel_variants._runtime.dispatcher import dispatcher
 
     return dispatcher().registry.variants(op)
 
 
 def reload() -> None:
-    """Re-read plugins and the KV_* environment variables, forgetting in-process decisions."""
-    from kernel_variants.dispatch import reset
+    """Start over: re-read plugins and the KV_* environment variables, forgetting in-process
+    decisions (the table on disk stays)."""
+    from kernel_variants._runtime.dispatcher import reset
 
     reset()
 
@@ -133,16 +149,12 @@ __all__ = [
     "BoundOp",
     "CalibrationResult",
     "CalibrationWarning",
-    "Capabilities",
     "Decision",
-    "DuplicateVariantError",
-    "Measurement",
     "NoVariantError",
-    "OpSpec",
     "Progress",
     "RegisteredVariant",
     "TableRow",
-    "Variant",
+    "TimingConfig",
     "VariantFailed",
     "Verdict",
     "__version__",
@@ -156,9 +168,10 @@ __all__ = [
     "clear_table",
     "clear_verdicts",
     "explain",
+    "export_table",
     "force",
     "gemma_rms_norm",
-    "hookimpl",
+    "import_table",
     "qualify",
     "reload",
     "table",

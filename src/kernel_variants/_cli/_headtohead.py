@@ -16,16 +16,16 @@ from pathlib import Path
 
 import torch
 
+from kernel_variants._cli import _options as opt
+from kernel_variants._cli._output import ProgressBar
 from kernel_variants._dtypes import as_dtype
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._calibrate import Progress, measure_shape
-from kernel_variants.dispatch._table import Measurement
-from kernel_variants.dispatch._timing import TimingConfig
-from kernel_variants.registry import CallKey, Features, OpSpec
-from kernel_variants.registry._spec import Shape, read_csv_rows, read_shapes
-
-from . import _options as opt
-from ._output import ProgressBar
+from kernel_variants._registry import CallKey, Features, OpSpec
+from kernel_variants._registry.case import read_csv_rows, read_shapes
+from kernel_variants._registry.spec import Shape
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._table.table import Measurement
+from kernel_variants._tuning.calibrate import Progress, measure_shape
+from kernel_variants._tuning.timing import TimingConfig
 
 RANGE_DASH = "\N{EN DASH}"  # ranges as the regression report writes them
 

@@ -19,10 +19,11 @@ from pydantic import ValidationError
 
 from kernel_variants._dtypes import CHOICES as DTYPE_CHOICES
 from kernel_variants._dtypes import canonical
-from kernel_variants.dispatch import dispatcher
-from kernel_variants.dispatch._timing import MODES, TimingConfig, check_mode
-from kernel_variants.registry import Features, OpSpec
-from kernel_variants.registry._spec import Shape, Sweep, load_sweep_csv
+from kernel_variants._registry import Features, OpSpec
+from kernel_variants._registry.case import load_sweep_csv
+from kernel_variants._registry.spec import Shape, Sweep
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._tuning.timing import MODES, TimingConfig, check_mode
 
 _FEATURE_PREFIX = "feature_"
 

@@ -12,7 +12,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any, Literal, TextIO
 
-from kernel_variants.dispatch._calibrate import Progress
+from kernel_variants._tuning.calibrate import Progress
 
 Format = Literal["text", "md", "csv"]
 

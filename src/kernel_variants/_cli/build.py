@@ -12,8 +12,7 @@ import argparse
 import time
 
 import kernel_variants as kv
-
-from ._output import print_json, render_table
+from kernel_variants._cli._output import print_json, render_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 def _call_core() -> dict:
     """The dispatched ops' compiled call path, built like a variant (it runs no kernel: there is
     nothing to qualify)."""
-    from kernel_variants.dispatch import dispatcher
+    from kernel_variants._runtime.dispatcher import dispatcher
     from kernel_variants.kernels.cpu_native import _build
 
     record = {"variant": "call core", "ops": [spec.name for spec in dispatcher().registry.ops()],

@@ -27,20 +27,14 @@ from dataclasses import dataclass, field
 import torch
 
 import kernel_variants as kv
-from kernel_variants.dispatch._calibrate import CalibrationResult
-from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
-from kernel_variants.dispatch._table import (
-    DEFAULT_MARGIN,
-    DEFAULT_PRUNE,
-    Group,
-    check_margin,
-    check_prune,
-)
-from kernel_variants.registry import Features, OpSpec
-from kernel_variants.registry._spec import Shape
-
-from . import _options as opt
-from ._output import ProgressBar, percent, print_json, render_table, us
+from kernel_variants._cli import _options as opt
+from kernel_variants._cli._output import ProgressBar, percent, print_json, render_table, us
+from kernel_variants._registry import Features, OpSpec
+from kernel_variants._registry.spec import Shape
+from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.rows import DEFAULT_PRUNE, check_margin, check_prune
+from kernel_variants._table.table import DEFAULT_MARGIN, Group
+from kernel_variants._tuning.calibrate import CalibrationResult
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -134,7 +128,7 @@ def _stale_jobs(op: str | None, device: str, variants: list[str] | None) -> tupl
     """One job per group of the stale rows, each shape with the variants stale there; and the
     storage keys of the legacy rows they replace, by (group, shape, variant): dropped once
     re-measured."""
-    from kernel_variants.dispatch._api import stale_rows
+    from kernel_variants._api import stale_rows
 
     jobs: dict[Group, Job] = {}
     legacy: dict[tuple, list[str]] = {}
@@ -184,7 +178,7 @@ def _recorded_jobs(device: str, variants: list[str] | None) -> tuple[list[Job], 
 
 
 def kv_recorded(pending_only: bool = False) -> list[dict]:
-    from kernel_variants.dispatch._api import recorded
+    from kernel_variants._api import recorded
 
     return recorded(pending_only)
 
@@ -266,13 +260,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table():
-    from kernel_variants.dispatch import dispatcher
+    from kernel_variants._runtime.dispatcher import dispatcher
 
     return dispatcher().table
 
 
 def _mark_done(ids: list[str]) -> None:
-    from kernel_variants.dispatch._api import recorder
+    from kernel_variants._api import recorder
 
     r = recorder()
     try:
@@ -294,11 +288,9 @@ def _run_job(job: Job, args, timing, prune, left: float | None, bar) -> tuple[Ca
             result.skipped += shapes
             continue
         with _threads(job.threads):
-            part = kv.calibrate(job.op, shapes, device=job.device, warmup=timing.warmup, windows=timing.windows,
-                                iters=timing.iters, rotate=args.rotate, margin=args.margin, dtype=job.dtype,
+            part = kv.calibrate(job.op, shapes, device=job.device, rotate=args.rotate, margin=args.margin, dtype=job.dtype,
                                 variants=list(ids), progress=bar, prune=prune, budget_s=left,
-                                timing_mode=timing.mode, cold_l2=timing.cold_l2, with_out=timing.with_out,
-                                **job.features.model_dump())
+                                **job.features.model_dump(), timing=timing)
         result.measurements += part.measurements
         result.winners.update(part.winners)
         result.skipped += part.skipped
@@ -314,7 +306,7 @@ def _distributed(args, timing, dtype: str, device: str, chosen: list[str] | None
                          "of the table)")
     if args.budget:
         raise ValueError("--budget: not with --distributed (the ranks would stop at different shapes)")
-    from kernel_variants.dispatch._distributed import calibrate_distributed, torchrun_env
+    from kernel_variants._tuning.distributed import calibrate_distributed, torchrun_env
 
     work = opt.work(args)
     variants = chosen or _available(work.spec)

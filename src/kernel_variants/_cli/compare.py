@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import _headtohead as h2h
-from ._output import print_json, ratio, render_table, us
+from kernel_variants._cli import _headtohead as h2h
+from kernel_variants._cli._output import print_json, ratio, render_table, us
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

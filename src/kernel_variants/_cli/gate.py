@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from . import _headtohead as h2h
-from ._output import percent, print_json, ratio, render_table, us
+from kernel_variants._cli import _headtohead as h2h
+from kernel_variants._cli._output import percent, print_json, ratio, render_table, us
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

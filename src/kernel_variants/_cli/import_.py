@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kernel_variants.dispatch._exchange import import_table
-
-from . import _options as opt
-from ._output import print_json
+from kernel_variants._cli import _options as opt
+from kernel_variants._cli._output import print_json
+from kernel_variants._table.exchange import import_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 
+from kernel_variants._cli import _options as opt
+from kernel_variants._cli._output import print_json, render_table
+from kernel_variants._runtime import callcore as _callcore
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
 from kernel_variants._version import __version__
-from kernel_variants.dispatch import _callcore, dispatcher
-from kernel_variants.dispatch._fingerprint import fingerprint, fingerprint_id
-
-from . import _options as opt
-from ._output import print_json, render_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

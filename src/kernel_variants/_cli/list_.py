@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 
 import kernel_variants as kv
+from kernel_variants._cli import _options as opt
+from kernel_variants._cli._output import print_json, render_table, terminal_width, us
 from kernel_variants._dtypes import as_dtype, short
-from kernel_variants.dispatch import dispatcher
-
-from . import _options as opt
-from ._output import print_json, render_table, terminal_width, us
+from kernel_variants._runtime.dispatcher import dispatcher
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 
 import kernel_variants as kv
-
-from . import _options as opt
-from ._output import print_json, render_table
+from kernel_variants._cli import _options as opt
+from kernel_variants._cli._output import print_json, render_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,9 +14,8 @@ import sys
 import time
 
 import kernel_variants as kv
-
-from . import _options as opt
-from ._output import percent, print_json, render_table, us
+from kernel_variants._cli import _options as opt
+from kernel_variants._cli._output import percent, print_json, render_table, us
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def kv_stale(op: str | None, device: str):
-    from kernel_variants.dispatch._api import stale_rows
+    from kernel_variants._api import stale_rows
 
     return stale_rows(op, device=device)
 
@@ -98,7 +97,7 @@ def _stale(op: str | None, device: str, fmt: str) -> int:
 
 
 def _recorded(op: str | None, fmt: str, *, full: bool) -> int:
-    from kernel_variants.dispatch._api import recorded
+    from kernel_variants._api import recorded
 
     entries = [e for e in recorded(pending_only=not full) if op is None or e.get("op") == op]
     if fmt == "json":

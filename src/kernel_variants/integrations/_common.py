@@ -31,7 +31,7 @@ import torch
 import kernel_variants
 
 if TYPE_CHECKING:
-    from kernel_variants.registry._registry import RegisteredVariant
+    from kernel_variants._registry.registry import RegisteredVariant
 
 #: Attribute set on every adapter, so a second ``patch()`` can tell its own functions apart.
 ADAPTER_MARK = "__kv_integration__"
@@ -437,7 +437,7 @@ def module_names(also: object) -> tuple[str, ...]:
 
 
 def _forget_decisions() -> None:
-    from kernel_variants.dispatch._dispatcher import dispatcher
+    from kernel_variants._runtime.dispatcher import dispatcher
 
     dispatcher().invalidate()
 
@@ -462,7 +462,7 @@ def _give_back(entry: _LeftOut) -> None:
 
 
 def _unbuilt(ops: tuple[str, ...]) -> list[RegisteredVariant]:
-    from kernel_variants.dispatch._dispatcher import dispatcher
+    from kernel_variants._runtime.dispatcher import dispatcher
 
     registry = dispatcher().registry
     known = {spec.name for spec in registry.ops()}

@@ -52,10 +52,8 @@ from typing import Any
 
 import torch
 
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.registry import Variant, hookimpl
-
-from ._adapters import (
+from kernel_variants._registry import Variant, hookimpl
+from kernel_variants.kernels._adapters import (
     SGL_NPU_DEPENDS,
     FirstDevice,
     LazyKernel,
@@ -74,6 +72,7 @@ from ._adapters import (
     spec_shift,
     zero_dead_rows,
 )
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
 
 SCHEMA = (
     Param("x", "Tensor"),

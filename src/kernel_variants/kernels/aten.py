@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernel_variants._registry import Variant, hookimpl
+from kernel_variants.kernels._common import initial, resolve
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.registry import Variant, hookimpl
-
-from ._common import initial, resolve
 
 
 def _depthwise(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:

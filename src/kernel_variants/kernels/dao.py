@@ -29,10 +29,8 @@ from typing import Any
 
 import torch
 
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.registry import Variant, hookimpl
-
-from ._adapters import (
+from kernel_variants._registry import Variant, hookimpl
+from kernel_variants.kernels._adapters import (
     FunctionRef,
     LazyKernel,
     Slots,
@@ -44,6 +42,7 @@ from ._adapters import (
     signature_mismatch,
     zero_dead_rows,
 )
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
 
 # What the kernel's speed depends on besides its source: its rows go stale when one changes.
 DEPENDS = ("causal-conv1d", "torch")

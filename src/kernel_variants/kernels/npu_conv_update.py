@@ -47,10 +47,8 @@ from typing import Any
 
 import torch
 
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.registry import Variant, hookimpl
-
-from ._adapters import (
+from kernel_variants._registry import Variant, hookimpl
+from kernel_variants.kernels._adapters import (
     COMPACT_PAD,
     SGL_NPU_DEPENDS,
     FirstDevice,
@@ -66,6 +64,7 @@ from ._adapters import (
     spec_shift,
     zero_dead_rows,
 )
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
 
 SCHEMA = (
     Param("x", "Tensor"),

@@ -59,7 +59,7 @@ from types import ModuleType
 
 import torch
 
-from kernel_variants.registry import Capabilities, Variant, hookimpl
+from kernel_variants._registry import Capabilities, Variant, hookimpl
 
 __all__ = [
     "device_family",

@@ -33,10 +33,8 @@ from typing import Any
 
 import torch
 
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.registry import Variant, hookimpl
-
-from ._adapters import (
+from kernel_variants._registry import Variant, hookimpl
+from kernel_variants.kernels._adapters import (
     COMPACT_PAD,
     SGL_NPU_DEPENDS,
     FunctionRef,
@@ -50,6 +48,7 @@ from ._adapters import (
     spec_shift,
     zero_dead_rows,
 )
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
 
 LEADING = ("x", "conv_state", "weight", "bias", "activation", "conv_state_indices", "num_accepted_tokens")
 ALSO = ("pad_slot_id",)

@@ -47,10 +47,8 @@ from typing import Any
 
 import torch
 
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.registry import Variant, hookimpl
-
-from ._adapters import (
+from kernel_variants._registry import Variant, hookimpl
+from kernel_variants.kernels._adapters import (
     SGL_NPU_DEPENDS,
     LazyKernel,
     OpRef,
@@ -59,6 +57,7 @@ from ._adapters import (
     prefill_rows0,
     schema_mismatch,
 )
+from kernel_variants.ops.causal_conv1d import ConvCapabilities
 
 SCHEMA = (
     Param("x", "Tensor"),

@@ -42,10 +42,9 @@ from types import SimpleNamespace
 
 import torch
 
+from kernel_variants._registry import Variant, hookimpl
+from kernel_variants.kernels._adapters import dist_version, mark_written
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.registry import Variant, hookimpl
-
-from ._adapters import dist_version, mark_written
 
 # What the kernel's speed depends on besides its source: its rows go stale when one changes.
 DEPENDS = ("triton", "torch")

@@ -35,10 +35,9 @@ from types import SimpleNamespace
 
 import torch
 
-from kernel_variants.registry import Capabilities, Variant, hookimpl
-
-from ._adapters import mark_written
-from .triton_conv import DEPENDS, interpreting, probe
+from kernel_variants._registry import Capabilities, Variant, hookimpl
+from kernel_variants.kernels._adapters import mark_written
+from kernel_variants.kernels.triton_conv import DEPENDS, interpreting, probe
 
 MAX_BLOCK_D = 8192  # widest row kept in registers in one pass; longer rows go in chunks of this
 ROW_TILE = 2048  # elements per program that short rows are packed up to

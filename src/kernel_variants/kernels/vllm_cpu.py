@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from kernel_variants._registry import Variant, hookimpl
 from kernel_variants.kernels._adapters import (
     LazyKernel,
     Param,
@@ -51,7 +52,6 @@ from kernel_variants.kernels._adapters import (
     schema_mismatch,
 )
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.registry import Variant, hookimpl
 
 WIDTH = 4
 CHANNEL_STEP = 32

@@ -1,50 +1,6 @@
-"""Writing a plugin for kernel_variants: new variants of an op, or a new op.
+"""Gone: ``kernel_variants._registry`` is ``kernel_variants.plugin``."""
 
-A plugin is any object (usually a module) with hook implementations. ``kv_register_variants``
-calls ``register`` once per variant it provides::
-
-    import torch
-    from kernel_variants.ops.causal_conv1d import ConvCapabilities
-    from kernel_variants.registry import Variant, hookimpl
-
-    def my_conv(x, weight, bias=None, *, conv_states=None, cache_indices=None,
-                has_initial_state=None, query_start_loc=None, activation=None, pad_slot_id=-1):
-        ...  # same arguments as kernel_variants.causal_conv1d_fn, already validated
-
-    @hookimpl
-    def kv_register_variants(register):
-        register(Variant(
-            id="my_conv", op="causal_conv1d_fn", version="1",
-            capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32", "bfloat16"},
-                                          width=(2, 4), varlen=True),
-            fn=my_conv,
-            probe=lambda: None,   # or a one-line reason why it cannot run here
-        ))
-
-The capabilities are an instance of the op's own model (``ConvCapabilities`` for the conv ops,
-the base :class:`Capabilities` for ops with nothing beyond devices, dtypes and ``limits`` on
-their shape axes).
-
-A new op is an :class:`OpSpec` registered by ``kv_register_ops`` (called for every plugin
-before any variants); ``kernel_variants.dispatch.make_op(spec)`` turns it into the dispatched
-public function. ``examples/kv-my-conv`` in the repository does both, and the built-in
-``kernel_variants.ops.gemma_rms_norm`` is a complete op in one package.
-
-Make a plugin discoverable by declaring an entry point in its package's ``pyproject.toml``::
-
-    [project.entry-points.kernel_variants]
-    my_plugin = "my_package.my_module"
-
-Rules the registry enforces: ids are stable lowercase names; one id per op across all plugins
-(a duplicate names both plugins); a variant's op must be registered; a hook implementation with
-a misspelled name is an error. A plugin that breaks a rule, or fails to import, is left out
-with one warning (``KV_STRICT_PLUGINS=1``: an error); ``KV_DISABLE_PLUGINS=name,...`` blocks
-plugins by name. The conformance suite tests every registered variant against its op's
-reference, so a new variant is tested by registering it.
-"""
-
-from ._hookspecs import PROJECT_NAME, hookimpl
-from ._models import Capabilities, Variant
-from ._spec import CallKey, Case, Features, OpSpec, Sweep
-
-__all__ = ["PROJECT_NAME", "CallKey", "Capabilities", "Case", "Features", "OpSpec", "Sweep", "Variant", "hookimpl"]
+raise ImportError(
+    "kernel_variants._registry is gone: use kernel_variants.plugin (Variant, Capabilities, OpSpec, Features, "
+    "Case, Sweep, hookimpl, make_op, ConvCapabilities); docs/changes.md maps every old name"
+)

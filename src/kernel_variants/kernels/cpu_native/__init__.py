@@ -18,10 +18,9 @@ import functools
 
 import torch
 
+from kernel_variants._registry import Capabilities, Variant, hookimpl
+from kernel_variants.kernels.cpu_native import _build
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.registry import Capabilities, Variant, hookimpl
-
-from . import _build
 
 
 def causal_conv1d_fn(

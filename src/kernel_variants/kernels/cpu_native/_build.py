@@ -52,7 +52,7 @@ class Extension:
 
 CONV = Extension("causal_conv1d")
 RMS = Extension("gemma_rms_norm")
-# The dispatched ops' per-call path (kernel_variants.dispatch._callcore): plain CPython C-API
+# The dispatched ops' per-call path (kernel_variants._runtime.callcore): plain CPython C-API
 # on ATen's tensor metadata, no kernel in it.
 CORE = Extension("call_core", own_sources=("call_core.cpp",))
 

@@ -15,11 +15,10 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from kernel_variants.dispatch import make_op
-from kernel_variants.registry import CallKey, Capabilities, Features, OpSpec, Variant, hookimpl
-from kernel_variants.registry._models import Range, format_range, in_range
-
-from . import _cases, _checks, _reference, _sweeps
+from kernel_variants._registry import CallKey, Capabilities, Features, OpSpec, Variant, hookimpl
+from kernel_variants._registry.models import Range, format_range, in_range
+from kernel_variants._runtime.ops import make_op
+from kernel_variants.ops.causal_conv1d import _cases, _checks, _reference, _sweeps
 
 FN, UPDATE = "causal_conv1d_fn", "causal_conv1d_update"
 
@@ -117,7 +116,7 @@ class ConvCapabilities(Capabilities):
         return None
 
 
-def _fn_signature(
+def causal_conv1d_fn(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -128,6 +127,7 @@ def _fn_signature(
     query_start_loc: torch.Tensor | None = None,
     activation: str | None = None,
     pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal 1-D convolution over whole sequences (prefill), channel-last.
 
@@ -142,14 +142,18 @@ def _fn_signature(
         has_initial_state: ``[B]`` bool, whether the slot's history is used (None: all False).
         query_start_loc: ``[B+1]`` int32/int64, 0 = start <= ... <= end = T.
         activation: None, ``"silu"`` or ``"swish"``.
+        out: None, or a tensor of x's shape, dtype and device: the result is written there and
+            ``out`` is returned. Any overlap with an argument is a ValueError; nothing is
+            written then.
 
     Returns:
         A tensor of x's shape and dtype; accumulation is in fp32.
     """
-    raise NotImplementedError  # a signature: the dispatched function is made from it
+    return _FN(x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc, activation,
+               pad_slot_id, out)
 
 
-def _update_signature(
+def causal_conv1d_update(
     x: torch.Tensor,
     conv_state: torch.Tensor,
     weight: torch.Tensor,
@@ -159,6 +163,7 @@ def _update_signature(
     conv_state_indices: torch.Tensor | None = None,
     num_accepted_tokens: torch.Tensor | None = None,
     pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode (or speculative verify) step of the causal convolution, channel-last.
 
@@ -171,11 +176,15 @@ def _update_signature(
         conv_state_indices: ``[B]`` int32/int64 slot per sequence (None: slot b); slots equal
             to ``pad_slot_id`` give zero output and are neither read nor written.
         num_accepted_tokens: ``[B]`` int32/int64 in 1..L, for speculative decoding.
+        out: None, or a tensor of x's shape, dtype and device: the result is written there and
+            ``out`` is returned. It may be exactly ``x`` (in place); any other overlap with an
+            argument is a ValueError, and nothing is written then.
 
     Returns:
         A tensor of x's shape and dtype.
     """
-    raise NotImplementedError  # a signature: the dispatched function is made from it
+    return _UPDATE(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens, pad_slot_id,
+                   out)
 
 
 _REFERENCE_CAPS = dict(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16", "float64"},
@@ -190,7 +199,7 @@ def _normalize_activation(a: object) -> str | None:
 
 FN_SPEC = OpSpec(
     name=FN,
-    signature=_fn_signature,
+    signature=causal_conv1d_fn,
     axes=("B", "D", "L"),
     axis_aliases=_sweeps.AXIS_ALIASES,
     features=FnFeatures,
@@ -214,7 +223,7 @@ FN_SPEC = OpSpec(
 
 UPDATE_SPEC = OpSpec(
     name=UPDATE,
-    signature=_update_signature,
+    signature=causal_conv1d_update,
     axes=("B", "D", "L"),
     axis_aliases=_sweeps.AXIS_ALIASES,
     features=UpdateFeatures,
@@ -240,8 +249,9 @@ UPDATE_SPEC = OpSpec(
 
 SPECS = {FN: FN_SPEC, UPDATE: UPDATE_SPEC}
 
-causal_conv1d_fn = make_op(FN_SPEC)
-causal_conv1d_update = make_op(UPDATE_SPEC)
+_cases.SPECS.update(SPECS)
+_FN = make_op(FN_SPEC)
+_UPDATE = make_op(UPDATE_SPEC)
 
 
 @hookimpl

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kernel_variants.registry import Capabilities, Case
+from kernel_variants._registry import Capabilities, Case
 
 PAD_SLOT_ID = -1
 
@@ -159,9 +159,12 @@ def make_case(
     return Case(_spec(op), (x, weight, b), kwargs, {"conv_states": base} if states else {})
 
 
-def _spec(op: str):
-    from . import SPECS  # the specs are built from this module's functions
+# The package's specs by op name, filled in by the package once built (the specs hold this
+# module's functions, so it cannot import them).
+SPECS: dict[str, Any] = {}
 
+
+def _spec(op: str):
     return SPECS[op]
 
 

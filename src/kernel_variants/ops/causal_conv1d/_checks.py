@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from kernel_variants._dtypes import dtype_name
+from kernel_variants._registry import Features
+from kernel_variants._registry.spec import KeyParts
+from kernel_variants._runtime import device_errors as errors
+from kernel_variants._runtime.values import Bounded, Offsets, SlotIds, plan
 from kernel_variants._validate import floating, like_x, shape_str, tensor
-from kernel_variants.dispatch import _device_errors as errors
-from kernel_variants.dispatch._values import Bounded, Offsets, SlotIds, plan
-from kernel_variants.registry import Features
-from kernel_variants.registry._spec import KeyParts
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 NONCONTIG_STATES = "noncontig_states"  # a CallKey extra: the state pool is a strided view

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from kernel_variants.dispatch import make_op
-from kernel_variants.registry import Capabilities, OpSpec, Variant, hookimpl
+from kernel_variants._registry import Capabilities, OpSpec, Variant, hookimpl
+from kernel_variants._runtime.ops import make_op
+from kernel_variants.ops.gemma_rms_norm import _spec
+from kernel_variants.ops.gemma_rms_norm._spec import ADD, FN, RmsFeatures
 
-from . import _spec
-from ._spec import ADD, FN, RmsFeatures
 
-
-def _fn_signature(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Gemma RMSNorm: ``x * rsqrt(mean(x^2, -1) + eps) * (1 + weight)``, in fp32.
 
     Args:
@@ -26,31 +26,35 @@ def _fn_signature(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> t
             gives an empty result).
         weight: ``[D]``, x's dtype and device.
         eps: a non-negative float.
+        out: None, or a tensor of x's shape, dtype and device: the result is written there and
+            ``out`` is returned. It may be exactly ``x`` (in place); any other overlap with an
+            argument is a ValueError, and nothing is written then.
 
     Returns:
-        A new tensor of x's shape and dtype. x and weight are not written.
+        A new tensor of x's shape and dtype (or ``out``). x and weight are not written.
     """
-    raise NotImplementedError  # a signature: the dispatched function is made from it
+    return _FN(x, weight, eps, out)
 
 
-def _add_signature(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                   eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+def add_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, eps: float = 1e-6, *,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and Gemma RMSNorm in one: ``s = x + residual`` (summed in x's dtype), then
     ``out = s * rsqrt(mean(s^2, -1) + eps) * (1 + weight)`` in fp32.
 
     Args:
         x: ``[..., D]``, float32, bfloat16 or float16. residual: x's shape, dtype and device.
         weight: ``[D]``, x's dtype and device. eps: a non-negative float.
+        out: None, or a tuple ``(o, r)`` of tensors of x's shape, dtype and device: the norm is
+            written into ``o``, the sum into ``r``, and ``(o, r)`` is returned. ``out=(x,
+            residual)`` is sglang's in-place fused add-RMSNorm: x becomes the norm and residual
+            the sum (both are read before either is written). Any other overlap with an
+            argument is a ValueError, and nothing is written then.
 
     Returns:
         ``(out, residual_sum)``: new tensors of x's shape and dtype, ``residual_sum`` being ``s``.
         No input is written, unless ``out=`` names it.
-
-    ``out=(o, r)`` writes the norm into ``o`` and the sum into ``r``, both ``[..., D]`` like x,
-    and returns ``(o, r)``. ``out=(x, residual)`` is sglang's in-place fused add-RMSNorm: x
-    becomes the norm and residual the sum (both are read before either is written).
     """
-    raise NotImplementedError  # a signature: the dispatched function is made from it
+    return _ADD(x, weight, residual, eps, out)
 
 
 _ANY = dict(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"}, autograd=True)
@@ -59,7 +63,7 @@ _ORACLE = "the contract in plain torch, fp32; the oracle for every other variant
 
 FN_SPEC = OpSpec(
     name=FN,
-    signature=_fn_signature,
+    signature=gemma_rms_norm,
     axes=("T", "D"),
     features=RmsFeatures,
     capabilities=Capabilities,
@@ -78,7 +82,7 @@ FN_SPEC = OpSpec(
 
 ADD_SPEC = OpSpec(
     name=ADD,
-    signature=_add_signature,
+    signature=add_gemma_rms_norm,
     axes=("T", "D"),
     features=RmsFeatures,
     capabilities=Capabilities,
@@ -99,8 +103,9 @@ ADD_SPEC = OpSpec(
 
 SPECS = {FN: FN_SPEC, ADD: ADD_SPEC}
 
-gemma_rms_norm = make_op(FN_SPEC)
-add_gemma_rms_norm = make_op(ADD_SPEC)
+_spec.SPECS.update(SPECS)
+_FN = make_op(FN_SPEC)
+_ADD = make_op(ADD_SPEC)
 
 
 @hookimpl

@@ -15,12 +15,17 @@ from typing import Any
 import torch
 
 from kernel_variants._dtypes import acc_dtype, dtype_name
+from kernel_variants._registry import Capabilities, Case, Features, Sweep
+from kernel_variants._registry.spec import KeyParts
 from kernel_variants._validate import like_x, shape_str, tensor
-from kernel_variants.registry import Capabilities, Case, Features, Sweep
-from kernel_variants.registry._spec import KeyParts
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FN, ADD = "gemma_rms_norm", "add_gemma_rms_norm"
+
+
+# The package's specs by op name, filled in by the package once built (the specs hold this
+# module's functions, so it cannot import them).
+SPECS: dict[str, Any] = {}
 
 
 class RmsFeatures(Features):
@@ -112,8 +117,6 @@ def make_case(op: str, shape: tuple[int, ...], *, dtype: torch.dtype, device: st
     """A call on (T, D): x [T, D] (or [2, T/2, D] when ``batched``), a Gemma-like weight near 0
     (the scale is 1 + weight), and for the add op a residual; ``strided`` makes x a view with a
     row stride of 2D (and the weight a stride-2 view)."""
-    from . import SPECS  # the specs are built from this module's functions
-
     tokens, dim = shape
     # Drawn on the device itself (a host-made prefill would cost host time and a copy per case).
     gen = torch.Generator(device=device).manual_seed(seed)

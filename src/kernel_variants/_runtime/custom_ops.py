@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
-from kernel_variants.registry import OpSpec
-
-from ._op import MADE, call
+from kernel_variants._codegen import define
+from kernel_variants._registry import OpSpec
+from kernel_variants._runtime.call import MADE, ON_MADE, call
 
 NAMESPACE = "kernel_variants"
 # A fragment, not a definition: another library (a plugin's C++ extension) may add ops to the
@@ -207,7 +207,7 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
            f"        return out\n"
            f"{''.join(branches)}"
            f"    return _op_default({names})\n")
-    exec(src, namespace)  # noqa: S102 - source made from the spec's parameter names only
+    define("traced", src, namespace, what=spec.name)
     kernel, fake, traced = namespace["kernel"], namespace["fake"], namespace["traced"]
     kernel_out, fake_out = namespace["kernel_out"], namespace["fake_out"]
     for fn in (kernel, fake, traced, kernel_out, fake_out):
@@ -246,3 +246,4 @@ def _eager(spec: OpSpec) -> Callable[[tuple[Any, ...], Any], Any]:
 
 for _spec in MADE:
     register(_spec)
+ON_MADE.append(register)  # ops made from now on are registered as they are made

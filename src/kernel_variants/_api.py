@@ -5,19 +5,23 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import IO
 
 import torch
 
-from kernel_variants.registry import CallKey
-from kernel_variants.registry._spec import Shape
-
-from ._calibrate import CalibrationResult, Progress, run_calibration
-from ._dispatcher import dispatcher
-from ._fingerprint import fingerprint, fingerprint_id
-from ._qualify import Verdict
-from ._store import Recorder
-from ._table import DEFAULT_MARGIN, DEFAULT_PRUNE, Group, StaleRow
-from ._timing import Mode, TimingConfig
+from kernel_variants._registry import CallKey
+from kernel_variants._registry.spec import Shape
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._table import exchange
+from kernel_variants._table.exchange import ImportReport, TableDocument
+from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.rows import DEFAULT_PRUNE, Verdict
+from kernel_variants._table.store import Recorder
+from kernel_variants._table.table import DEFAULT_MARGIN, Group, StaleRow
+from kernel_variants._tuning import distributed
+from kernel_variants._tuning.calibrate import CalibrationResult, Progress, run_calibration
+from kernel_variants._tuning.distributed import Disagreement
+from kernel_variants._tuning.timing import TimingConfig
 
 
 def check_shapes(shapes: Sequence[Sequence[int]], axes: Sequence[str]) -> list[Shape]:
@@ -31,6 +35,11 @@ def check_shapes(shapes: Sequence[Sequence[int]], axes: Sequence[str]) -> list[S
     return out
 
 
+# calibrate's timing keywords before it took a TimingConfig, and the field each became.
+_TIMING_KEYWORDS = {"warmup": "warmup", "windows": "windows", "iters": "iters", "window_budget_s": "window_budget_s",
+                    "timing_mode": "mode", "cold_l2": "cold_l2", "with_out": "with_out"}
+
+
 def calibrate(
     op: str,
     shapes: Sequence[Sequence[int]],
@@ -38,18 +47,12 @@ def calibrate(
     dtype: str | torch.dtype = "bfloat16",
     device: str = "cpu",
     variants: Sequence[str] | None = None,
-    warmup: int = 5,
-    windows: int = 5,
-    iters: int = 100,
-    window_budget_s: float | None = 0.25,
+    timing: TimingConfig | None = None,
     rotate: int = 0,
     margin: float = DEFAULT_MARGIN,
     progress: Callable[[Progress], None] | None = None,
     prune: float | None = DEFAULT_PRUNE,
     budget_s: float | None = None,
-    timing_mode: Mode = "eager",
-    cold_l2: bool = False,
-    with_out: bool = False,
     **features: object,
 ) -> CalibrationResult:
     """Measure ``variants`` (default: every available one) of ``op`` on each shape (a tuple over
@@ -58,30 +61,35 @@ def calibrate(
 
     Each variant is first checked against the reference on the shape's inputs; one that differs,
     raises or gives NaN/Inf is recorded as rejected with the reason and never chosen there. The
-    others are timed, interleaved: one window of each in turn, ``windows`` rounds (min over
-    windows of the mean of ``iters`` calls, fewer calls when a window would exceed
-    ``window_budget_s``; ``rotate`` adds cold-cache input copies), and stored with each window's
-    figure. After the first round, a variant slower than the best by more than ``prune`` times is
+    others are timed, interleaved as ``timing`` (a :class:`TimingConfig`; default: 5 warm-up
+    calls, then 5 rounds of one window each, min over windows of the mean of 100 calls, fewer
+    when a window would exceed 0.25 s) says: one window of each in turn (``rotate`` adds
+    cold-cache input copies), and stored with each window's figure. After the first round, a variant slower than the best by more than ``prune`` times is
     stored as pruned with that ratio and timed no further (``prune=None``: time every variant
     fully). ``budget_s`` bounds the run: shapes that no longer fit are listed in the result's
     ``skipped``. A shape's winner changes only when a challenger is faster by more than
     ``margin`` and by more than the two figures' measured noise.
 
-    ``timing_mode="graph"`` (CUDA) times the replay of a captured CUDA graph of each window's
-    calls instead of eager launches; ``cold_l2`` (CUDA) rotates as many input copies as make
-    twice the device's L2. ``with_out`` times each call writing into a preallocated ``out=``,
-    as the dispatcher runs it (handed to a variant that takes it, else copied there): for callers
-    that always pass ``out``. Each measurement's ``method`` says how it was taken.
+    ``TimingConfig(mode="graph")`` (CUDA) times the replay of a captured CUDA graph of each
+    window's calls instead of eager launches; ``cold_l2`` (CUDA) rotates as many input copies as
+    make twice the device's L2. ``with_out`` times each call writing into a preallocated
+    ``out=``, as the dispatcher runs it: for callers that always pass ``out``. Each
+    measurement's ``method`` says how it was taken.
     """
+    moved = [k for k in _TIMING_KEYWORDS if k in features]
+    if moved:
+        raise TypeError(f"calibrate: {', '.join(moved)} moved into timing=kernel_variants.TimingConfig(...) "
+                        f"(TimingConfig({', '.join(f'{_TIMING_KEYWORDS[k]}=...' for k in moved)}))")
     d = dispatcher()
     spec = d.registry.spec(op)
-    timing = TimingConfig(warmup=warmup, windows=windows, iters=iters, window_budget_s=window_budget_s,
-                          mode=timing_mode, cold_l2=cold_l2, with_out=with_out)
+    if timing is not None and not isinstance(timing, TimingConfig):
+        raise TypeError(f"timing: expected a kernel_variants.TimingConfig, got {type(timing).__name__}")
+    timing = timing if timing is not None else TimingConfig()
     try:
         return run_calibration(d.registry.variants(spec.name), d.table, spec, check_shapes(shapes, spec.axes),
                                dtype=dtype, device=str(torch.device(device)), features=spec.features(**features),
                                timing=timing, variants=variants, rotate=rotate, margin=margin, progress=progress,
-                               prune=prune, budget_s=budget_s)
+                               prune=prune, budget_s=budget_s, qualifier=d.qualifier)
     finally:
         d.invalidate()
 
@@ -170,7 +178,7 @@ def stale_rows(op: str | None = None, *, device: str = "cpu") -> list[StaleRow]:
 
 def recorder() -> Recorder:
     """The record ``KV_RECORD`` writes to (the table directory, or the directory it names)."""
-    from ._dispatcher import record_dir
+    from kernel_variants._runtime.dispatcher import record_dir
 
     d = dispatcher()
     where = record_dir(os.environ.get("KV_RECORD", ""), d.table.directory)
@@ -252,7 +260,7 @@ def clear_verdicts(op: str | None = None, variant: str | None = None) -> int:
 
 def verdicts(device: str = "cpu") -> list[Verdict]:
     """Every stored verdict of ``device`` whose variant is registered at that version now."""
-    from ._qualify import VERDICT_PREFIX, parse_verdict, verdict_fingerprint
+    from kernel_variants._table.rows import VERDICT_PREFIX, parse_verdict, verdict_fingerprint
 
     d = dispatcher()
     fpid = fingerprint_id(verdict_fingerprint(fingerprint(str(torch.device(device)))))
@@ -265,3 +273,31 @@ def verdicts(device: str = "cpu") -> list[Verdict]:
         if v is not None and versions.get((v.group.op, v.variant)) == v.version:
             out.append(v)
     return sorted(out, key=lambda v: (v.group.slug(), v.variant))
+
+
+def export_table(path_or_file: str | os.PathLike[str] | IO[str], device: str = "cpu") -> TableDocument:
+    """Write this device's measurements, winners and verdicts to ``path_or_file`` (a path,
+    replaced atomically, or a text file) as one versioned JSON document."""
+    return exchange.export_table(dispatcher().table, path_or_file, device)
+
+
+def import_table(path: str | os.PathLike[str], *, force: bool = False, device: str = "cpu") -> ImportReport:
+    """Validate the document at ``path`` whole, then merge it into this machine's table in one
+    transaction (the newer row wins). A document from another device or software stack is
+    refused unless ``force``."""
+    d = dispatcher()
+    try:
+        return exchange.import_table(d.table, d.versions(), path, force=force, device=device)
+    finally:
+        d.invalidate()
+
+
+def check_agreement() -> list[Disagreement]:
+    """The call keys on which the ranks of the default process group decide differently.
+
+    A collective: every rank calls it. Each rank contributes the keys it has dispatched (with
+    the variant it ran); every rank then decides every key any rank met (without running or
+    measuring anything), and the keys whose variants differ are returned, the same list on every
+    rank. Without torch.distributed, or with one rank, [].
+    """
+    return distributed.check_agreement(dispatcher())

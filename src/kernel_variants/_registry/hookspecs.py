@@ -12,7 +12,7 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 if TYPE_CHECKING:
-    from ._registry import Register
+    from kernel_variants._registry.registry import Register
 
 
 class HookSpecs:

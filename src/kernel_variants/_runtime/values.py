@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from kernel_variants._capture import capturing
-
-from . import _device_errors as errors
+from kernel_variants._runtime import device_errors as errors
 
 # The kinds the call core knows, as it numbers them (call_core.cpp's CheckKind).
 SLOTS, OFFSETS, BOUNDED = 1, 2, 3

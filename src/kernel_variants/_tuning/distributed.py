@@ -21,21 +21,36 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernel_variants._dtypes import as_dtype, dtype_name
-from kernel_variants.registry import CallKey, Features
-from kernel_variants.registry._spec import Shape
+from kernel_variants._policy import Decision
+from kernel_variants._registry import CallKey, Features
+from kernel_variants._registry.spec import Shape
+from kernel_variants._table.exchange import (
+    ImportReport,
+    build_document,
+    import_document,
+    parse_document,
+)
+from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.rows import (
+    DEFAULT_MARGIN,
+    Group,
+    Measurement,
+    check_margin,
+    key_from_parts,
+    key_parts,
+    key_text,
+)
+from kernel_variants._table.store import CalibrationWarning
+from kernel_variants._tuning.calibrate import CalibrationResult, Progress, measure_shape
+from kernel_variants._tuning.timing import TimingConfig
 
-from ._calibrate import CalibrationResult, Progress, measure_shape
-from ._dispatcher import Dispatcher, dispatcher, key_from_parts, key_parts, key_text
-from ._exchange import ImportReport, build_document, import_document, parse_document
-from ._fingerprint import fingerprint, fingerprint_id
-from ._select import Decision
-from ._store import CalibrationWarning
-from ._table import DEFAULT_MARGIN, Group, Measurement, check_margin
-from ._timing import TimingConfig
+if TYPE_CHECKING:
+    from kernel_variants._runtime.dispatcher import Dispatcher
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -100,6 +115,7 @@ def shard(shapes: Sequence[Shape], variants: Sequence[str], rank: int, world: in
 
 
 def calibrate_distributed(
+    d: Dispatcher,
     op: str,
     shapes: Sequence[Shape],
     *,
@@ -131,15 +147,14 @@ def calibrate_distributed(
     if owned:
         dist.init_process_group(_BACKENDS[torch.device(dev).type])
     try:
-        return _run(dist, op, list(shapes), dt, dev, features, timing, variants, rotate, margin, progress)
+        return _run(d, dist, op, list(shapes), dt, dev, features, timing, variants, rotate, margin, progress)
     finally:
         if owned:
             dist.destroy_process_group()
 
 
-def _run(dist, op, shapes, dt, dev, features, timing, variants, rotate, margin, progress) -> DistributedResult:
+def _run(d, dist, op, shapes, dt, dev, features, timing, variants, rotate, margin, progress) -> DistributedResult:
     rank, world = dist.get_rank(), dist.get_world_size()
-    d = dispatcher()
     spec = d.registry.spec(op)
     entries = d.registry.variants(spec.name)
     versions = {rv.id: rv.version for rv in entries}
@@ -172,7 +187,7 @@ def _run(dist, op, shapes, dt, dev, features, timing, variants, rotate, margin, 
                     progress(Progress(done, total, m.shape, m.variant, time.perf_counter() - start))
 
             ms = measure_shape(entries, spec, shape, dtype=dt, device=dev, features=features, timing=timing,
-                               rotate=rotate, only=vids, on_result=taken)
+                               rotate=rotate, only=vids, on_result=taken, qualifier=d.qualifier)
             payload += [m.model_dump_json() for m in ms]
     except Exception as exc:  # the other ranks wait in the gather below: they must hear of it
         failure = exc
@@ -193,7 +208,7 @@ def _run(dist, op, shapes, dt, dev, features, timing, variants, rotate, margin, 
         try:
             versions = {(rv.op, rv.id): rv.version for rv in entries}
             result.winners.update(d.table.store_results(measurements, versions, margin))
-            text = build_document(dev).model_dump_json()
+            text = build_document(d.table, dev).model_dump_json()
         except Exception as exc:  # the other ranks wait in the broadcast below
             status, text = f"rank 0: {type(exc).__name__}: {exc}", ""
             failure = exc
@@ -209,7 +224,8 @@ def _run(dist, op, shapes, dt, dev, features, timing, variants, rotate, margin, 
         if status is not None:
             raise RuntimeError(f"distributed calibration failed on {status}")
         doc = parse_document(text, source="rank 0's table")
-        imported = import_document(doc, device=dev, source="rank 0's table")
+        imported = import_document(doc, d.table, d.versions(), device=dev, source="rank 0's table")
+        d.invalidate()
         groups = {m.group for m in measurements}
         for w in doc.winners:
             if w.group in groups and w.shape in order:
@@ -304,7 +320,7 @@ class Disagreement:
         return f"{self.key}: " + ", ".join(f"rank {r} {v or '(nothing)'}" for r, v in sorted(self.choices.items()))
 
 
-def check_agreement() -> list[Disagreement]:
+def check_agreement(d: Dispatcher) -> list[Disagreement]:
     """The call keys on which the ranks of the default process group decide differently.
 
     A collective: every rank calls it. Each rank contributes the keys it has dispatched (with
@@ -316,7 +332,6 @@ def check_agreement() -> list[Disagreement]:
 
     if tuning_world() <= 1:
         return []
-    d = dispatcher()
     mine = {text: (key_parts(key), vid) for text, (key, vid) in d.decided.items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

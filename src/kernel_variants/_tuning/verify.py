@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from kernel_variants._registry import Case, OpSpec
 from kernel_variants._tolerances import TOLERANCES, mismatch
-from kernel_variants.registry import Case, OpSpec
 
 
 def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:

@@ -8,212 +8,45 @@ and unpickling is code execution, so the disk class below refuses every non-raw 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sqlite3
 import threading
 import time
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ValidationError
 
 from kernel_variants._paths import table_dir
-from kernel_variants.registry import CallKey
-from kernel_variants.registry._models import DTypeName
-from kernel_variants.registry._spec import Shape
-
-from ._fastindex import SNAPSHOT_PREFIX, TOKEN_KEY, FastIndex, decode, document, encode, index_from
-from ._fingerprint import device_part, is_legacy
-from ._fingerprint import fingerprint_id as identify
-from ._store import CalibrationWarning, HostileRow, JSONOnlyDisk, Store, is_corrupt
-
-VERDICT_PREFIX = "q|"  # qualification verdicts (see _qualify), stored beside the timings
-
-__all__ = ["CalibrationTable", "CalibrationWarning", "Group", "HostileRow", "JSONOnlyDisk", "Measurement",
-           "StaleRow", "Winner", "is_corrupt"]
-
-# 2: a group is (op, dtype, the op's own feature flags); rows of 1 (causal_conv1d's fields
-# inline) are migrated when the table loads.
-# 3: per-window samples, noise, pruned rows, each row's dependency versions; winners say how
-# sure they are. The fingerprint no longer holds torch's and kernel_variants' versions: rows
-# written with those (``is_legacy``) are ignored with one warning, never mixed with new ones.
-SCHEMA = 3
-# A challenger must be this much faster to take a shape from its winner: noise on a shared
-# machine is a few percent, and choices that flip back and forth help nobody. It is the floor:
-# where the measured noise of the two is larger, the lead must exceed that instead.
-DEFAULT_MARGIN = 0.02
-# After the first round of a shape, a candidate slower than the best by more than this is timed
-# no further (recorded as pruned, with the ratio).
-DEFAULT_PRUNE = 3.0
-FeatureValue = bool | int | float | str
-
-
-def check_margin(margin: float) -> float:
-    if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
-        raise ValueError(f"margin: expected a fraction in [0, 1), got {margin!r}")
-    return float(margin)
-
-
-def check_prune(prune: float | None) -> float | None:
-    """None (prune nothing) or a factor above 1."""
-    if prune is None:
-        return None
-    if isinstance(prune, bool) or not isinstance(prune, (int, float)) or not (1 < prune < math.inf):
-        raise ValueError(f"prune: expected a factor above 1 (or None for no pruning), got {prune!r}")
-    return float(prune)
-
-
-def combined_noise(*noises: float | None) -> float:
-    """The noise of a comparison of figures with these relative noises (independent: in quadrature)."""
-    return math.sqrt(sum((n or 0.0) ** 2 for n in noises))
-
-
-class Group(BaseModel):
-    """The part of a call key other than the shape: timings are compared only within a group.
-
-    ``features`` are the op's own flags as sorted (name, value) pairs, so that a group is the
-    same whatever order an op declares them in.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    op: str
-    dtype: DTypeName
-    features: tuple[tuple[str, FeatureValue], ...] = ()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _migrate(cls, data: object) -> object:
-        """Schema 1 stored causal_conv1d's flags as fields of the group itself."""
-        if isinstance(data, dict) and "features" not in data:
-            flags = {k: v for k, v in data.items() if k not in ("op", "dtype")}
-            data = {"op": data.get("op"), "dtype": data.get("dtype"), "features": flags}
-        if isinstance(data, dict) and isinstance(data.get("features"), dict):
-            data = {**data, "features": tuple(sorted(data["features"].items()))}
-        elif isinstance(data, dict) and data.get("features") is not None:
-            data = {**data, "features": tuple(sorted(tuple(p) for p in data["features"]))}
-        return data
-
-    @classmethod
-    def of(cls, key: CallKey) -> Group:
-        return cls(op=key.op, dtype=key.dtype, features=key.features.model_dump())
-
-    def flags(self) -> dict[str, FeatureValue]:
-        return dict(self.features)
-
-    def slug(self) -> str:
-        flags = ",".join(f"{k}={v}" for k, v in self.features)
-        return f"{self.op}|{self.dtype}|{flags or '-'}"
-
-
-class Measurement(BaseModel):
-    """One variant timed (or rejected) on one shape of one group on one device."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    schema_version: Literal[1, 2, 3] = SCHEMA
-    fingerprint: dict[str, str]
-    fingerprint_id: str
-    group: Group
-    shape: Shape
-    variant: str
-    version: str
-    # "pruned": timed for the first round only, ``pruned_at`` times slower than the best there;
-    # ``best_us`` is that round's figure. Measured slower, never unmeasured.
-    status: Literal["ok", "rejected", "pruned"]
-    reason: str = ""
-    best_us: float | None = None
-    median_us: float | None = None
-    spread: float | None = None
-    windows: int = 0
-    iters: int = 0
-    method: str = ""
-    samples_us: tuple[float, ...] = Field(default=(), max_length=10_000)  # each window's mean
-    noise: float | None = None  # (median - best) / best: how far a typical window is from the best
-    pruned_at: float | None = None
-    deps: dict[str, str] = Field(default_factory=dict, max_length=64)  # the variant's dependencies then
-    measured_at: float
-
-    def storage_key(self) -> str:
-        return _mkey(self.fingerprint_id, self.group, self.shape, self.variant)
-
-    @property
-    def timed(self) -> bool:
-        """Has a figure (fully timed, or pruned after its first round)."""
-        return self.status in ("ok", "pruned") and self.best_us is not None
-
-
-Confidence = Literal["", "clear", "within noise", "single"]
-
-
-class Winner(BaseModel):
-    """The variant a shape goes to; it keeps the shape until a challenger beats it by the margin
-    and by the measured noise.
-
-    How sure it is: ``lead`` is the runner-up's time over the winner's, minus one (negative when
-    a faster challenger did not lead by enough to take the shape), ``noise`` the two figures'
-    combined noise, and ``confidence`` "clear" (the lead exceeds the margin and the noise),
-    "within noise" (it does not: either could be faster) or "single" (nothing to compare)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    schema_version: Literal[1, 2, 3] = SCHEMA
-    fingerprint_id: str
-    group: Group
-    shape: Shape
-    variant: str
-    best_us: float
-    runner_up: str | None = None
-    lead: float | None = None
-    noise: float | None = None
-    confidence: Confidence = ""
-    decided_at: float
-
-    def storage_key(self) -> str:
-        return _wkey(self.fingerprint_id, self.group, self.shape)
-
-
-def _mkey(fp: str, group: Group, shape: Shape, variant: str) -> str:
-    return f"m|{fp}|{group.slug()}|{','.join(map(str, shape))}|{variant}"
-
-
-def _wkey(fp: str, group: Group, shape: Shape) -> str:
-    return f"w|{fp}|{group.slug()}|{','.join(map(str, shape))}"
-
-
-@dataclass(frozen=True)
-class StaleRow:
-    """A measurement of this device that no longer matches its variant: why, and where it is."""
-
-    group: Group
-    shape: Shape
-    variant: str
-    measured: str  # the version it was measured with
-    current: str  # the registered version now
-    why: str
-    legacy: bool  # written by an earlier release (its fingerprint held package versions)
-    measured_at: float
-    key: str  # its storage key
-    winner_key: str  # the storage key of the winner row it was decided under
-
-
-def stale_reason(m: Measurement, deps_now: dict[str, str], source_now: str = "") -> str:
-    """Why ``m`` no longer matches the variant registered now (whose dependencies are
-    ``deps_now`` and whose version without them is ``source_now``)."""
-    if is_legacy(m.fingerprint):
-        versions = ", ".join(f"{k} {m.fingerprint[k]}" for k in ("kernel_variants", "torch") if k in m.fingerprint)
-        why = f"measured by an earlier release ({versions}), before staleness was kept per variant"
-        if source_now and m.version != source_now:
-            why += "; its source has changed since"
-        return why
-    changed = [f"{k} {m.deps.get(k, '(none)')} -> {deps_now.get(k, '(none)')}"
-               for k in sorted(set(m.deps) | set(deps_now)) if m.deps.get(k) != deps_now.get(k)]
-    return "; ".join(changed) if changed else "its source or declared version changed"
+from kernel_variants._policy import Found, winner_of
+from kernel_variants._registry import CallKey
+from kernel_variants._registry.spec import Shape
+from kernel_variants._table.fingerprint import device_part, is_legacy
+from kernel_variants._table.fingerprint import fingerprint_id as identify
+from kernel_variants._table.index import (
+    SNAPSHOT_PREFIX,
+    TOKEN_KEY,
+    FastIndex,
+    decode,
+    document,
+    encode,
+    index_from,
+)
+from kernel_variants._table.rows import (
+    DEFAULT_MARGIN,
+    SCHEMA,
+    VERDICT_PREFIX,
+    Group,
+    Measurement,
+    StaleRow,
+    Winner,
+    mkey,
+    stale_reason,
+    wkey,
+)
+from kernel_variants._table.store import CalibrationWarning, Store, is_corrupt
 
 
 def _other_threads(fp: dict[str, str], fingerprint_id: str) -> bool:
@@ -221,27 +54,6 @@ def _other_threads(fp: dict[str, str], fingerprint_id: str) -> bool:
     now = str(torch.get_num_threads())
     return fp.get("device") == "cpu" and fp.get("threads") not in (None, now) and identify(
         {**fp, "threads": now}) == fingerprint_id
-
-
-class Found(NamedTuple):
-    """What the table has for a call: each candidate's µs (pruned ones with their first-round
-    figure), the recorded winner, "table" (this shape) or "nearest", the shape the figures are
-    from, the candidates rejected there, and those pruned there with their bound."""
-
-    timings: dict[str, float]
-    winner: str | None
-    source: str
-    at: Shape
-    rejected: set[str]
-    pruned: dict[str, float]
-
-
-class _Index:
-    """The usable part of the table, in memory: current measurements and winners by group."""
-
-    def __init__(self) -> None:
-        self.shapes: dict[tuple[str, Group], dict[Shape, dict[str, Measurement]]] = {}
-        self.winners: dict[tuple[str, Group, Shape], Winner] = {}
 
 
 class CalibrationTable:
@@ -255,7 +67,6 @@ class CalibrationTable:
         self.directory = Path(directory) if directory is not None else table_dir()
         self._lock = threading.RLock()
         self._store: Store | None = None
-        self._index: dict[str, _Index] = {}  # per device fingerprint
         self._fast: dict[str, FastIndex] = {}  # per device fingerprint
         self._warned: set[str] = set()  # fingerprints whose ignored entries this load has named
         self._versions: dict[tuple[str, str], str] = {}
@@ -287,16 +98,6 @@ class CalibrationTable:
             return fn(*args)
 
     # reading
-
-    def load(self, versions: dict[tuple[str, str], str], fingerprint_id: str) -> _Index:
-        with self._lock:
-            if versions != self._versions:
-                self.forget()
-                self._versions = dict(versions)
-            index = self._index.get(fingerprint_id)
-            if index is None:
-                index = self._index[fingerprint_id] = self._guard(self._build_index, fingerprint_id)
-            return index
 
     def _scan(self, fingerprint_id: str) -> tuple[list[Measurement], list[Winner], dict[str, int], list[Measurement]]:
         """Every readable measurement and winner of ``fingerprint_id`` (any version), how many
@@ -368,23 +169,6 @@ class CalibrationTable:
             warnings.warn("calibration table: ignoring entries: " + "; ".join(reasons) + hint, CalibrationWarning,
                           stacklevel=4)
 
-    def _build_index(self, fingerprint_id: str) -> _Index:
-        index = _Index()
-        ms, ws, counts, _ = self._scan(fingerprint_id)
-        stale: dict[str, tuple[str, str]] = {}
-        for m in ms:
-            current = self._versions.get((m.group.op, m.variant))
-            if current is None:
-                continue  # a plugin not loaded now: its timings stay for when it is
-            if current != m.version:
-                stale[m.variant] = (m.version, current)
-                continue
-            index.shapes.setdefault((fingerprint_id, m.group), {}).setdefault(m.shape, {})[m.variant] = m
-        for w in ws:
-            index.winners[(w.fingerprint_id, w.group, w.shape)] = w
-        self._warn_once(fingerprint_id, counts, stale)
-        return index
-
     def _fast_index(self, versions: dict[tuple[str, str], str], fingerprint_id: str) -> FastIndex:
         """The decision-time view of this device's rows: from the snapshot row when it is current,
         else from a full scan, which then stores a fresh snapshot for the next process."""
@@ -454,10 +238,12 @@ class CalibrationTable:
 
     def measurements(self, versions: dict[tuple[str, str], str], fingerprint_id: str):
         """Every current measurement and winner of this device: ((group, shape) -> {id: m}, winners)."""
-        index = self.load(versions, fingerprint_id)
-        rows = {(g, s): dict(by_v) for (fp, g), shapes in index.shapes.items() for s, by_v in shapes.items()}
-        winners = {(g, s): w for (fp, g, s), w in index.winners.items()}
-        return rows, winners
+        ms, ws, _, _ = self._guard(self._scan, fingerprint_id)
+        rows: dict[tuple[Group, Shape], dict[str, Measurement]] = {}
+        for m in ms:
+            if versions.get((m.group.op, m.variant)) == m.version:  # a plugin not loaded now: left out
+                rows.setdefault((m.group, m.shape), {})[m.variant] = m
+        return rows, {(w.group, w.shape): w for w in ws}
 
     def stale(self, versions: dict[tuple[str, str], str], deps: Mapping[tuple[str, str], dict[str, str]],
               fingerprint_id: str, sources: Mapping[tuple[str, str], str] | None = None) -> list[StaleRow]:
@@ -472,12 +258,12 @@ class CalibrationTable:
             old = is_legacy(m.fingerprint)
             if now is None or (now == m.version and not old):
                 continue
-            if old and _mkey(fingerprint_id, m.group, m.shape, m.variant) in current:
+            if old and mkey(fingerprint_id, m.group, m.shape, m.variant) in current:
                 continue  # measured again since: the old row is only clutter
             out.append(StaleRow(m.group, m.shape, m.variant, m.version, now,
                                 stale_reason(m, deps.get((m.group.op, m.variant), {}),
                                              (sources or {}).get((m.group.op, m.variant), "")), old, m.measured_at,
-                                m.storage_key(), _wkey(m.fingerprint_id, m.group, m.shape)))
+                                m.storage_key(), wkey(m.fingerprint_id, m.group, m.shape)))
         return sorted(out, key=lambda r: (r.group.slug(), r.shape, r.variant))
 
     def drop(self, keys: Iterable[str]) -> int:
@@ -509,7 +295,7 @@ class CalibrationTable:
             for (op, vid), version in versions.items():
                 if op != group.op:
                     continue
-                raw = self.store.get(_mkey(fingerprint_id, group, shape, vid))
+                raw = self.store.get(mkey(fingerprint_id, group, shape, vid))
                 if raw is None:
                     continue
                 try:
@@ -518,32 +304,21 @@ class CalibrationTable:
                     continue
                 if m.version == version and m.timed:
                     timed[vid] = m
-            wkey = _wkey(fingerprint_id, group, shape)
+            slot = wkey(fingerprint_id, group, shape)
             if not timed:
-                self.store.delete(wkey)
+                self.store.delete(slot)
                 self.forget()
                 return None
-            t = {v: m.best_us for v, m in timed.items()}
-            best = min(t, key=t.__getitem__)
-            raw = self.store.get(wkey)
+            raw = self.store.get(slot)
             current = None
             if raw is not None:
                 with contextlib.suppress(ValidationError):
                     current = Winner.model_validate_json(raw).variant
-            if current in t and current != best:
-                lead = t[current] / t[best] - 1
-                if lead <= max(margin, combined_noise(timed[current].noise, timed[best].noise)):
-                    best = current  # not clearly beaten: the incumbent stays
-            others = sorted((v for v in t if v != best), key=t.__getitem__)
-            w = Winner(fingerprint_id=fingerprint_id, group=group, shape=shape, variant=best, best_us=t[best],
-                       decided_at=time.time(), confidence="single")
-            if others:
-                runner = others[0]
-                lead = t[runner] / t[best] - 1
-                noise = combined_noise(timed[runner].noise, timed[best].noise)
-                w = w.model_copy(update={"runner_up": runner, "lead": lead, "noise": noise,
-                                         "confidence": "clear" if lead > max(margin, noise) else "within noise"})
-            self.store.set(wkey, w.model_dump_json())
+            r = winner_of({v: (m.best_us, m.noise) for v, m in timed.items()}, current, margin)
+            w = Winner(fingerprint_id=fingerprint_id, group=group, shape=shape, variant=r.winner,
+                       best_us=timed[r.winner].best_us, runner_up=r.runner_up, lead=r.lead, noise=r.noise,
+                       confidence=r.confidence, decided_at=time.time())
+            self.store.set(slot, w.model_dump_json())
         self.forget()
         return w
 
@@ -563,11 +338,11 @@ class CalibrationTable:
         for (op, vid), version in versions.items():
             if op != group.op:
                 continue
-            raw = self.store.get(_mkey(fingerprint_id, group, shape, vid))
+            raw = self.store.get(mkey(fingerprint_id, group, shape, vid))
             with contextlib.suppress(ValidationError):
                 if raw is not None and Measurement.model_validate_json(raw).version == version:
                     out.append(raw)
-        raw = self.store.get(_wkey(fingerprint_id, group, shape))
+        raw = self.store.get(wkey(fingerprint_id, group, shape))
         if raw is not None:
             out.append(raw)
         return out
@@ -626,7 +401,6 @@ class CalibrationTable:
 
     def forget(self) -> None:
         """Drop the in-memory index: the next read sees what other processes or imports wrote."""
-        self._index.clear()
         self._fast.clear()
         self._warned.clear()
 

@@ -4,7 +4,7 @@ A dispatched call's per-call work (the memo key from the tensors' metadata and t
 arguments, the lookup, the index value checks, the write guard, the call of the variant) runs
 in C++ (``kernels/cpu_native/csrc/call_core.cpp``) when the core is built: ``kv build`` builds
 it with the C++ kernels; a call never does. Where it is not built (or does not load), the Python
-path (``_op.call``) serves every call, and the first call says so once on stderr.
+path (``call.call``) serves every call, and the first call says so once on stderr.
 ``KV_CALL_CORE=0`` turns the core off (read at the first call after each ``kv.reload()``).
 
 The core decides nothing. A call it has no entry for, or one it does not serve (``out=``, a
@@ -17,18 +17,23 @@ decides, raises with its message, or memoises the decision and hands the core th
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kernel_variants._runtime.device_errors import _counters
+from kernel_variants._runtime.errors import variant_failed
+from kernel_variants._runtime.pins import _pins
+from kernel_variants._runtime.values import ValuePlan
+
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from kernel_variants.registry import OpSpec
-
-    from ._dispatcher import Hit
+    from kernel_variants._registry import OpSpec
+    from kernel_variants._runtime.dispatcher import Hit
 
 ENV = "KV_CALL_CORE"
 
@@ -47,7 +52,6 @@ MISS = _Miss()
 _lock = threading.Lock()
 _loaded: dict[str, tuple[ModuleType | None, str | None]] = {}  # .so path -> (module, why not)
 _cores: dict[tuple[str, OpSpec], Any] = {}  # (the module's file, the op) -> the op's CallCore
-_armed: list[tuple[OpSpec, dict[str, Any]]] = []  # each op function's namespace
 _announced = False
 
 
@@ -95,10 +99,6 @@ def status() -> tuple[bool, str]:
 
 def _make(spec: OpSpec, module: ModuleType) -> Any:
     """The CallCore of ``spec``: its parameters as the core reads them."""
-    from ._device_errors import _counters
-    from ._dispatcher import _pins
-    from ._op import variant_failed
-
     optional = dict(spec._tensor_params)
     kinds = tuple(0 if i not in optional else 2 if optional[i] else 1 for i in range(len(spec.params)))
     mutated = tuple(i in spec.mutated_indices for i in range(len(spec.params)))
@@ -142,12 +142,6 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
     """``kv.bind``'s object in C (the op's signature bound there, then the bound call's checks and
     the variant), handing any call it does not run to ``python``, the bound function in Python;
     None where the core is off or not built, or the signature has positional-only parameters."""
-    import inspect
-
-    from ._device_errors import _counters
-    from ._op import variant_failed
-    from ._values import ValuePlan
-
     if core_for(spec) is None:
         return None
     module, _ = _library()
@@ -174,33 +168,37 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
         spec.params[npos:], fail, python)
 
 
-class _Resolve:
-    """An op function's ``_core`` until its first call: finds the core (or None), puts it in
-    the function's globals, and serves this call with it."""
+class Slot:
+    """Where an op's entry finds its call core: ``core`` is a resolver until the op's first call
+    (which finds the core, or None for the Python path, and keeps it here), then that."""
 
-    __slots__ = ("namespace", "spec")
+    __slots__ = ("core", "spec")
 
-    def __init__(self, spec: OpSpec, namespace: dict[str, Any]) -> None:
-        self.spec, self.namespace = spec, namespace
+    def __init__(self, spec: OpSpec) -> None:
+        self.spec = spec
+        self.core: Any = self._resolve
 
-    def __call__(self, *args: Any) -> Any:
-        core = core_for(self.spec)
-        self.namespace["_core"] = core
+    def _resolve(self, *args: Any) -> Any:
+        core = self.core = core_for(self.spec)
         return MISS if core is None else core(*args)
 
 
-def arm(spec: OpSpec, namespace: dict[str, Any]) -> None:
-    """Give an op function (its globals ``namespace``) the core on its next call."""
-    namespace["_core"] = _Resolve(spec, namespace)
-    _armed.append((spec, namespace))
+_slots: list[Slot] = []
+
+
+def arm(spec: OpSpec) -> Slot:
+    """The slot through which ``spec``'s entry finds its core, from its next call on."""
+    slot = Slot(spec)
+    _slots.append(slot)
+    return slot
 
 
 def rearm() -> None:
     """A new dispatcher: every core forgets its entries, and each op finds its path again on
     its next call (``KV_CALL_CORE`` is read then)."""
     clear_all()
-    for spec, namespace in _armed:
-        namespace["_core"] = _Resolve(spec, namespace)
+    for slot in _slots:
+        slot.core = slot._resolve
 
 
 def clear_all() -> None:
@@ -213,8 +211,6 @@ def learn(core: Any, spec: OpSpec, args: tuple[Any, ...], out: Any, hit: Hit) ->
     """Hand ``core`` the entry the Python path memoised for this call. A hit the core cannot
     run (an ``out=`` runner, a device rule, a write guard or value check it cannot read) is
     kept as the Python path's, so the core hands such calls over without asking again."""
-    from ._values import ValuePlan
-
     vid, fn, invoke, subs, guard, checks, rule = hit
     python_only = rule is not None or invoke is not spec.invoke or out is not None
     data = py_checks = gate = None

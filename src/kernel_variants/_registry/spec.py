@@ -8,163 +8,43 @@ work from these specs.
 
 from __future__ import annotations
 
-import csv
 import functools
 import inspect
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict
-
-from ._models import Capabilities, Variant, check_id
+from kernel_variants._codegen import define
+from kernel_variants._registry.case import Case, Sweep
+from kernel_variants._registry.keys import (
+    AUTOGRAD,
+    CAPTURE,
+    CallKey,
+    Features,
+    KeyParts,
+    Shape,
+    device_index,
+)
+from kernel_variants._registry.models import Capabilities, Variant, check_id
 
 if TYPE_CHECKING:
     import torch
-
-Shape = tuple[int, ...]
-AUTOGRAD = frozenset({"autograd"})  # a CallKey extra: some input requires grad, and grad mode is on
-CAPTURE = frozenset({"capture"})  # a CallKey extra: a CUDA/NPU graph is being captured
-
-
-def device_index(t: Any) -> int | None:
-    """The ordinal of the device ``t`` is on (``cuda:1`` -> 1), None on the CPU."""
-    return getattr(t.device, "index", None)
 
 
 def _compiling() -> bool:
     import torch
 
     return torch.compiler.is_compiling()
-# What an op's check returns: (device type, dtype name, features, shape, extra); the core adds the spec.
-KeyParts = tuple[str, str, "Features", Shape, frozenset[str]]
-
-
-class Features(BaseModel):
-    """Base of an op's *group* flags: the parts of a call other than its shape that change which
-    variants can run it or how fast (a width, a bias, an activation). Timings are compared only
-    within a group. Field defaults are what a calibration measures unless told otherwise."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class CallKey(NamedTuple):
-    """Everything about a call that decides which variants can run it and which is fastest.
-
-    ``extra`` holds properties that decide whether a variant can run the call but not how fast
-    it is (so they do not split calibration groups), such as a strided state pool.
-    ``device`` is the device type (what capabilities and table rows are keyed by); ``index`` the
-    ordinal of the device the call's tensors are on (None on the CPU, or where unknown), so that
-    each GPU of a process is fingerprinted as itself: two models are two sets of rows, two of one
-    model share theirs.
-    """
-
-    spec: OpSpec
-    device: str
-    dtype: str
-    features: Features
-    shape: Shape
-    extra: frozenset[str] = frozenset()
-    index: int | None = None
-
-    @property
-    def op(self) -> str:
-        return self.spec.name
-
-    @property
-    def where(self) -> str:
-        """The device as torch names it: ``"cpu"``, ``"cuda:1"``."""
-        return self.device if self.index is None else f"{self.device}:{self.index}"
-
-    def describe(self) -> str:
-        dims = ", ".join(f"{a}={v}" for a, v in zip(self.spec.axes, self.shape, strict=True))
-        flags = " ".join(f"{k}={v}" for k, v in self.features.model_dump().items())
-        more = "".join(f" {e}" for e in sorted(self.extra))
-        return f"{self.op} on {self.where} {self.dtype} ({dims}) {flags}{more}".rstrip()
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """Named shapes of one op, measured with ``features`` (overrides of the feature defaults)."""
-
-    name: str
-    op: str
-    shapes: tuple[Shape, ...]
-    features: Mapping[str, Any] = field(default_factory=dict)
-    description: str = field(default="", compare=False)
-
-
-@dataclass
-class Case:
-    """One realistic call of an op, replayable on fresh copies of the tensors it mutates.
-
-    ``args``/``kwargs`` are the call as written; ``bases`` maps each mutated parameter to the
-    allocation its tensor is a view of, so a fresh copy keeps the view's strides and offset.
-    """
-
-    spec: OpSpec
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    bases: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def op(self) -> str:
-        return self.spec.name
-
-    def _where(self, name: str) -> int | None:
-        pos = self.spec.positional
-        return pos.index(name) if name in pos and pos.index(name) < len(self.args) else None
-
-    def get(self, name: str) -> Any:
-        """The argument ``name`` as the call passes it (``None`` when left to its default)."""
-        i = self._where(name)
-        return self.args[i] if i is not None else self.kwargs.get(name)
-
-    def fresh(self) -> Case:
-        """The same call with fresh copies of the mutated tensors, with the same strides and offset."""
-        if not self.bases:
-            return self
-        args, kwargs, bases = list(self.args), dict(self.kwargs), {}
-        for name, base in self.bases.items():
-            view = self.get(name)
-            bases[name] = copy = base.clone(memory_format=_contiguous())
-            new = copy.as_strided(view.size(), view.stride(), view.storage_offset())
-            i = self._where(name)
-            if i is not None:
-                args[i] = new
-            else:
-                kwargs[name] = new
-        return Case(self.spec, tuple(args), kwargs, bases)
-
-    def state(self) -> torch.Tensor | None:
-        """The (first) mutated tensor, as the call sees it."""
-        return next((self.get(n) for n in self.bases), None)
-
-    @property
-    def pool_base(self) -> torch.Tensor | None:
-        return next(iter(self.bases.values()), None)
-
-    def run(self, fn: Callable[..., Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-        """Call ``fn`` on a fresh copy; return (its result, each mutated allocation after the call)."""
-        case = self.fresh()
-        return fn(*case.args, **case.kwargs), case.bases
-
-
-def _contiguous():
-    import torch  # the registry itself imports no torch: plugins declare before anything runs
-
-    return torch.contiguous_format
 
 
 @dataclass(frozen=True, eq=False)
 class OpSpec:
     """The declaration of one public op.
 
-    - ``signature``: a function whose parameters, defaults, annotations and docstring are the
-      op's (its body is never called). The public function, ``explain``'s binding, the memo
-      signature and the ``torch.library`` schema are all derived from it.
+    - ``signature``: the op's public function (it returns its entry's answer, see
+      ``make_op``), whose parameters, defaults and annotations ``explain``'s binding, the memo
+      signature and the ``torch.library`` schema are derived from.
     - ``axes``: names of the dispatch key's shape axes (``("B", "D", "L")``), ``check`` returns
       them in this order. ``axis_aliases``: the CSV column names each axis may have, in order
       of preference (default: the axis name).
@@ -195,8 +75,8 @@ class OpSpec:
       op's traps (pad slots, poisoned rows) into the check a calibration runs at each shape.
     - ``sweeps``: named shape lists; ``default_sweep`` is calibrated when none is named.
     - ``mutates``: parameters written in place; ``outputs``: names of the returned tensors.
-    - ``out``: every op takes a keyword-only ``out=`` that the core adds to the public signature
-      (the stub must not declare it): one tensor, or with several outputs a tuple of one tensor
+    - ``out``: every op takes a keyword-only ``out=None``, its last parameter (added to the
+      signature where a function does not declare it): one tensor, or with several outputs a tuple of one tensor
       per output, each with the shape, dtype and device of the parameter ``out_like`` (default:
       the first tensor parameter). ``out_aliases`` maps an output to the input its ``out`` may
       be exactly (``{"out": "x"}``: in place over x); any other overlap is refused.
@@ -228,7 +108,14 @@ class OpSpec:
 
     def __post_init__(self) -> None:
         check_id(self.name, "op name")
-        sig = inspect.signature(self.signature)
+        sig = public = inspect.signature(self.signature)
+        if "out" in sig.parameters:  # the op's public function itself: its ``out`` is the core's
+            p = sig.parameters["out"]
+            if list(sig.parameters)[-1] != "out" or p.kind is not p.KEYWORD_ONLY or p.default is not None:
+                raise ValueError(f"op {self.name}: 'out' must be the last parameter, keyword-only, default None")
+            sig = sig.replace(parameters=list(sig.parameters.values())[:-1])
+        else:
+            public = _with_out(sig, len(self.outputs))
         object.__setattr__(self, "_sig", sig)
         params = list(sig.parameters.values())
         if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
@@ -236,12 +123,10 @@ class OpSpec:
         for name in (*self.mutates, *self.normalize, *self.out_aliases.values(), *filter(None, [self.out_like])):
             if name not in sig.parameters:
                 raise ValueError(f"op {self.name}: {name!r} is not a parameter of its signature")
-        if "out" in sig.parameters:
-            raise ValueError(f"op {self.name}: the signature must not declare 'out': the core adds it to every op")
         for name in self.out_aliases:
             if name not in self.outputs:
                 raise ValueError(f"op {self.name}: out_aliases names {name!r}, which is not one of its outputs")
-        object.__setattr__(self, "_public_sig", _with_out(sig, len(self.outputs)))
+        object.__setattr__(self, "_public_sig", public)
         if self.reference.id != "reference" or self.reference.op != self.name:
             raise ValueError(f"op {self.name}: the reference must be registered as variant 'reference' of this op")
         if not isinstance(self.reference.capabilities, self.capabilities):
@@ -265,7 +150,7 @@ class OpSpec:
 
     @property
     def py_signature(self) -> inspect.Signature:
-        """The public function's signature: the stub's parameters, then keyword-only ``out``."""
+        """The public function's signature: the op's parameters, then keyword-only ``out``."""
         return self._public_sig
 
     @functools.cached_property
@@ -381,8 +266,7 @@ class OpSpec:
         namespace: dict[str, Any] = {"self": self, "_grad_enabled": torch.is_grad_enabled, "_capturing": capturing}
         src = (f"def memo_key(a, pins):\n    {', '.join(names)}, = a\n    _d = {first}.device\n"
                f"    return (pins, {', '.join(parts)})\n")
-        exec(src, namespace)  # noqa: S102 - from the signature
-        return namespace["memo_key"]
+        return define("memo_key", src, namespace, what=self.name)
 
     def needs_grad(self, args: Sequence[Any]) -> bool:
         """Whether the call must give a differentiable output: grad mode on and a tensor argument
@@ -398,9 +282,8 @@ class OpSpec:
         """``invoke_out(fn, args, out)``: as :attr:`invoke`, with ``out=out`` by keyword."""
         pos = set(self.positional)
         call_args = ", ".join(f"a[{i}]" if n in pos else f"{n}=a[{i}]" for i, n in enumerate(self.params))
-        namespace: dict[str, Any] = {}
-        exec(f"def invoke_out(fn, a, out):\n    return fn({call_args}, out=out)\n", namespace)  # noqa: S102
-        return namespace["invoke_out"]
+        return define("invoke_out", f"def invoke_out(fn, a, out):\n    return fn({call_args}, out=out)\n", {},
+                      what=self.name)
 
     @functools.cached_property
     def invoke(self) -> Callable[[Callable[..., Any], Sequence[Any]], Any]:
@@ -408,9 +291,7 @@ class OpSpec:
         signature passes them: positional parameters by position, keyword-only ones by name."""
         pos = set(self.positional)
         call_args = ", ".join(f"a[{i}]" if n in pos else f"{n}=a[{i}]" for i, n in enumerate(self.params))
-        namespace: dict[str, Any] = {}
-        exec(f"def invoke(fn, a):\n    return fn({call_args})\n", namespace)  # noqa: S102 - from the signature
-        return namespace["invoke"]
+        return define("invoke", f"def invoke(fn, a):\n    return fn({call_args})\n", {}, what=self.name)
 
     def bind(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """A call as written -> every argument in signature order, defaults filled in."""
@@ -454,49 +335,3 @@ def _with_out(sig: inspect.Signature, n_outputs: int) -> inspect.Signature:
     hint = "torch.Tensor | None" if n_outputs == 1 else f"tuple[{', '.join(['torch.Tensor'] * n_outputs)}] | None"
     out = inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hint)
     return sig.replace(parameters=[*sig.parameters.values(), out])
-
-
-def read_shapes(header: Sequence[str], rows: Sequence[Mapping[str, str | None]], axes: Sequence[str],
-                aliases: Mapping[str, tuple[str, ...]], where: str) -> tuple[list[str], list[Shape]]:
-    """(the columns used, the shapes) from CSV rows with a column per axis (named by one of its
-    ``aliases``, else by the axis); the first row that does not parse is the error."""
-    columns = []
-    for axis in axes:
-        names = aliases.get(axis, (axis,))
-        found = next((n for n in names if n in header), None)
-        if found is None:
-            raise ValueError(f"{where}: no column {' or '.join(names)} (columns: {', '.join(header)})")
-        columns.append(found)
-    shapes = []
-    for line, row in enumerate(rows, start=2):
-        try:
-            shape = tuple(int(row[c] or "") for c in columns)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}, line {line}: expected integer {', '.join(columns)}, "
-                             f"got {[row.get(c) for c in columns]}") from None
-        if min(shape) < 1:
-            raise ValueError(f"{where}, line {line}: expected positive sizes, got {shape}")
-        shapes.append(shape)
-    if not shapes:
-        raise ValueError(f"{where}: no rows below the header")
-    return columns, shapes
-
-
-def read_csv_rows(path: str | Path) -> tuple[list[str], list[dict[str, str | None]]]:
-    """(the header, every row as a dict) of a CSV file; one that is not readable UTF-8 CSV is one
-    ValueError."""
-    try:
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-            return list(reader.fieldnames or []), rows
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, csv.Error) as exc:
-        raise ValueError(f"{path}: not a CSV file ({exc})") from None
-
-
-def load_sweep_csv(path: str | Path, spec: OpSpec) -> Sweep:
-    header, rows = read_csv_rows(path)
-    _, shapes = read_shapes(header, rows, spec.axes, spec.axis_aliases, str(path))
-    return Sweep(Path(path).stem, spec.name, tuple(shapes))

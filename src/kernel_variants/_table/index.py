@@ -26,12 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernel_variants.registry._spec import Shape
-
-from ._store import TOKEN_KEY
+from kernel_variants._registry.spec import Shape
+from kernel_variants._table.store import TOKEN_KEY
 
 if TYPE_CHECKING:
-    from ._table import Measurement, Winner
+    from kernel_variants._table.table import Measurement, Winner
 
 __all__ = ["SNAPSHOT_PREFIX", "TOKEN_KEY", "FastIndex", "GroupIndex", "document", "index_from"]
 

@@ -7,13 +7,12 @@ the memo; pins are part of the memo key.
 ``KV_RECORD=1`` (or a directory) records each key decided without a measured row (once per key
 per process) for ``kv calibrate --recorded``. Under ``torch.distributed`` with ``KV_TUNE=1``, the
 ranks tune together: rank 0 measures a key none has measured and every rank runs its choice
-(see ``_distributed.tune_together``; ``KV_TUNE=local`` tunes each rank on its own).
+(see ``_tuning.distributed.tune_together``; ``KV_TUNE=local`` tunes each rank on its own).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import hashlib
 import os
@@ -24,15 +23,26 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kernel_variants._capture import capturing
-from kernel_variants.registry import CallKey
-from kernel_variants.registry._registry import RegisteredVariant, Registry, make_plugin_manager
-
-from . import _callcore
-from ._fingerprint import fingerprint, fingerprint_id
-from ._qualify import NOT_YET, Qualifier, beyond, policy_from
-from ._select import Decision, NoVariantError, TraceRow, select
-from ._store import CalibrationWarning, Recorder
-from ._table import DEFAULT_MARGIN, DEFAULT_PRUNE, CalibrationTable, Found, Group
+from kernel_variants._policy import (
+    NOT_YET,
+    Decision,
+    Found,
+    NoVariantError,
+    beyond,
+    choose,
+    policy_from,
+    select,
+    with_note,
+)
+from kernel_variants._registry import CallKey
+from kernel_variants._registry.registry import RegisteredVariant, Registry, make_plugin_manager
+from kernel_variants._runtime import callcore
+from kernel_variants._runtime.pins import _pins, parse_force
+from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.rows import DEFAULT_MARGIN, DEFAULT_PRUNE, key_parts, key_text
+from kernel_variants._table.store import CalibrationWarning, Recorder
+from kernel_variants._table.table import CalibrationTable
+from kernel_variants._tuning.qualify import Qualifier
 
 
 class Hit(NamedTuple):
@@ -56,54 +66,9 @@ class Memo(dict):
 
     def clear(self) -> None:
         super().clear()
-        _callcore.clear_all()
-
-# Pins set by force(), as a hashable tuple of (op, id) pairs so that it can be part of a memo key.
-_pins: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar("kv_pins", default=())
-pins_in_context = _pins.get
+        callcore.clear_all()
 
 
-def parse_force(raw: str, ops: Iterable[str]) -> dict[str, str]:
-    """``"causal_conv1d_fn=reference,causal_conv1d_update=x"``; a bare id pins every op."""
-    ops = list(ops)
-    pins: dict[str, str] = {}
-    for item in filter(None, (p.strip() for p in raw.split(","))):
-        op, sep, vid = item.partition("=")
-        if not sep:
-            pins.update(dict.fromkeys(ops, item))
-            continue
-        op, vid = op.strip(), vid.strip()
-        if op not in ops:
-            raise ValueError(f"KV_FORCE: expected op names {', '.join(ops)}, got {op!r} in {raw!r}")
-        if not vid:
-            raise ValueError(f"KV_FORCE: expected a variant id after '{op}=', got nothing in {raw!r}")
-        pins[op] = vid
-    return pins
-
-
-def key_text(key: CallKey) -> str:
-    """A call key as one line, the same in every process: op, device, dtype, features, shape, extra."""
-    return (f"{Group.of(key).slug()}|{key.device}|{','.join(map(str, key.shape))}"
-            f"|{','.join(sorted(key.extra)) or '-'}")
-
-
-def key_parts(key: CallKey) -> dict[str, Any]:
-    """A call key as plain data (JSON, picklable), from which ``key_from_parts`` rebuilds it."""
-    return {"op": key.op, "device": key.device, "dtype": key.dtype, "features": key.features.model_dump(),
-            "shape": list(key.shape), "extra": sorted(key.extra)}
-
-
-def key_from_parts(registry: Registry, parts: Mapping[str, Any]) -> CallKey:
-    """The key ``key_parts`` described; ValueError when this registry cannot express it."""
-    spec = registry.spec(str(parts["op"]))
-    try:
-        features = spec.features(**dict(parts["features"]))
-    except Exception as exc:
-        raise ValueError(f"features {parts['features']!r} are not {spec.name}'s: {exc}") from None
-    shape = tuple(int(v) for v in parts["shape"])
-    if len(shape) != len(spec.axes):
-        raise ValueError(f"shape {shape} does not have {spec.name}'s axes {spec.axes}")
-    return CallKey(spec, str(parts["device"]), str(parts["dtype"]), features, shape, frozenset(parts.get("extra", ())))
 
 
 def record_dir(raw: str, table_dir: Path) -> Path | None:
@@ -115,9 +80,6 @@ def record_dir(raw: str, table_dir: Path) -> Path | None:
         return table_dir
     return Path(raw).expanduser()
 
-
-class VariantFailed(RuntimeError):
-    """A variant raised during a real call; the message names it, ``__cause__`` is the original."""
 
 
 class Dispatcher:
@@ -183,7 +145,7 @@ class Dispatcher:
         tune = self.tune if tune is None else tune
         if (tune and self.tune_ranks and not capturing(key.device) and key_text(key) not in self.agreed
                 and self.registry.variants(key.op)):
-            from ._distributed import tune_together, tuning_world
+            from kernel_variants._tuning.distributed import tune_together, tuning_world
 
             if tuning_world() > 1:
                 return tune_together(self, key, forced)  # a collective: every rank decides this key now
@@ -209,14 +171,7 @@ class Dispatcher:
                 tuned = True
                 self._tune(key)
                 found = self.found(key, allowed) if allowed else None
-            if agreed is not None and agreed in allowed:
-                decision = self._from_table(entries, key, found, barred)
-                if decision.chosen is None or decision.chosen.id != agreed:
-                    mine = decision.chosen.id if decision.chosen is not None else "nothing"
-                    decision = dataclasses.replace(select(entries, key, forced=agreed), source="rank 0",
-                                                   note=f"rank 0's choice for this key (this rank's table: {mine})")
-            else:
-                decision = self._from_table(entries, key, found, barred)
+            decision = choose(entries, key, found, barred, agreed)
             chosen = decision.chosen
             if chosen is None:
                 return dataclasses.replace(decision, provisional=provisional)
@@ -224,7 +179,7 @@ class Dispatcher:
             if why is None:
                 return dataclasses.replace(self._noted(decision, key), provisional=provisional)
             if why == NOT_YET and not qualify:  # a preview: the call would qualify it, then run it
-                return _with_note(decision, NOT_YET)
+                return with_note(decision, NOT_YET)
             if why == NOT_YET:  # passed over under capture: this decision must not outlive it
                 provisional = True
             barred[chosen.id] = why
@@ -236,8 +191,8 @@ class Dispatcher:
             return decision
         v = self.qualifier.stored(chosen, key)
         if v is None:
-            return _with_note(decision, "forced, unqualified: not checked on this device for this class")
-        return decision if v.passed else _with_note(decision, f"forced, although it {v.summary()}")
+            return with_note(decision, "forced, unqualified: not checked on this device for this class")
+        return decision if v.passed else with_note(decision, f"forced, although it {v.summary()}")
 
     def _noted(self, decision: Decision, key: CallKey) -> Decision:
         """``decision``, saying so where its variant runs a shape beyond every one it was checked at."""
@@ -248,7 +203,7 @@ class Dispatcher:
         over = beyond(v, key.shape, key.spec.axes) if v is not None else None
         if over is None:
             return decision
-        return _with_note(decision, f"checked at smaller sizes only ({over}; KV_QUALIFY=strict checks it "
+        return with_note(decision, f"checked at smaller sizes only ({over}; KV_QUALIFY=strict checks it "
                                     "at this shape first)")
 
     def found(self, key: CallKey, runnable: list[str]) -> Found | None:
@@ -256,28 +211,15 @@ class Dispatcher:
         fpid = fingerprint_id(fingerprint(key.where))  # this GPU, not the first one
         return self.table.lookup(key, fpid, runnable, self.versions())
 
-    @staticmethod
-    def _from_table(entries, key: CallKey, found: Found | None, barred: Mapping[str, str]) -> Decision:
-        if found is None:
-            return select(entries, key, barred=barred)
-        decision = select(entries, key, timings=found.timings, winner=found.winner, timings_source=found.source,
-                          measured_key=found.at, rejected=found.rejected, barred=barred)
-        if not found.pruned:
-            return decision
-        # A pruned variant is measured-slower, not unmeasured: say how much slower, at least.
-        rows = tuple(TraceRow(r.variant, r.accepted, f"pruned after the first round: >= {found.pruned[r.variant]:.1f}x "
-                                                     "the best there (timed no further)", r.time_us)
-                     if r.variant in found.pruned and not r.accepted else r for r in decision.trace)
-        return dataclasses.replace(decision, trace=rows)
-
     def _tune(self, key: CallKey) -> None:
         """KV_TUNE=1: measure an unseen key on first sight, as PyTorch TunableOp's online tuning."""
-        from ._calibrate import run_calibration
-        from ._timing import TimingConfig
+        from kernel_variants._tuning.calibrate import run_calibration
+        from kernel_variants._tuning.timing import TimingConfig
 
         run_calibration(self.registry.variants(key.op), self.table, key.spec, [key.shape], dtype=key.dtype,
                         device=key.where, features=key.features, timing=TimingConfig(), variants=None,
-                        rotate=0, margin=DEFAULT_MARGIN, progress=None, prune=DEFAULT_PRUNE)
+                        rotate=0, margin=DEFAULT_MARGIN, progress=None, prune=DEFAULT_PRUNE,
+                        qualifier=self.qualifier)
         self.invalidate()  # signatures memoised from nearest or priority decisions may change
 
     def resolve(self, sig: tuple[Any, ...] | None, key: CallKey, args: tuple[Any, ...],
@@ -345,10 +287,6 @@ class Dispatcher:
         self.memo.clear()
 
 
-def _with_note(decision: Decision, note: str) -> Decision:
-    return dataclasses.replace(decision, note=f"{decision.note}; {note}" if decision.note else note)
-
-
 def _flag(raw: str) -> bool:
     return raw.strip().lower() not in ("", "0", "false", "no", "off")
 
@@ -361,7 +299,7 @@ def dispatcher() -> Dispatcher:
     global _current
     if _current is None:
         _current = Dispatcher()
-        _callcore.rearm()
+        callcore.rearm()
     return _current
 
 
@@ -369,7 +307,7 @@ def reset(registry: Registry | None = None) -> Dispatcher:
     """Start over: re-read the environment and plugins (or use ``registry``), forget decisions."""
     global _current
     _current = Dispatcher(registry)
-    _callcore.rearm()  # the cores held the old memo's entries; KV_CALL_CORE is read again
+    callcore.rearm()  # the cores held the old memo's entries; KV_CALL_CORE is read again
     return _current
 
 

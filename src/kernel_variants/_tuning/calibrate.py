@@ -12,16 +12,23 @@ from typing import Any
 import torch
 
 from kernel_variants._dtypes import as_dtype, dtype_name
-from kernel_variants.registry import CallKey, Case, Features, OpSpec
-from kernel_variants.registry._registry import RegisteredVariant
-from kernel_variants.registry._spec import Shape
-
-from . import _timing
-from ._fingerprint import fingerprint, fingerprint_id
-from ._qualify import Qualifier
-from ._table import CalibrationTable, Group, Measurement, Winner, check_margin, check_prune
-from ._timing import Failed, Pruned, TimingConfig, check_mode, cold_copies, measure_interleaved
-from ._verify import reference_result, verify
+from kernel_variants._registry import CallKey, Case, Features, OpSpec
+from kernel_variants._registry.registry import RegisteredVariant
+from kernel_variants._registry.spec import Shape
+from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.rows import check_margin, check_prune
+from kernel_variants._table.table import CalibrationTable, Group, Measurement, Winner
+from kernel_variants._tuning import timing as _timing
+from kernel_variants._tuning.qualify import Qualifier
+from kernel_variants._tuning.timing import (
+    Failed,
+    Pruned,
+    TimingConfig,
+    check_mode,
+    cold_copies,
+    measure_interleaved,
+)
+from kernel_variants._tuning.verify import reference_result, verify
 
 
 @dataclass
@@ -78,7 +85,7 @@ def measure_shape(
     on_result: Callable[[Measurement], None] | None = None,
     prune: float | None = None,
     deadline: float | None = None,
-    qualifier: Qualifier | None = None,
+    qualifier: Qualifier,
 ) -> list[Measurement]:
     """Qualify each of ``entries`` that can run ``shape`` for its class and check it at ``shape``
     (rejected ones say why; a failed check fails the class, see ``Qualifier.check``), then time the
@@ -91,10 +98,6 @@ def measure_shape(
     # at large sizes, or only on pads, is caught where it would run. The timing case has none.
     check = spec.make_case(tuple(shape), dtype=dtype, device=device, seed=_seed(shape),
                            **{**features.model_dump(), **spec.check_options})
-    if qualifier is None:  # the process's verdicts (the dispatcher imports this module lazily)
-        from ._dispatcher import dispatcher
-
-        qualifier = dispatcher().qualifier
     fp = fingerprint(device)
     fpid = fingerprint_id(fp)
     group = Group.of(key)
@@ -237,14 +240,10 @@ def _finite(v: float) -> bool:
 
 
 def _without_failed(table: CalibrationTable, entries: Sequence[RegisteredVariant], spec: OpSpec,
-                    result: CalibrationResult, features: Features, device: str, qualifier: Qualifier | None,
+                    result: CalibrationResult, features: Features, device: str, qualifier: Qualifier,
                     versions: dict[tuple[str, str], str], margin: float) -> None:
     """A variant whose check failed at a later shape of this run failed its whole class: the
     shapes it won earlier in the run are decided again without it."""
-    if qualifier is None:
-        from ._dispatcher import dispatcher
-
-        qualifier = dispatcher().qualifier
     dev = torch.device(device)
     key = CallKey(spec, dev.type, result.dtype, features, result.measurements[0].shape, index=dev.index)
     failed = qualifier.failed(list(entries), key)
@@ -272,7 +271,7 @@ def run_calibration(
     progress: Callable[[Progress], None] | None,
     prune: float | None = None,
     budget_s: float | None = None,
-    qualifier: Qualifier | None = None,
+    qualifier: Qualifier,
 ) -> CalibrationResult:
     """Measure ``shapes`` and re-decide each one's winner in ``table``.
 

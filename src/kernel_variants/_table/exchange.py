@@ -23,12 +23,18 @@ from typing import IO, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kernel_variants.registry._models import valid_id
-
-from ._dispatcher import dispatcher
-from ._fingerprint import fingerprint, fingerprint_id
-from ._qualify import VERDICT_PREFIX, Verdict, parse_verdict, verdict_fingerprint
-from ._table import DEFAULT_MARGIN, Measurement, Winner
+from kernel_variants._registry.models import valid_id
+from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.rows import (
+    DEFAULT_MARGIN,
+    VERDICT_PREFIX,
+    Measurement,
+    Verdict,
+    Winner,
+    parse_verdict,
+    verdict_fingerprint,
+)
+from kernel_variants._table.table import CalibrationTable
 
 # 2: rows of table schema 3 (per-variant dependencies, samples, pruned rows); a document of 1
 # was written by an earlier release, whose fingerprints held package versions: refused, saying so.
@@ -167,8 +173,8 @@ def winner_problem(w: Winner, now: float | None = None) -> str | None:
     return problem
 
 
-def build_document(device: str = "cpu") -> TableDocument:
-    """This device's measurements and winners from the process-wide table, as a document.
+def build_document(table: CalibrationTable, device: str = "cpu") -> TableDocument:
+    """This device's measurements, winners and verdicts from ``table``, as a document.
 
     Entries the table itself could not read (malformed rows) are left out, as load() ignores them.
     """
@@ -180,7 +186,7 @@ def build_document(device: str = "cpu") -> TableDocument:
     vs: list[Verdict] = []
     vfp = verdict_fingerprint(fp)
     vprefix = f"{VERDICT_PREFIX}{fingerprint_id(vfp)}|"
-    for key, raw in dispatcher().table.store.items():
+    for key, raw in table.store.items():
         if raw is None:
             continue
         if key.startswith(vprefix):
@@ -204,9 +210,11 @@ def build_document(device: str = "cpu") -> TableDocument:
                          winners=sorted(ws, key=Winner.storage_key), verdicts=sorted(vs, key=Verdict.storage_key))
 
 
-def export_table(path_or_file: str | os.PathLike[str] | IO[str], device: str = "cpu") -> TableDocument:
-    """Write this device's table to ``path_or_file`` (a path, replaced atomically, or a text file)."""
-    doc = build_document(device)
+def export_table(table: CalibrationTable, path_or_file: str | os.PathLike[str] | IO[str],
+                 device: str = "cpu") -> TableDocument:
+    """Write this device's part of ``table`` to ``path_or_file`` (a path, replaced atomically, or
+    a text file)."""
+    doc = build_document(table, device)
     # Without verdicts the document is as the previous release wrote it (which forbids new fields).
     text = doc.model_dump_json(indent=1, exclude=None if doc.verdicts else {"verdicts"}) + "\n"
     if hasattr(path_or_file, "write"):
@@ -281,9 +289,10 @@ def _differences(theirs: dict[str, str], ours: dict[str, str]) -> str:
                      for k in keys if theirs.get(k) != ours.get(k))
 
 
-def import_document(doc: TableDocument, *, force: bool = False, device: str = "cpu",
-                    source: str = "document") -> ImportReport:
-    """Merge ``doc`` into the process-wide table, keeping the newer entry per key."""
+def import_document(doc: TableDocument, table: CalibrationTable, versions: dict[tuple[str, str], str], *,
+                    force: bool = False, device: str = "cpu", source: str = "document") -> ImportReport:
+    """Merge ``doc`` into ``table`` (whose registered variants have ``versions``), keeping the
+    newer entry per key. Decisions made from the table before are the caller's to forget."""
     dev = torch.device(device)
     if doc.schema_version < DOCUMENT_SCHEMA:
         raise ExchangeError(f"{source}: written by an earlier kernel_variants release (document schema "
@@ -304,8 +313,6 @@ def import_document(doc: TableDocument, *, force: bool = False, device: str = "c
         report.forced = True
         ms = [m.model_copy(update={"fingerprint": ours, "fingerprint_id": ours_id}) for m in ms]
         ws = [w.model_copy(update={"fingerprint_id": ours_id}) for w in ws]
-    d = dispatcher()
-    versions = d.versions()
     for m in ms:
         local = versions.get((m.group.op, m.variant))
         if local is None:
@@ -318,7 +325,6 @@ def import_document(doc: TableDocument, *, force: bool = False, device: str = "c
     incoming = [(m.storage_key(), m.measured_at, m.model_dump_json(), Measurement) for m in ms]
     verdicts = [] if report.forced else list(doc.verdicts)
     report.verdicts_left = len(doc.verdicts) - len(verdicts)
-    table = d.table
     store = table.store
     with store.transaction():
         for key, at, text, model in incoming:
@@ -352,10 +358,10 @@ def import_document(doc: TableDocument, *, force: bool = False, device: str = "c
         table.decide_winner(ours_id, group, shape, versions, DEFAULT_MARGIN)
     if ms:
         table.prepare(versions, ours_id)
-    d.invalidate()
     return report
 
 
-def import_table(path: str | os.PathLike[str], force: bool = False, device: str = "cpu") -> ImportReport:
-    """Validate the document at ``path``, then merge it into this machine's table (newer wins)."""
-    return import_document(read_document(path), force=force, device=device, source=str(path))
+def import_table(table: CalibrationTable, versions: dict[tuple[str, str], str], path: str | os.PathLike[str],
+                 force: bool = False, device: str = "cpu") -> ImportReport:
+    """Validate the document at ``path``, then merge it into ``table`` (newer wins)."""
+    return import_document(read_document(path), table, versions, force=force, device=device, source=str(path))

@@ -1,0 +1,173 @@
+"""The caller's tools around one op: ``explain`` (the decision for a call, with every variant's
+fate), ``call_key`` and ``bind`` (the chosen variant as a function of the op's signature, for a
+loop whose shapes do not change)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kernel_variants._codegen import define
+from kernel_variants._policy import Decision
+from kernel_variants._registry import OpSpec
+from kernel_variants._runtime import call as _call
+from kernel_variants._runtime import callcore
+from kernel_variants._runtime.call import finish, out_runner, with_subs
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._runtime.errors import changed_error, variant_failed
+from kernel_variants._runtime.guards import guard_writes
+
+
+def explain(op_name: str, *args: object, **kwargs: object) -> Decision:
+    """The decision the dispatcher makes for this call, with every variant's verdict and reason.
+
+    Takes the op's arguments exactly as the op would (``out=`` included: checked, never written;
+    it changes no decision); runs nothing. ``print()`` it for a trace.
+    """
+    d = dispatcher()
+    spec = d.registry.spec(op_name)
+    out = kwargs.pop("out", None)
+    bound = spec.bind(*args, **kwargs)
+    key = spec.key(bound, d.check_values or _call.on_cpu(spec, bound))
+    if out is not None:
+        spec.check_out(bound, out)
+    return d.decide(key, d.pinned(spec.name), tune=False, qualify=False)
+
+
+def call_key(op_name: str, *args: object, **kwargs: object):
+    """Validate a call to ``op_name`` given as it would be written, and return its key."""
+    d = dispatcher()
+    kwargs.pop("out", None)
+    spec = d.registry.spec(op_name)
+    bound = spec.bind(*args, **kwargs)
+    return spec.key(bound, d.check_values or _call.on_cpu(spec, bound))
+
+
+class BoundOp(Protocol):
+    """What :func:`bind` returns: the op's public signature, calling one variant directly."""
+
+    op: str
+    variant: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any) -> BoundOp:
+    """The variant the dispatcher chooses for this example call, as a function with the op's
+    signature, for a loop whose shapes do not change.
+
+    The example (``out=`` included) is validated and decided once, as the op would. Each call of
+    the result then checks only what can change without changing shapes: index values where the
+    op checks them (always on the CPU; on accelerators when ``KV_CHECK_VALUES`` is on), that
+    every non-tensor argument equals the example's (``ValueError`` otherwise), and a given
+    ``out`` (its shape, dtype, device and overlap). Index values are checked against the
+    example's sizes (slot count, T, L). It does not re-check the tensors' shapes,
+    dtypes, devices, strides, whether they require grad, or overlap with a written state: pass
+    tensors like the example's.
+    The choice is fixed: calibration, ``force`` or ``reload`` after ``bind`` do not change it
+    (bind again). ``op`` is the op's name or its public function; ``.variant`` says what runs.
+    Where the compiled call core is built, the result is a C object that behaves as this
+    function (and hands it what it does not run itself: ``out=``, a changed value, a bad index).
+    """
+    d = dispatcher()
+    name = op if isinstance(op, str) else getattr(op, "__name__", None)
+    if not isinstance(name, str):
+        raise TypeError(f"op: expected an op name or an op function, got {type(op).__name__}")
+    spec = d.registry.spec(name)
+    out = example_kwargs.pop("out", None)
+    args = spec.bind(*example_args, **example_kwargs)
+    values = d.check_values or _call.on_cpu(spec, args)
+    key = spec.key(args, values)
+    if out is not None:
+        spec.check_out(args, out)
+    vid, fn, _, subs, _, checks, rule = d.resolve(None, key, args, finish(spec, args, None, values))
+    guard_writes(spec, args, out)
+    caps = d.registry.get(spec.name, vid).variant.capabilities
+    tensors = set(spec.tensor_indices)
+    fixed = [i for i in range(len(spec.params)) if i not in tensors]
+    normalized = dict(subs)
+    namespace: dict[str, Any] = {
+        "_with": with_subs, "_fn": fn, "_check_values": checks, "_changed": _changed(spec, fixed, tuple(args[i] for i in fixed)),
+        "_out": _bound_out(spec, vid, fn, caps, subs, rule), "_variant_failed": variant_failed, "_spec": spec,
+        "_vid": vid, "_rule": rule, "_invoke": spec.invoke, "_subs": subs,
+    }
+    params = _params_source(spec, namespace)
+    pos = set(spec.positional)
+    call_args = []
+    for i, n in enumerate(spec.params):
+        value = n
+        if i in normalized:  # already normalised once, from the example
+            namespace[f"_n{i}"] = normalized[i]
+            value = f"_n{i}"
+        call_args.append(value if n in pos else f"{n}={value}")
+    names = ", ".join(spec.params)
+    fixed_src = f"({', '.join(spec.params[i] for i in fixed)},)" if fixed else "()"
+    # One comparison per value rather than a tuple built and compared: it is on every call.
+    namespace.update({f"_f{k}": args[i] for k, i in enumerate(fixed)})
+    differs = " or ".join(f"{spec.params[i]} != _f{k}" for k, i in enumerate(fixed)) or "False"
+    run = (f"_invoke(_fn, _rule(_with(({names},), _subs)))" if rule is not None
+           else f"_fn({', '.join(call_args)})")
+    src = (f"def bound({params}):\n"
+           f"    if {differs}:\n"
+           f"        raise _changed({fixed_src})\n"
+           + (f"    _check_values(({names},))\n" if checks is not None else "")
+           + "    if out is not None:\n"
+           f"        return _out(({names},), out)\n"
+           "    try:\n"
+           f"        return {run}\n"
+           "    except Exception as exc:\n"
+           "        raise _variant_failed(_spec, _vid, exc) from exc\n")
+    bound = define("bound", src, namespace, what=spec.name)
+    # The same in C where the call core is built: this function then serves only what the C
+    # object hands it (out=, a changed value, a bad index value), raising with its messages.
+    fast = None if rule is not None else callcore.bound(spec, bound, vid, fn, subs, checks, fixed,
+                                                         tuple(args[i] for i in fixed))
+    for made in (bound, fast) if fast is not None else (bound,):
+        made.__doc__ = f"{spec.name}, bound to variant {vid!r} for calls shaped like the example (kernel_variants.bind)."
+        made.__qualname__ = made.__name__ = f"{spec.name}_bound"
+        made.__signature__ = spec.py_signature
+        made.op, made.variant = spec.name, vid
+    return fast if fast is not None else bound
+
+
+def _changed(spec: OpSpec, fixed: list[int], expected: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], ValueError]:
+    names = [spec.params[i] for i in fixed]
+    return lambda got: changed_error(names, expected, got)
+
+
+def _bound_out(spec: OpSpec, vid: str, fn: Callable[..., Any], caps: Any, subs: tuple[tuple[int, Any], ...],
+               rule: Callable[[tuple[Any, ...]], Any] | None) -> Callable[[tuple[Any, ...], Any], Any]:
+    """A bound call with ``out``: ``out`` checked against the call (and for overlap) each time."""
+
+    def run(args: tuple[Any, ...], out: Any) -> Any:
+        spec.check_out(args, out)
+        aliased = guard_writes(spec, args, out)
+        direct = caps.takes_out and all(o.is_contiguous() for o in spec.out_tensors(out))
+        args = with_subs(args, subs)
+        if rule is not None:
+            args = rule(args)
+        try:
+            return out_runner(spec, direct, caps.in_place)(fn, args, out, aliased)
+        except Exception as exc:
+            raise variant_failed(spec, vid, exc) from exc
+
+    return run
+
+
+def _params_source(spec: OpSpec, namespace: dict[str, Any]) -> str:
+    """The parameter list of ``spec``'s signature as source, defaults bound in ``namespace``."""
+    parts: list[str] = []
+    star = False
+    params = list(spec.py_signature.parameters.values())
+    for i, p in enumerate(params):
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        if p.default is p.empty:
+            parts.append(p.name)
+        else:
+            namespace[f"_d{i}"] = p.default
+            parts.append(f"{p.name}=_d{i}")
+        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not p.POSITIONAL_ONLY):
+            parts.append("/")
+    return ", ".join(parts)

@@ -1,0 +1,50 @@
+"""An op's entry into the runtime: what its public function calls with its arguments.
+
+An op's public function is written in its package with its signature and docstring, and one line
+into its entry (``make_op``), so that a reader, a debugger and an IDE can follow a call from the
+op inward. Traced by ``torch.compile``, the entry calls the op's ``torch.library`` custom op,
+which dispatches when the graph runs; eagerly, the compiled call core where it is built, which
+hands what it does not serve to the Python path (``call.call``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kernel_variants._registry import OpSpec
+from kernel_variants._runtime import callcore
+from kernel_variants._runtime.call import MADE, ON_MADE, call
+
+
+def make_op(spec: OpSpec) -> Callable[..., Any]:
+    """The dispatched entry of ``spec``: ``entry(*args, out)``, every parameter of the op in
+    signature order, then ``out``. The op's public function returns ``entry(...)``."""
+    name = spec.name
+    compiling = torch.compiler.is_compiling
+    miss = callcore.MISS
+    slot = callcore.arm(spec)
+
+    def entry(*args: Any) -> Any:
+        if compiling():
+            # Importing custom_ops runs for real under Dynamo (it is not traced) and registers
+            # the ops made so far.
+            from kernel_variants._runtime import custom_ops
+
+            return custom_ops.OPS[name](*args)
+        core = slot.core
+        if core is not None:
+            r = core(*args)
+            if r is not miss:
+                return r
+            # slot.core, not core: a first call resolved the core (or None) just now.
+            return call(spec, args[:-1], args[-1], slot.core)
+        return call(spec, args[:-1], args[-1])
+
+    entry.__qualname__ = entry.__name__ = f"{name}_entry"
+    MADE.append(spec)
+    for hook in ON_MADE:  # a compile already happened: this op needs its custom op now
+        hook(spec)
+    return entry

@@ -1,0 +1,1 @@
+"""Tuning: timing, the one verify, qualification, calibration and its distributed form."""

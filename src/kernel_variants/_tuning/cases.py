@@ -1,0 +1,100 @@
+"""A variant's edge cases for one class of calls, each judged by the one verify: what a
+qualification runs (``run_cases``), and the check a calibration runs at each shape it times
+(``check_at``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from kernel_variants._registry import Case, Features, OpSpec
+from kernel_variants._registry.registry import RegisteredVariant
+from kernel_variants._registry.spec import Shape
+from kernel_variants._tuning.verify import copy_case, out_forms, reference_result, verify
+
+
+def class_cases(spec: OpSpec, caps: Any, features: Features, *, dtype: Any, device: str) -> Iterator[tuple[str, Case]]:
+    """Each named edge case of ``spec`` built for the class ``features`` at ``dtype``: its own
+    options with the class's features over them, at the nearest sizes ``caps`` takes; a case
+    that is no call of this class (an empty decode, which the contract refuses) is left out."""
+    named: Mapping[str, Mapping[str, Any]] = spec.edge_cases or dict(spec.conformance(caps))
+    want = features.model_dump()
+    seen: set[str] = set()
+    for label, options in named.items():
+        opts = {**options, **want}
+        shape = caps.fit(spec.axes, tuple(opts.pop("shape")))
+        if shape is None:
+            continue
+        ident = repr((shape, sorted(opts.items(), key=lambda kv: kv[0])))
+        if ident in seen:  # the class's features made it another case's twin
+            continue
+        try:
+            case = spec.make_case(shape, dtype=dtype, device=device, **opts)
+            key = spec.key_of_case(case)
+        except (ValueError, TypeError):
+            continue
+        if key.features != features or caps.uncovered(key) is not None:
+            continue
+        seen.add(ident)
+        yield label, case
+
+
+def run_cases(spec: OpSpec, rv: RegisteredVariant, features: Features, dtype: Any, device: str) -> dict[str, Any]:
+    """Every case of the class on ``rv``: how many ran, the first failure, the largest sizes."""
+    caps = rv.variant.capabilities
+    ran, largest = 0, [0] * len(spec.axes)
+    seen: list[Case] = []
+    for label, case in class_cases(spec, caps, features, dtype=dtype, device=device):
+        seen.append(case)
+        expected = reference_result(case)
+        for form in (None, *out_forms(spec, caps, case)):
+            ran += 1
+            why = verify(rv.variant.fn, case, expected, out=form)
+            if why is not None:
+                name = label if form is None else f"{label}, out= {form.replace('_', ' ')}"
+                return {"cases": ran, "failed_case": f"{name} ({str(dtype)[6:]})", "reason": why}
+        largest = [max(a, b) for a, b in zip(largest, spec.key_of_case(case).shape, strict=True)]
+    if ran == 0:
+        return failed("no edge case of this class fits its declared limits")
+    if len(seen) > 1:
+        ran += 1
+        why = _reused_output(rv.variant.fn, seen[0], seen[1])
+        if why is not None:
+            return {"cases": ran, "failed_case": f"two calls in a row ({str(dtype)[6:]})", "reason": why}
+    return {"cases": ran, "failed_case": "", "reason": "", "largest": largest}
+
+
+def _reused_output(fn: Callable[..., Any], first: Case, second: Case) -> str | None:
+    """Why the result of one call changes when ``fn`` is called again (it hands out a buffer it
+    reuses: the caller's first result would be overwritten), or None."""
+    def tensors(out: Any) -> list[torch.Tensor]:
+        return [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
+
+    outs = tensors(copy_case(first).call(fn))
+    kept = [t.clone() for t in outs]
+    copy_case(second).call(fn)
+    for t, k in zip(outs, kept, strict=True):
+        # NaN-aware and bit-exact where it matters: the same call's own result, before and after
+        if not torch.equal(torch.nan_to_num(t, 1.5, 2.5, 3.5), torch.nan_to_num(k, 1.5, 2.5, 3.5)):
+            return "an output changed when it was called again (it returns a buffer it reuses)"
+    return None
+
+
+def check_at(spec: OpSpec, rv: RegisteredVariant, shape: Shape, features: Features, *, dtype: Any,
+             device: str, seed: int = 0) -> str | None:
+    """One check at ``shape`` with the op's traps in it (``check_options``): None when right."""
+    case = spec.make_case(tuple(shape), dtype=dtype, device=device, seed=seed,
+                          **{**features.model_dump(), **spec.check_options})
+    return verify(rv.variant.fn, case)
+
+
+def failed(reason: str) -> dict[str, Any]:
+    return {"cases": 0, "failed_case": "", "reason": reason}
+
+
+def error(reason: str) -> dict[str, Any]:
+    """An outcome that says nothing about the variant (the machine, the runtime, the check
+    itself failed): it bars the variant in this process only, and is never stored."""
+    return {**failed(reason), "error": True}

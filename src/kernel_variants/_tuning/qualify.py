@@ -1,0 +1,207 @@
+"""Qualification: no variant is timed or chosen for a class of calls before it passed, on this
+device, the op's named edge cases built for that class.
+
+A class is (op, device fingerprint, dtype, features): what a calibration group is, on one device.
+Its cases are the op's ``edge_cases`` at the class's features and dtype, at sizes the variant
+takes (``Capabilities.fit``), plus each ``out=`` form the variant declares; the one ``verify``
+judges each. The verdict (passed, or the first failing case and why) is stored in the table
+beside the timings, keyed by the class and the variant, and is valid for the variant's full
+version: a new version qualifies again.
+
+A variant that runs compiled code (``Variant.isolate``, the default for anything not declared
+pure) is qualified in a child process (``isolate``). Who may be chosen, given a verdict, is
+``_policy.admit``'s to say; this module keeps the verdicts and runs what it asks for.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kernel_variants._policy import Policy, admit
+from kernel_variants._registry import CallKey
+from kernel_variants._registry.registry import RegisteredVariant
+from kernel_variants._registry.spec import Shape
+from kernel_variants._table.rows import (
+    VERDICT_PREFIX,
+    Group,
+    Verdict,
+    parse_verdict,
+    verdict_fingerprint,
+    verdict_key,
+)
+from kernel_variants._tuning.cases import check_at, error
+from kernel_variants._tuning.isolate import run_qualification
+
+SLOW_S = 1.0  # a qualification that takes longer is announced on stderr
+
+
+
+def verdict_from(outcome: Mapping[str, Any], *, key: CallKey, rv: RegisteredVariant, fingerprint: dict[str, str],
+                 fingerprint_id: str, where: str, seconds: float) -> Verdict:
+    passed = not outcome.get("reason") and outcome.get("cases", 0) > 0
+    return Verdict(fingerprint=fingerprint, fingerprint_id=fingerprint_id, group=Group.of(key), variant=rv.id,
+                   version=rv.version, passed=passed, cases=int(outcome.get("cases", 0)),
+                   failed_case=str(outcome.get("failed_case", "")), reason=str(outcome.get("reason", "")),
+                   where=where, seconds=round(seconds, 4),  # type: ignore[arg-type]
+                   largest=tuple(outcome.get("largest") or ()), qualified_at=time.time())
+
+
+
+
+class Qualifier:
+    """The verdicts of one table, and the one rule of who may be chosen: a variant may run a
+    call when it passed its class's cases on this device (the reference always may).
+
+    ``on_failure`` runs when a variant's verdict becomes a failure (the dispatcher forgets its
+    memoised decisions then: one may have chosen that variant)."""
+
+    def __init__(self, table: Callable[[], Any], policy: Policy, on_failure: Callable[[], None] = lambda: None) -> None:
+        self._table = table
+        self.policy = policy
+        self._on_failure = on_failure
+        self._cache: dict[str, Verdict | None] = {}
+        self._errors: dict[str, Verdict] = {}  # this process only: the machine failed, not the variant
+        self._lock = threading.RLock()  # one qualification at a time: no class is run twice at once
+        self._said_off = False
+
+    def _where(self, key: CallKey) -> tuple[dict[str, str], str]:
+        from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+
+        fp = verdict_fingerprint(fingerprint(key.where))
+        return fp, fingerprint_id(fp)
+
+    def stored(self, rv: RegisteredVariant, key: CallKey) -> Verdict | None:
+        """The current verdict of ``rv`` for ``key``'s class (None: none, or of another version)."""
+        _, fpid = self._where(key)
+        skey = verdict_key(fpid, Group.of(key), rv.id)
+        v = self._errors.get(skey)
+        if v is None:
+            if skey not in self._cache:
+                table = self._table()
+                self._cache[skey] = parse_verdict(table._guard(table.store.get, skey))
+            v = self._cache[skey]
+        return v if v is not None and v.version == rv.version else None
+
+    def _keep(self, v: Verdict, *, persist: bool = True) -> Verdict:
+        skey = v.storage_key()
+        before = self._errors.get(skey) or self._cache.get(skey)
+        if persist:
+            table = self._table()
+            table._guard(table.store.set, skey, v.model_dump_json())
+            self._cache[skey] = v
+            self._errors.pop(skey, None)
+        else:
+            self._errors[skey] = v
+        if not v.passed and (before is None or before.passed):
+            self._on_failure()
+        return v
+
+    def qualify(self, rv: RegisteredVariant, key: CallKey, *, announce: bool = False) -> Verdict:
+        """Run ``rv``'s cases for ``key``'s class now (building it first) and keep the verdict.
+        ``announce`` (a call's first use): say on stderr what ran, when it took longer than a
+        second, ran in a child process or failed (kv qualify and kv calibrate report their own).
+        An outcome that says nothing about the variant (its build failed, the child was killed
+        by the system, the check itself broke) bars it in this process only: not stored."""
+        from kernel_variants._dtypes import as_dtype
+
+        with self._lock:
+            fp, fpid = self._where(key)
+            t0 = time.perf_counter()
+            why = rv.ensure_built()
+            if why is not None:
+                outcome, where = error(f"cannot run here: {why}"), "process"
+            else:
+                outcome, where = run_qualification(key.spec, rv, key.features, dtype=as_dtype(key.dtype),
+                                                   device=key.where)
+            seconds = time.perf_counter() - t0
+            v = self._keep(verdict_from(outcome, key=key, rv=rv, fingerprint=fp, fingerprint_id=fpid, where=where,
+                                        seconds=seconds), persist=not outcome.get("error"))
+        if announce and (seconds > SLOW_S or where == "child" or not v.passed):
+            print(f"kernel_variants: {rv.id} for {_describe(key)}: {v.summary()} "
+                  f"({'in a child process, ' if where == 'child' else ''}{seconds:.1f} s)", file=sys.stderr)
+        return v
+
+    def barred(self, rv: RegisteredVariant, key: CallKey, *, may_run: bool, announce: bool = False) -> str | None:
+        """Why ``rv`` may not be chosen for ``key`` (None: it may), by ``_policy.admit``.
+        ``may_run``: qualify it now if it has no verdict (never while a graph is captured or
+        traced, nor for ``explain``); ``announce``: say so on stderr (a call's first use)."""
+        reference = rv.variant.fn is key.spec.reference.fn
+        if self.policy == "off" and not self._said_off:
+            self._said_off = True
+            print("kernel_variants: KV_QUALIFY=off: variants are chosen without being checked on this "
+                  "device", file=sys.stderr)
+        v = None if self.policy == "off" or reference else self.stored(rv, key)
+        rule = dict(policy=self.policy, reference=reference, may_run=may_run, shape=key.shape, axes=key.spec.axes)
+        answer = admit(v, **rule)
+        if answer.qualify:
+            v = self.qualify(rv, key, announce=announce)
+            answer = admit(v, **rule)
+        if answer.check:
+            v = self.check(rv, key, key.shape)
+            answer = admit(v, **{**rule, "policy": "require"})  # checked at this shape now
+        return answer.barred
+
+    def failed(self, entries: list[RegisteredVariant], key: CallKey) -> dict[str, str]:
+        """Those of ``entries`` whose verdict for ``key``'s class is a failure, with why."""
+        if self.policy == "off":
+            return {}
+        out = {}
+        for rv in entries:
+            v = self.stored(rv, key)
+            if v is not None and not v.passed:
+                out[rv.id] = v.summary()
+        return out
+
+    def check(self, rv: RegisteredVariant, key: CallKey, shape: Shape, why: str | None = None) -> Verdict:
+        """Note a check of ``rv`` at ``shape`` (``why``: its outcome; run now when not given): a
+        pass widens what the verdict covers, a failure fails the class (a kernel wrong at one
+        size is not trusted at another)."""
+        from kernel_variants._dtypes import as_dtype
+
+        v = self.stored(rv, key)
+        if v is None:
+            v = self.qualify(rv, key)
+        if not v.passed:
+            return v
+        if why is None:
+            try:
+                why = check_at(key.spec, rv, shape, key.features, dtype=as_dtype(key.dtype), device=key.where)
+            except Exception as exc:  # the check could not be built (out of memory, say): no verdict on it
+                return self._keep(v.model_copy(update={"passed": False, "reason": f"qualification itself failed "
+                                                       f"at {shape}: {type(exc).__name__}: {exc}"}), persist=False)
+        at = ", ".join(f"{a}={s}" for a, s in zip(key.spec.axes, shape, strict=True))
+        if why is not None:
+            return self._keep(v.model_copy(update={"passed": False, "failed_case": f"check at {at}",
+                                                   "reason": why, "qualified_at": time.time()}))
+        largest = tuple(max(a, b) for a, b in zip(v.largest or shape, shape, strict=True))
+        return v if largest == v.largest else self._keep(v.model_copy(update={"largest": largest}))
+
+    def clear(self, op: str | None = None, variant: str | None = None) -> int:
+        """Forget the verdicts (of ``op``, of ``variant``); returns how many went."""
+        table = self._table()
+        n = 0
+        with table.store.transaction():
+            for skey, _ in list(table.store.items()):
+                parts = skey.split("|")
+                if parts[0] + "|" != VERDICT_PREFIX or len(parts) < 4:
+                    continue
+                if (op is None or parts[2] == op) and (variant is None or parts[-1] == variant):
+                    table.store.delete(skey)
+                    n += 1
+        self._errors.clear()
+        self.forget()
+        return n
+
+    def forget(self) -> None:
+        """Drop the stored verdicts read so far (another process may have written since); the
+        errors of this process stay (its machine has not changed)."""
+        self._cache.clear()
+
+
+def _describe(key: CallKey) -> str:
+    flags = " ".join(f"{k}={v}" for k, v in key.features.model_dump().items())
+    return f"{key.op} on {key.where} {key.dtype} {flags}".rstrip()
