@@ -28,7 +28,6 @@ Where it departs from the contract, and what the adapter does:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,19 +36,14 @@ from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.registry import Variant, hookimpl
 
 from ._adapters import (
-    COMPACT_PAD,
+    ADAPTER_SOURCES,
     SGL_NPU_DEPENDS,
     FunctionRef,
     LazyKernel,
-    Slots,
-    gather_rows,
-    int32,
     mark_written,
-    scatter_rows,
     signature_mismatch,
-    spec_shift,
-    zero_dead_rows,
 )
+from ._slots import COMPACT_PAD, Slots, gather_rows, int32, scatter_rows, spec_shift, zero_dead_rows
 
 LEADING = ("x", "conv_state", "weight", "bias", "activation", "conv_state_indices", "num_accepted_tokens")
 ALSO = ("pad_slot_id",)
@@ -107,7 +101,7 @@ def variants(adapter: NpuTritonAdapter, *, vid: str = "npu_triton_update", devic
     version = "1"  # what the kernel's speed depends on is declared below (depends=...)
     return [
         Variant(id=vid, op="causal_conv1d_update", version=version, depends=SGL_NPU_DEPENDS, fn=adapter.causal_conv1d_update,
-                probe=adapter.probe, priority=priority, sources=(str(Path(__file__).with_name("_adapters.py")),),
+                probe=adapter.probe, priority=priority, sources=ADAPTER_SOURCES,
                 capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 6),
                                               num_accepted_tokens=True, noncontiguous_states=True, graph_safe=True),
                 description="sgl_kernel_npu causal_conv1d_update_v2 (Triton on Ascend)"),

@@ -14,7 +14,7 @@ from kernel_variants._dtypes import acc_dtype
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.registry import Variant, hookimpl
 
-from ._common import initial, resolve
+from ._slots import Slots, initial
 
 
 def _taps(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
@@ -52,10 +52,11 @@ def causal_conv1d_fn(
     hist = x.new_zeros(batch, keep, dim, dtype=acc)
     live = None
     if conv_states is not None:
-        slots, safe, live = s = resolve(cache_indices, batch, pad_slot_id, x.device)
-        init = initial(has_initial_state, s, batch, x.device)
+        s = Slots(cache_indices, batch, pad_slot_id, x.device)
+        slots, live = s.ids, s.live
+        init = initial(has_initial_state, s)
         rows = conv_states.shape[1]
-        hist = torch.where(init[:, None, None], conv_states[safe, rows - keep :].to(acc), hist)
+        hist = torch.where(init[:, None, None], conv_states[s.safe, rows - keep :].to(acc), hist)
     h = torch.cat([hist, x.to(acc)], dim=1)
     out = _taps(h, weight, bias, activation in ("silu", "swish")).to(x.dtype)
     if conv_states is not None:
@@ -88,8 +89,9 @@ def causal_conv1d_update(
     keep = weight.shape[1] - 1
     rows = conv_state.shape[1]
     acc = acc_dtype(x.dtype)
-    slots, safe, live = resolve(conv_state_indices, batch, pad_slot_id, x.device)
-    state = conv_state[safe].to(acc)  # [B, S, D]
+    s = Slots(conv_state_indices, batch, pad_slot_id, x.device)
+    slots, live = s.ids, s.live
+    state = conv_state[s.safe].to(acc)  # [B, S, D]
     xa = x3.to(acc)
     if num_accepted_tokens is None:
         hist = state[:, rows - keep :]
