@@ -8,36 +8,35 @@ kernel with its own schema and quirks. What they share lives here:
   registers it; :class:`FunctionRef` names a Python function. Both are recognised by what they
   are (the op's registered schema, the function's signature), never by version numbers, and say
   precisely why they cannot be used. Tests point them at CPU doubles of the real kernels.
-- Slots: slot ids as int32 for a kernel, a "safe" int64 copy for gathers, which sequences are
-  live (not ``pad_slot_id``), and compact ids into a gathered buffer. Every kernel skips *any*
-  index equal to the pad id it is handed, so a pad id inside ``[0, B)`` (``pad_slot_id=0`` is
-  legal) would also skip the live sequence renumbered to it: compact ids always travel with
-  the negative marker :data:`COMPACT_PAD` instead, which no compact id can equal.
-- State pools. A kernel that needs a contiguous pool, or keeps its history elsewhere in a slot,
-  gets a contiguous buffer gathered from the used slots; the rows it wrote are then scattered
-  back into the caller's pool *in place*, through the caller's own tensor, so the update lands
-  also when that pool is a non-contiguous view. Never ``pool.contiguous()``: for a strided pool
-  that is a copy, and every state write into it is lost (the bug of SGLang's adoption of
-  ``causal_conv1d_update_v2``).
-- No host synchronisation: nothing here reads a device tensor's values (no ``nonzero()``, no
-  boolean-mask indexing, no ``.item()``), so the adapters can run inside a CUDA/NPU graph
-  capture. Writing only the live sequences' rows back uses :func:`write_rows`, which redirects
-  padded entries to a live one instead of filtering them out.
+- Prefill through a kernel with the Ascend layout (:func:`prefill_rows0`), on the slot and row
+  helpers of :mod:`._slots`.
+- Marking the tensors a kernel wrote through its pointer (:func:`mark_written`).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.metadata
 import inspect
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from kernel_variants.kernels._slots import (
+    COMPACT_PAD,
+    Slots,
+    gather_rows,
+    int32,
+    pad_channels,
+    padded_inputs,
+    scatter_rows,
+    trimmed,
+    zero_fresh_history,
+)
 
 # --------------------------------------------------------------------------------------------
 # Finding kernels
@@ -67,6 +66,9 @@ def import_reason(modules: Sequence[str]) -> str | None:
 # What an sgl-kernel-npu kernel's speed depends on besides our adapter's source: its rows go
 # stale when one of these changes.
 SGL_NPU_DEPENDS = ("sgl-kernel-npu", "torch_npu", "cann", "torch")
+#: The shared code every adapter runs, as ``Variant(sources=...)``: a change to it makes the
+#: adapters' timings stale.
+ADAPTER_SOURCES = tuple(str(Path(__file__).with_name(name)) for name in ("_adapters.py", "_slots.py"))
 
 
 def dist_version(*dists: str) -> str:
@@ -221,164 +223,6 @@ def signature_mismatch(fn: Callable[..., Any], leading: Sequence[str], also: Seq
 
 
 # --------------------------------------------------------------------------------------------
-# Slots and rows
-# --------------------------------------------------------------------------------------------
-
-
-def int32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-
-
-COMPACT_PAD = -1  # the pad id handed to a kernel together with compact ids (never one of 0..B-1)
-
-
-class Slots:
-    """The slot of each of B sequences, each form computed on first use (a device op each, never
-    a host sync).
-
-    ``kernel``: int32 slot ids as a kernel takes them (pad entries keep ``pad_slot_id``);
-    ``live``: bool ``[B]``, or None when no entry can be a pad (``indices`` None); ``safe``:
-    int64 ids with pad entries replaced by 0, for gathers; ``compact``: int32 ``[B]`` indices into
-    a gathered ``[B, ...]`` buffer, pad entries set to :data:`COMPACT_PAD` (hand the kernel that
-    as its pad id: the caller's ``pad_slot_id`` may be one of 0..B-1).
-    """
-
-    def __init__(self, indices: torch.Tensor | None, batch: int, pad_slot_id: int, device: torch.device) -> None:
-        self.indices = indices
-        self.batch = batch
-        self.pad_slot_id = pad_slot_id
-        self.device = device
-
-    @functools.cached_property
-    def _seq(self) -> torch.Tensor:
-        return torch.arange(self.batch, device=self.device, dtype=torch.int32)
-
-    @functools.cached_property
-    def kernel(self) -> torch.Tensor:
-        return self._seq if self.indices is None else int32(self.indices)
-
-    @functools.cached_property
-    def live(self) -> torch.Tensor | None:
-        return None if self.indices is None else self.kernel != self.pad_slot_id
-
-    @functools.cached_property
-    def safe(self) -> torch.Tensor:
-        if self.live is None:
-            return self.kernel.long()
-        return torch.where(self.live, self.kernel, 0).long()
-
-    @functools.cached_property
-    def compact(self) -> torch.Tensor:
-        if self.live is None:
-            return self._seq
-        return torch.where(self.live, self._seq, COMPACT_PAD).to(torch.int32)
-
-    def compact_marked(self, marker: int) -> torch.Tensor:
-        """``compact`` with pad entries set to ``marker`` (negative) instead of COMPACT_PAD."""
-        if marker >= 0:
-            raise ValueError(f"a pad marker must be negative (no compact id), got {marker}")
-        if self.live is None or marker == COMPACT_PAD:
-            return self.compact
-        return torch.where(self.live, self._seq, marker).to(torch.int32)
-
-    def marked(self, marker: int) -> torch.Tensor:
-        """The caller's slot ids (int32) with every pad entry set to ``marker``: for a kernel that
-        must be handed a pad id of the adapter's choosing. ``marker`` must be negative, so that
-        it equals no slot of the pool."""
-        if marker >= 0:
-            raise ValueError(f"a pad marker must be negative (no slot id), got {marker}")
-        if self.live is None:
-            return self.kernel
-        return torch.where(self.live, self.kernel, marker).to(torch.int32)
-
-
-def gather_rows(pool: torch.Tensor, slots: Slots, rows: slice) -> torch.Tensor:
-    """A contiguous copy ``[B, r, D]`` of rows ``rows`` of each sequence's slot (pad: slot 0)."""
-    return pool[:, rows].index_select(0, slots.safe)
-
-
-def write_rows(pool: torch.Tensor, rows: slice, slot_ids: torch.Tensor, values: torch.Tensor,
-               mask: torch.Tensor | None = None) -> None:
-    """``pool[slot_ids[b], rows] = values[b]`` for every ``b`` with ``mask[b]`` (every ``b`` when
-    ``mask`` is None), in place in the caller's ``pool`` (a non-contiguous view included:
-    ``index_copy_`` on a view of it writes through). ``slot_ids``: int64 ``[B]``, valid even
-    where masked off; ``values``: ``[B, r, D]`` (or broadcastable to it).
-
-    No host synchronisation: instead of selecting the kept entries (``nonzero()``, a sync), each
-    masked-off entry is redirected to the first kept one, so it writes the very same values to
-    the very same slot (duplicate indices with identical values: the result does not depend on
-    their order). When no entry is kept, every entry writes back what ``slot_ids[0]`` holds."""
-    target = pool[:, rows]
-    batch = slot_ids.shape[0]
-    values = values.to(pool.dtype).expand(batch, *target.shape[1:])
-    if mask is None:
-        target.index_copy_(0, slot_ids, values)
-        return
-    first = mask.to(torch.int32).argmax()  # the first kept entry (0 when there is none)
-    src = torch.where(mask, torch.arange(batch, device=mask.device), first)
-    idx = slot_ids.index_select(0, src)
-    kept = values.index_select(0, src)
-    keep_any = mask.any()
-    unchanged = target.index_select(0, idx[:1])  # what slot_ids[first] holds now
-    target.index_copy_(0, idx, torch.where(keep_any, kept, unchanged))
-
-
-def scatter_rows(pool: torch.Tensor, slots: Slots, rows: slice, values: torch.Tensor) -> None:
-    """``pool[slot_b, rows] = values[b]`` for every live sequence, in place in the caller's
-    ``pool`` (a non-contiguous view included). No host sync (see :func:`write_rows`)."""
-    write_rows(pool, rows, slots.safe, values, slots.live)
-
-
-def zero_fresh_history(pool: torch.Tensor, slots: Slots, init: torch.Tensor, rows: slice) -> None:
-    """Zero, in place, the history rows of every live sequence without initial state.
-
-    For a kernel that skips empty sequences (varlen, length 0) without writing their state: the
-    contract gives such a sequence the zero history when it has no initial state. Zeroing the
-    history of *every* live sequence without initial state is harmless for the others: the
-    kernel reads no history for them and rewrites all W-1 rows. No host sync."""
-    fresh = ~init if slots.live is None else slots.live & ~init
-    target = pool[:, rows]
-    zeros = target.new_zeros(1, *target.shape[1:])
-    write_rows(pool, rows, slots.safe, zeros, fresh)
-
-
-def zero_dead_rows(out: torch.Tensor, live: torch.Tensor | None, query_start_loc: torch.Tensor | None) -> torch.Tensor:
-    """Zero, in place, the output rows of padded sequences (a kernel may leave them uninitialised).
-    ``out``: ``[B, L, D]``, or ``[T, D]`` with ``query_start_loc``. No host sync."""
-    if live is None:
-        return out
-    if query_start_loc is None:
-        dead = ~live.view(-1, *([1] * (out.ndim - 1)))
-    else:
-        lengths = query_start_loc[1:] - query_start_loc[:-1]
-        dead = ~live.repeat_interleave(lengths.long(), output_size=out.shape[0]).unsqueeze(1)
-    return out.masked_fill_(dead, 0)
-
-
-def pad_channels(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
-    """``t`` with its last dimension zero-padded to ``dim`` (a copy), or ``t`` when already there."""
-    if t is None or t.shape[-1] == dim:
-        return t
-    return F.pad(t, (0, dim - t.shape[-1]))
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def spec_shift(old: torch.Tensor, x3: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-    """The contract's new slots for a speculative step: ``old[b, n_b : n_b + S - L] ++ x3[b]``,
-    last S rows. old: ``[B, S, D]``, x3: ``[B, L, D]``, accepted: ``[B]``."""
-    batch, rows, dim = old.shape
-    length = x3.shape[1]
-    kept = max(rows - length, 0)
-    pick = accepted.long()[:, None] + torch.arange(kept, device=old.device)
-    pick = pick.clamp(max=rows - 1)  # padded sequences carry garbage counts; their rows are never written
-    stream = torch.cat([old.gather(1, pick[:, :, None].expand(batch, kept, dim)), x3.to(old.dtype)], dim=1)
-    return stream[:, stream.shape[1] - rows:]
-
-
-# --------------------------------------------------------------------------------------------
 # Prefill through a kernel that keeps the history in rows 0..W-2 of a slot
 # --------------------------------------------------------------------------------------------
 
@@ -427,12 +271,7 @@ def prefill_rows0(
     slots = Slots(cache_indices, batch, pad_slot_id, device)
     init = has_initial_state if has_initial_state is not None else torch.zeros(batch, dtype=torch.bool, device=device)
     qsl = int32(query_start_loc) if query_start_loc is not None else None
-    padded = round_up(dim, dim_multiple)
-    x_in = x.contiguous()
-    w_in = weight.t().contiguous()  # [W, D]
-    b_in = bias.contiguous() if bias is not None else None
-    if padded != dim:
-        x_in, w_in, b_in = pad_channels(x_in, padded), pad_channels(w_in, padded), pad_channels(bias, padded)
+    padded, x_in, w_in, b_in = padded_inputs(x, weight, bias, dim_multiple)
     fast = (conv_states is not None and conv_states.is_contiguous() and conv_states.shape[1] == keep
             and padded == dim)
     if fast:
@@ -458,9 +297,7 @@ def prefill_rows0(
         if conv_states is not None:
             rows = conv_states.shape[1]
             scatter_rows(conv_states, slots, slice(rows - keep, rows), hist[..., :dim])
-    if padded != dim:
-        out = out[..., :dim].contiguous()
-    return zero_dead_rows(out, slots.live, query_start_loc)
+    return trimmed(out, dim, slots.live, query_start_loc)
 
 
 class LazyKernel:
@@ -488,6 +325,24 @@ class LazyKernel:
             if why is not None:
                 raise RuntimeError(why)
         return self._found
+
+
+class OpAdapter(LazyKernel):
+    """An adapter over the torch op ``ref`` finds (the real one, or a test double), used when its
+    schema starts with ``SCHEMA``; ``WHAT`` names the kernel in the reason when it does not."""
+
+    SCHEMA: tuple[Param, ...] = ()
+    WHAT = "the kernel's"
+
+    def __init__(self, ref: OpRef) -> None:
+        super().__init__()
+        self.ref = ref
+
+    def find(self) -> tuple[Any, str | None]:
+        op, why = self.ref.load()
+        if why is None:
+            why = schema_mismatch(op._schema, self.SCHEMA, self.WHAT)
+        return op, why
 
 
 def mark_written(*tensors: torch.Tensor | None) -> None:

@@ -47,30 +47,31 @@ f425bdf1 (HEAD). Where it departs from the contract, and what the adapter does:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kernel_variants._registry import Variant, hookimpl
 from kernel_variants.kernels._adapters import (
+    ADAPTER_SOURCES,
     SGL_NPU_DEPENDS,
     FirstDevice,
-    LazyKernel,
+    OpAdapter,
     OpRef,
     Param,
+    mark_written,
+    prefill_rows0,
+    soc_name,
+)
+from kernel_variants.kernels._slots import (
     Slots,
     gather_rows,
     int32,
-    mark_written,
     pad_channels,
-    prefill_rows0,
-    round_up,
+    padded_inputs,
     scatter_rows,
-    schema_mismatch,
-    soc_name,
     spec_shift,
-    zero_dead_rows,
+    trimmed,
 )
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 
@@ -101,24 +102,24 @@ def pad_marker(dtype: torch.dtype) -> int:
 DEFAULT_OP = OpRef("npu::causal_conv1d", modules=("sgl_kernel_npu",), device="npu")
 
 
-class AscAdapter(LazyKernel):
+class AscAdapter(OpAdapter):
     """Both ops through one Ascend C op, found by ``ref`` (the real one, or a test double)."""
 
+    SCHEMA = SCHEMA
+    WHAT = "the Ascend C kernel's (sgl-kernel-npu PR #592)"
+
     def __init__(self, ref: OpRef = DEFAULT_OP) -> None:
-        super().__init__()
-        self.ref = ref
+        super().__init__(ref)
         self.first_device = FirstDevice(f"{ref.qualname} (the Ascend C kernel)")
 
     def find(self) -> tuple[Any, str | None]:
-        op, why = self.ref.load()
+        op, why = super().find()
         if why is not None and "is not registered" in why:
             soc = soc_name()
             if soc is not None and soc.lower().startswith("ascend950"):
                 why = (f"{self.ref.qualname} is not registered: sgl-kernel-npu builds for {soc} leave the Ascend C "
                        "causal_conv1d out (an A2/A3-only op there); npu_conv_update (npu::causal_conv1d_update) "
                        "and npu_triton_update are built for it")
-        if why is None:
-            why = schema_mismatch(op._schema, SCHEMA, "the Ascend C kernel's (sgl-kernel-npu PR #592)")
         return op, why
 
     def causal_conv1d_fn(self, x, weight, bias=None, *, conv_states=None, cache_indices=None,
@@ -153,10 +154,7 @@ class AscAdapter(LazyKernel):
         slots = Slots(conv_state_indices, batch, pad_slot_id, x.device)
         marker = pad_marker(x.dtype)
         nat = int32(num_accepted_tokens) if spec else None
-        padded = round_up(dim, DIM_MULTIPLE)
-        x_in = pad_channels(x3.contiguous(), padded)
-        w = pad_channels(weight.t(), padded).contiguous()  # [W, D]
-        b = pad_channels(bias.contiguous(), padded) if bias is not None else None
+        padded, x_in, w, b = padded_inputs(x3, weight, bias, DIM_MULTIPLE)
         act = int(activation is not None)
         if rows == span and conv_state.is_contiguous() and padded == dim:
             out = op(x_in, w, conv_state, b, None, slots.marked(marker), None, nat, act, marker, RUN_UPDATE)
@@ -175,9 +173,7 @@ class AscAdapter(LazyKernel):
                 # With extra rows the kernel's rewrite of rows 0..span-1 is not the contract's slot.
                 new = spec_shift(old, x3, num_accepted_tokens)
             scatter_rows(conv_state, slots, slice(0, rows), new)
-        if padded != dim:
-            out = out[..., :dim].contiguous()
-        zero_dead_rows(out, slots.live, None)
+        out = trimmed(out, dim, slots.live)
         return out.squeeze(1) if x.ndim == 2 else out
 
 
@@ -186,7 +182,7 @@ def variants(adapter: AscAdapter, *, vid: str = "asc", devices=frozenset({"npu"}
     version = "1"  # what the kernel's speed depends on is declared below (depends=...)
     common = dict(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True,
                   graph_safe=True)
-    sources = (str(Path(__file__).with_name("_adapters.py")),)
+    sources = ADAPTER_SOURCES
     return [
         Variant(id=vid, op="causal_conv1d_fn", version=version, depends=SGL_NPU_DEPENDS, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
                 priority=priority, sources=sources, capabilities=ConvCapabilities(varlen=True, **common),

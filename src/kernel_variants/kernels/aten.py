@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_variants._registry import Variant, hookimpl
-from kernel_variants.kernels._common import initial, resolve
+from kernel_variants.kernels._slots import Slots, initial
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 
 
@@ -47,9 +47,10 @@ def causal_conv1d_fn(
         out = _depthwise(F.pad(xt, (keep, 0)), weight, bias, activation is not None)
         return out
     rows = conv_states.shape[1]
-    slots, safe, live = s = resolve(cache_indices, batch, pad_slot_id, x.device)
-    init = initial(has_initial_state, s, batch, x.device)
-    hist = conv_states[safe, rows - keep :].transpose(1, 2)  # [B, D, W-1] (a gathered copy)
+    s = Slots(cache_indices, batch, pad_slot_id, x.device)
+    slots, live = s.ids, s.live
+    init = initial(has_initial_state, s)
+    hist = conv_states[s.safe, rows - keep :].transpose(1, 2)  # [B, D, W-1] (a gathered copy)
     hist = torch.where(init[:, None, None], hist, torch.zeros((), dtype=x.dtype, device=x.device))
     h = torch.cat([hist, xt], dim=2)
     out = _depthwise(h, weight, bias, activation is not None)
@@ -80,8 +81,9 @@ def causal_conv1d_update(
     batch = x3.shape[0]
     keep = weight.shape[1] - 1
     rows = conv_state.shape[1]
-    slots, safe, live = resolve(conv_state_indices, batch, pad_slot_id, x.device)
-    stream = torch.cat([conv_state[safe], x3], dim=1)  # [B, S+L, D]
+    s = Slots(conv_state_indices, batch, pad_slot_id, x.device)
+    slots, live = s.ids, s.live
+    stream = torch.cat([conv_state[s.safe], x3], dim=1)  # [B, S+L, D]
     h = stream[:, rows - keep :].transpose(1, 2)
     out = _depthwise(h, weight, bias, activation is not None)
     new_state = stream[:, stream.shape[1] - rows :]

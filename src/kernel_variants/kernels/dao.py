@@ -24,22 +24,24 @@ tensors, never copies that would lose a write:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kernel_variants._registry import Variant, hookimpl
 from kernel_variants.kernels._adapters import (
+    ADAPTER_SOURCES,
     FunctionRef,
     LazyKernel,
+    mark_written,
+    signature_mismatch,
+)
+from kernel_variants.kernels._slots import (
     Slots,
     gather_rows,
-    mark_written,
     pad_channels,
     round_up,
     scatter_rows,
-    signature_mismatch,
     zero_dead_rows,
 )
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
@@ -125,7 +127,7 @@ class DaoAdapter(LazyKernel):
 def variants(adapter: DaoAdapter, *, vid: str = "dao", devices=frozenset({"cuda"}), priority: int = 20) -> list[Variant]:
     version = "1"  # what the kernel's speed depends on is declared below (depends=...)
     common = dict(devices=devices, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)
-    sources = (str(Path(__file__).with_name("_adapters.py")),)
+    sources = ADAPTER_SOURCES
     return [
         Variant(id=vid, op="causal_conv1d_fn", version=version, depends=DEPENDS, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
                 priority=priority, sources=sources, capabilities=ConvCapabilities(varlen=False, **common),

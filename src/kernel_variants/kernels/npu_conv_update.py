@@ -42,27 +42,26 @@ read on the adapter's side: graph_safe.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import torch
 
 from kernel_variants._registry import Variant, hookimpl
 from kernel_variants.kernels._adapters import (
-    COMPACT_PAD,
+    ADAPTER_SOURCES,
     SGL_NPU_DEPENDS,
     FirstDevice,
-    LazyKernel,
+    OpAdapter,
     OpRef,
     Param,
+)
+from kernel_variants.kernels._slots import (
+    COMPACT_PAD,
     Slots,
     gather_rows,
     pad_channels,
-    round_up,
+    padded_inputs,
     scatter_rows,
-    schema_mismatch,
     spec_shift,
-    zero_dead_rows,
+    trimmed,
 )
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 
@@ -82,19 +81,15 @@ DIM_MULTIPLE = 16
 DEFAULT_OP = OpRef("npu::causal_conv1d_update", modules=("sgl_kernel_npu",), device="npu")
 
 
-class NpuConvUpdateAdapter(LazyKernel):
+class NpuConvUpdateAdapter(OpAdapter):
     """Decode through ``npu::causal_conv1d_update`` (or a test double of its schema)."""
 
-    def __init__(self, ref: OpRef = DEFAULT_OP) -> None:
-        super().__init__()
-        self.ref = ref
-        self.first_device = FirstDevice(f"{ref.qualname} (the Ascend C decode kernel)")
+    SCHEMA = SCHEMA
+    WHAT = "sgl-kernel-npu's causal_conv1d_update"
 
-    def find(self) -> tuple[Any, str | None]:
-        op, why = self.ref.load()
-        if why is None:
-            why = schema_mismatch(op._schema, SCHEMA, "sgl-kernel-npu's causal_conv1d_update")
-        return op, why
+    def __init__(self, ref: OpRef = DEFAULT_OP) -> None:
+        super().__init__(ref)
+        self.first_device = FirstDevice(f"{ref.qualname} (the Ascend C decode kernel)")
 
     def causal_conv1d_update(self, x, conv_state, weight, bias=None, *, activation=None,
                              conv_state_indices=None, num_accepted_tokens=None, pad_slot_id=-1):
@@ -117,17 +112,12 @@ class NpuConvUpdateAdapter(LazyKernel):
             hist = old.gather(1, pick)
             new = spec_shift(old, x3, num_accepted_tokens)
         # The host's pre-shift copies rows L..L+W-2 to rows 0..W-2 of a W-1+L-row buffer: the history goes there.
-        padded = round_up(dim, DIM_MULTIPLE)
+        padded, x_in, w, b = padded_inputs(x3, weight, bias, DIM_MULTIPLE)
         buf = pad_channels(torch.cat([hist.new_zeros(batch, length, dim), hist], dim=1), padded).contiguous()
-        x_in = pad_channels(x3.contiguous(), padded)
-        w = pad_channels(weight.t(), padded).contiguous()  # [W, D]
-        b = pad_channels(bias.contiguous(), padded) if bias is not None else None
         compact = torch.arange(batch, dtype=torch.int32, device=x.device)
         out = op(x_in, w, buf, compact, b, None, None, activation is not None, COMPACT_PAD)
         scatter_rows(conv_state, slots, slice(0, rows), new)
-        if padded != dim:
-            out = out[..., :dim].contiguous()
-        zero_dead_rows(out, slots.live, None)
+        out = trimmed(out, dim, slots.live)
         return out.squeeze(1) if x.ndim == 2 else out
 
 
@@ -137,7 +127,7 @@ def variants(adapter: NpuConvUpdateAdapter, *, vid: str = "npu_conv_update", dev
     version = "1"  # what the kernel's speed depends on is declared below (depends=...)
     return [
         Variant(id=vid, op="causal_conv1d_update", version=version, depends=SGL_NPU_DEPENDS, fn=adapter.causal_conv1d_update,
-                probe=adapter.probe, priority=priority, sources=(str(Path(__file__).with_name("_adapters.py")),),
+                probe=adapter.probe, priority=priority, sources=ADAPTER_SOURCES,
                 capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 4),
                                               num_accepted_tokens=True, noncontiguous_states=True, graph_safe=True),
                 description="sgl-kernel-npu Ascend C npu::causal_conv1d_update, history re-laid for its pre-shift"),

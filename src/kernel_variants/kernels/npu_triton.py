@@ -28,23 +28,25 @@ Where it departs from the contract, and what the adapter does:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kernel_variants._registry import Variant, hookimpl
 from kernel_variants.kernels._adapters import (
-    COMPACT_PAD,
+    ADAPTER_SOURCES,
     SGL_NPU_DEPENDS,
     FunctionRef,
     LazyKernel,
+    mark_written,
+    signature_mismatch,
+)
+from kernel_variants.kernels._slots import (
+    COMPACT_PAD,
     Slots,
     gather_rows,
     int32,
-    mark_written,
     scatter_rows,
-    signature_mismatch,
     spec_shift,
     zero_dead_rows,
 )
@@ -106,7 +108,7 @@ def variants(adapter: NpuTritonAdapter, *, vid: str = "npu_triton_update", devic
     version = "1"  # what the kernel's speed depends on is declared below (depends=...)
     return [
         Variant(id=vid, op="causal_conv1d_update", version=version, depends=SGL_NPU_DEPENDS, fn=adapter.causal_conv1d_update,
-                probe=adapter.probe, priority=priority, sources=(str(Path(__file__).with_name("_adapters.py")),),
+                probe=adapter.probe, priority=priority, sources=ADAPTER_SOURCES,
                 capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 6),
                                               num_accepted_tokens=True, noncontiguous_states=True, graph_safe=True),
                 description="sgl_kernel_npu causal_conv1d_update_v2 (Triton on Ascend)"),

@@ -42,15 +42,15 @@ Where it departs from the contract, and what the adapter does:
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kernel_variants._registry import Variant, hookimpl
 from kernel_variants.kernels._adapters import (
+    ADAPTER_SOURCES,
     SGL_NPU_DEPENDS,
-    LazyKernel,
+    OpAdapter,
     OpRef,
     Param,
     dist_version,
@@ -84,15 +84,14 @@ def default_ref(env=None) -> OpRef:
     return OpRef(name, modules=("sgl_kernel_npu",), device="npu")
 
 
-class PtoAdapter(LazyKernel):
-    def __init__(self, ref: OpRef) -> None:
-        super().__init__()
-        self.ref = ref
+class PtoAdapter(OpAdapter):
+    SCHEMA = SCHEMA
+    WHAT = "the PTO-ISA kernel's (sgl-kernel-npu PR #572)"
 
     def find(self) -> tuple[Any, str | None]:
         op, why = self.ref.load()
         if why is None:
-            why = schema_mismatch(op._schema, SCHEMA, "the PTO-ISA kernel's (sgl-kernel-npu PR #572)")
+            why = schema_mismatch(op._schema, self.SCHEMA, self.WHAT)
             if why is not None and self.ref.qualname == "npu::causal_conv1d":
                 why += f"; set {ENV_OP} to the name of a PTO build registered under another namespace"
         if why is None:
@@ -145,7 +144,7 @@ def variants(adapter: PtoAdapter, *, vid: str = "pto", devices=frozenset({"npu"}
     version = "1"  # what the kernel's speed depends on is declared below (depends=...)
     return [
         Variant(id=vid, op="causal_conv1d_fn", version=version, depends=SGL_NPU_DEPENDS, fn=adapter.causal_conv1d_fn, probe=adapter.probe,
-                priority=priority, sources=(str(Path(__file__).with_name("_adapters.py")),),
+                priority=priority, sources=ADAPTER_SOURCES,
                 capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 64),
                                               varlen=True, noncontiguous_states=True, graph_safe=True),
                 description=f"sgl-kernel-npu PTO-ISA causal_conv1d (PR #572) as {adapter.ref.qualname}"),

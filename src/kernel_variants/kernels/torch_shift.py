@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kernel_variants._dtypes import acc_dtype
 from kernel_variants._registry import Variant, hookimpl
-from kernel_variants.kernels._common import initial, resolve
+from kernel_variants.kernels._slots import Slots, initial
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 
 
@@ -51,10 +51,11 @@ def causal_conv1d_fn(
     hist = x.new_zeros(batch, keep, dim, dtype=acc)
     live = None
     if conv_states is not None:
-        slots, safe, live = s = resolve(cache_indices, batch, pad_slot_id, x.device)
-        init = initial(has_initial_state, s, batch, x.device)
+        s = Slots(cache_indices, batch, pad_slot_id, x.device)
+        slots, live = s.ids, s.live
+        init = initial(has_initial_state, s)
         rows = conv_states.shape[1]
-        hist = torch.where(init[:, None, None], conv_states[safe, rows - keep :].to(acc), hist)
+        hist = torch.where(init[:, None, None], conv_states[s.safe, rows - keep :].to(acc), hist)
     h = torch.cat([hist, x.to(acc)], dim=1)
     out = _taps(h, weight, bias, activation in ("silu", "swish")).to(x.dtype)
     if conv_states is not None:
@@ -87,8 +88,9 @@ def causal_conv1d_update(
     keep = weight.shape[1] - 1
     rows = conv_state.shape[1]
     acc = acc_dtype(x.dtype)
-    slots, safe, live = resolve(conv_state_indices, batch, pad_slot_id, x.device)
-    state = conv_state[safe].to(acc)  # [B, S, D]
+    s = Slots(conv_state_indices, batch, pad_slot_id, x.device)
+    slots, live = s.ids, s.live
+    state = conv_state[s.safe].to(acc)  # [B, S, D]
     xa = x3.to(acc)
     if num_accepted_tokens is None:
         hist = state[:, rows - keep :]

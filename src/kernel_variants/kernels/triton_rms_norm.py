@@ -29,7 +29,6 @@ subnormal inputs to zero when converting them to fp32; neither happens on a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from types import SimpleNamespace
 
@@ -37,7 +36,7 @@ import torch
 
 from kernel_variants._registry import Capabilities, Variant, hookimpl
 from kernel_variants.kernels._adapters import mark_written
-from kernel_variants.kernels.triton_conv import DEPENDS, interpreting, probe
+from kernel_variants.kernels._triton import DEPENDS, device_guard, interpreting, pow2, probe
 
 MAX_BLOCK_D = 8192  # widest row kept in registers in one pass; longer rows go in chunks of this
 ROW_TILE = 2048  # elements per program that short rows are packed up to
@@ -123,19 +122,15 @@ def kernels(interpret: bool) -> SimpleNamespace:
     return SimpleNamespace(gemma_rms=gemma_rms, cdiv=triton.cdiv)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def blocks(tokens: int, dim: int, max_block_d: int = MAX_BLOCK_D) -> tuple[int, int, bool, int]:
     """``(BLOCK_R, BLOCK_D, chunked, num_warps)`` for ``tokens`` rows of ``dim`` channels."""
     if max_block_d < 1 or max_block_d & (max_block_d - 1):
         raise ValueError(f"max_block_d must be a power of two, got {max_block_d}")
-    block_d = _pow2(dim)
+    block_d = pow2(dim)
     chunked = block_d > max_block_d
     if chunked:
         block_d = max_block_d
-    block_r = max(1, min(MAX_ROWS, ROW_TILE // block_d, _pow2(tokens)))
+    block_r = max(1, min(MAX_ROWS, ROW_TILE // block_d, pow2(tokens)))
     tile = block_r * block_d
     num_warps = 4 if tile <= 2048 else 8 if tile <= 4096 else 16
     return block_r, block_d, chunked, num_warps
@@ -167,10 +162,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
                          f"{list(residual.shape)} {residual.dtype} on {residual.device}")
 
 
-def _guard(x: torch.Tensor):
-    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
-
-
 def _launch(x, weight, residual, eps, max_block_d, out=None, summed=None):
     # A given out/summed is contiguous (the dispatcher hands only dense ones): row stride D.
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
@@ -183,7 +174,7 @@ def _launch(x, weight, residual, eps, max_block_d, out=None, summed=None):
         block_r, block_d, chunked, num_warps = blocks(tokens, dim, max_block_d or MAX_BLOCK_D)
         s_ptr = summed if summed is not None else out  # never written without a residual
         k = kernels(interpreting())
-        with _guard(x):
+        with device_guard(x):
             k.gemma_rms[(k.cdiv(tokens, block_r),)](
                 x2, r2, weight, out, s_ptr, tokens, dim, float(eps),
                 x2.stride(0), r2.stride(0), weight.stride(0), dim, dim,

@@ -44,13 +44,8 @@ from typing import Any
 import torch
 
 from kernel_variants._registry import Variant, hookimpl
-from kernel_variants.kernels._adapters import (
-    LazyKernel,
-    Param,
-    int32,
-    mark_written,
-    schema_mismatch,
-)
+from kernel_variants.kernels._adapters import LazyKernel, Param, mark_written, schema_mismatch
+from kernel_variants.kernels._slots import int32
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 
 WIDTH = 4
