@@ -53,9 +53,9 @@ def _fresh_dispatch(monkeypatch, tmp_path):
 @pytest.fixture
 def with_variants():
     """Reset the dispatcher with the built-ins plus the given variants, as one test plugin."""
-    from kernel_variants._registry import hookimpl
     from kernel_variants._registry.registry import Registry, make_plugin_manager
     from kernel_variants._runtime.dispatcher import reset
+    from kernel_variants.plugin import hookimpl
 
     def install(*variants, builtins: bool = True):
         class TestPlugin:

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants._registry import Variant
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._table.store import CalibrationWarning
 from kernel_variants._table.table import SCHEMA, CalibrationTable, Group, Measurement
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.plugin import Variant
 
 FN = "causal_conv1d_fn"
 QUICK = dict(dtype="float32", timing=kv.TimingConfig(warmup=1, windows=2, iters=3))
@@ -227,7 +227,7 @@ _WORKER = textwrap.dedent("""
     import sys, kernel_variants as kv
     seed = int(sys.argv[1])
     shapes = [(1 + (seed + i) % 3, 16, 4 + i) for i in range(6)]
-    kv.calibrate("causal_conv1d_fn", shapes, dtype="float32", warmup=1, windows=1, iters=2,
+    kv.calibrate("causal_conv1d_fn", shapes, dtype="float32", timing=kv.TimingConfig(warmup=1, windows=1, iters=2),
                  progress=lambda p: print(p.done, flush=True))
 """)
 
@@ -359,8 +359,8 @@ def test_import_re_decides_winners_from_the_merged_timings(with_variants):
     t.record(_m("a", 100.0, va))
     t.record(_m("b", 50.0, vb))
     assert t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02).variant == "b"
-    doc = build_document("cpu").model_copy(update={"measurements": [_m("b", 500.0, vb)]})
-    import_document(doc)
+    doc = build_document(t, "cpu").model_copy(update={"measurements": [_m("b", 500.0, vb)]})
+    import_document(doc, t, versions)
     _, winners = t.measurements(versions, _fpid())
     assert winners[(_group(), (1, 16, 8))].variant == "a"
 

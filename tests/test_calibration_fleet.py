@@ -16,7 +16,6 @@ import torch
 
 import kernel_variants as kv
 from kernel_variants._cli import main
-from kernel_variants._registry import Variant
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
 from kernel_variants._table.store import CalibrationWarning
@@ -25,6 +24,7 @@ from kernel_variants._tuning import timing as _timing
 from kernel_variants._tuning.timing import TimingConfig, measure, measure_interleaved
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.plugin import Variant
 
 FN = "causal_conv1d_fn"
 QUICK = dict(dtype="float32", timing=kv.TimingConfig(warmup=1, windows=3, iters=3))

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants._registry import Variant
 from kernel_variants._runtime import callcore as _callcore
 from kernel_variants._runtime import dispatcher as _dispatcher
 from kernel_variants._runtime.dispatcher import dispatcher
@@ -20,6 +19,7 @@ from kernel_variants._runtime.errors import VariantFailed
 from kernel_variants._runtime.pins import pins_in_context
 from kernel_variants.kernels.cpu_native import _build
 from kernel_variants.ops.causal_conv1d import FN_SPEC, ConvCapabilities, _reference
+from kernel_variants.plugin import Variant
 
 pytestmark = pytest.mark.skipif(_build.toolchain_missing() is not None,
                                 reason=f"the call core cannot be built here: {_build.toolchain_missing()}")

@@ -12,9 +12,9 @@ import pytest
 
 import kernel_variants as kv
 from kernel_variants._cli import main
-from kernel_variants._registry import Variant
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.plugin import Variant
 
 FN = "causal_conv1d_fn"
 QUICK = ["--dtype", "fp32", "--warmup", "1", "--windows", "1", "--iters", "2", "-q"]

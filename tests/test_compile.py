@@ -103,9 +103,9 @@ FN = "causal_conv1d_fn"
 
 def _spy(op, vid, seen, fn=None, priority=0, **caps):
     """A variant of ``op`` that records (its id, the call's state tensor) and runs the reference."""
-    from kernel_variants._registry import Variant
     from kernel_variants.ops.causal_conv1d import ConvCapabilities
     from kernel_variants.ops.causal_conv1d import _reference as reference
+    from kernel_variants.plugin import Variant
 
     real = getattr(reference, op)
 

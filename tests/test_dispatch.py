@@ -7,12 +7,12 @@ import torch
 
 import kernel_variants
 from kernel_variants._policy import NoVariantError, select
-from kernel_variants._registry import Variant
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._runtime.errors import VariantFailed
 from kernel_variants._runtime.pins import parse_force
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.plugin import Variant
 
 
 def _args():

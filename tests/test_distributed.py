@@ -173,7 +173,8 @@ AGREE = """
 
     torch.set_num_threads(1)
     import kernel_variants as kv
-    from kernel_variants._runtime import _calibrate, dispatcher
+    from kernel_variants._tuning import calibrate as _calibrate
+    from kernel_variants._runtime.dispatcher import dispatcher
 
     dist.init_process_group("gloo")
     measured = []
@@ -227,10 +228,10 @@ QUALIFIED_EVERYWHERE = """
 
     torch.set_num_threads(1)
     import kernel_variants as kv
-    from kernel_variants._runtime import dispatcher, reset
+    from kernel_variants._runtime.dispatcher import dispatcher, reset
     from kernel_variants.kernels import cpu_native
     from kernel_variants.ops.causal_conv1d import ConvCapabilities
-    from kernel_variants._registry import Variant, hookimpl
+    from kernel_variants.plugin import Variant, hookimpl
     from kernel_variants._registry.registry import Registry, make_plugin_manager
 
     def fast(*args, **kwargs):  # right on rank 0's device, wrong on rank 1's

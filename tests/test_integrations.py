@@ -757,8 +757,8 @@ def test_patch_undo_restores_exactly_what_it_changed(monkeypatch, reference_only
 
 
 def _needs_build_variant(log: list[str]):
-    from kernel_variants._registry import Variant
     from kernel_variants.ops.causal_conv1d import ConvCapabilities
+    from kernel_variants.plugin import Variant
 
     return Variant(
         id="needs_build", op="causal_conv1d_update", version="1", priority=50,

@@ -22,7 +22,6 @@ import torch
 from test_graph_safe import NoHostSync, _device_dao_module, _device_side, device_side
 
 import kernel_variants as kv
-from kernel_variants._registry import Variant
 from kernel_variants._runtime import call as _op
 from kernel_variants._runtime import device_errors as _device_errors
 from kernel_variants._runtime.dispatcher import dispatcher
@@ -30,6 +29,7 @@ from kernel_variants.kernels import asc, dao, npu_conv_update, npu_triton, pto
 from kernel_variants.kernels._adapters import FunctionRef, OpRef
 from kernel_variants.ops.causal_conv1d import ConvCapabilities, _checks
 from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.plugin import Variant
 
 FN, UP = "causal_conv1d_fn", "causal_conv1d_update"
 N, D, W = 6, 16, 4
@@ -95,7 +95,7 @@ def accelerator(monkeypatch, with_variants):
     monkeypatch.setattr(_device_errors, "_counters", {})
     triton = _triton_in_kernel(monkeypatch)
     with_variants(*_test_variants())
-    monkeypatch.setattr(_op, "_on_cpu", lambda spec, args: False)
+    monkeypatch.setattr(_op, "on_cpu", lambda spec, args: False)
     received.clear()
     return SimpleNamespace(triton=triton)
 
@@ -258,7 +258,7 @@ def test_valid_calls_count_nothing_and_the_host_checks_catch_up_on_the_cpu(accel
     kv.check_errors()  # nothing bad
     _run(UP, "fake", {**kwargs, "conv_state_indices": torch.tensor([5, 9, 0], dtype=torch.int32)})
     # The next call whose values are checked on the host (here: on the CPU) reports it first.
-    monkeypatch.setattr(_op, "_on_cpu", lambda spec, args: True)
+    monkeypatch.setattr(_op, "on_cpu", lambda spec, args: True)
     with pytest.raises(ValueError, match=r"1 x slot index outside \[0, N\)"):
         kv.causal_conv1d_update(**kwargs)
     kv.causal_conv1d_update(**kwargs)  # reported once, then reset
@@ -277,7 +277,7 @@ def test_check_values_0_hands_the_variant_the_callers_tensors(accelerator, monke
 def test_check_values_1_checks_on_the_host_off_the_cpu_too(monkeypatch):
     monkeypatch.setenv("KV_CHECK_VALUES", "1")
     kv.reload()
-    monkeypatch.setattr(_op, "_on_cpu", lambda spec, args: False)
+    monkeypatch.setattr(_op, "on_cpu", lambda spec, args: False)
     kwargs = dict(x=torch.randn(3, D), conv_state=torch.randn(N, W - 1, D), weight=torch.randn(D, W),
                   conv_state_indices=torch.tensor([5, 9, 0], dtype=torch.int32), pad_slot_id=PAD)
     before = kwargs["conv_state"].clone()

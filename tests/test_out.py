@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants._registry import Capabilities, Variant
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._runtime.guards import guard_writes
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as conv_reference
+from kernel_variants.plugin import Capabilities, Variant
 
 B, D, W, N = 3, 16, 4, 6
 

@@ -11,18 +11,18 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants._registry import Capabilities, Variant
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._tuning.verify import verify
 from kernel_variants.kernels import cpu_native
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d._cases import make_case
+from kernel_variants.plugin import Capabilities, Variant
 
 FN, UPDATE, RMS, ADD = "causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm"
 FAST = {FN: cpu_native.causal_conv1d_fn, UPDATE: cpu_native.causal_conv1d_update,
         RMS: cpu_native.gemma_rms_norm, ADD: cpu_native.add_gemma_rms_norm}
 CONV_CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)
-QUICK = dict(warmup=1, windows=1, iters=2, window_budget_s=0.05)
+QUICK = dict(timing=kv.TimingConfig(warmup=1, windows=1, iters=2, window_budget_s=0.05))
 
 
 def _slots(op, args, kwargs):
@@ -320,12 +320,10 @@ def test_verdicts_persist_follow_the_version_and_clear(with_variants):
 def test_export_and_import_carry_verdicts_with_the_fingerprint(with_variants, tmp_path):
     with_variants(_variant(FN, zeros))
     kv.qualify(FN, variants=["evil"], dtype="float32")
-    from kernel_variants._table.exchange import export_table, import_table
-
     doc = tmp_path / "table.json"
-    export_table(doc)
+    kv.export_table(doc)
     assert kv.clear_verdicts() == 1
-    report = import_table(doc)
+    report = kv.import_table(doc)
     assert report.verdicts == 1
     assert [v.summary().startswith("failed qualification") for v in kv.verdicts()] == [True]
 

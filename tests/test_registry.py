@@ -9,7 +9,6 @@ import pluggy
 import pytest
 
 import kernel_variants
-from kernel_variants._registry import Variant, hookimpl
 from kernel_variants._registry.registry import (
     DuplicateVariantError,
     PluginWarning,
@@ -18,6 +17,7 @@ from kernel_variants._registry.registry import (
 )
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as reference
+from kernel_variants.plugin import Variant, hookimpl
 
 CAPS = ConvCapabilities(devices={"cpu"}, dtypes={"float32"})
 
@@ -68,7 +68,7 @@ class _FakeDist:
 def test_entry_point_plugin_is_loaded_and_its_variant_dispatched(tmp_path, monkeypatch):
     (tmp_path / "kv_demo_plugin.py").write_text(textwrap.dedent("""
         from kernel_variants.ops.causal_conv1d import ConvCapabilities
-        from kernel_variants._registry import Variant, hookimpl
+        from kernel_variants.plugin import Variant, hookimpl
         from kernel_variants.ops.causal_conv1d import _reference as reference
 
         def copied(x, weight, bias=None, **kw):
@@ -205,7 +205,7 @@ def test_a_broken_plugin_is_left_out_with_one_warning_and_the_rest_works():
 def test_an_entry_point_that_fails_to_import_leaves_the_others(monkeypatch, tmp_path):
     (tmp_path / "kv_fine_plugin.py").write_text(textwrap.dedent("""
         from kernel_variants.ops.causal_conv1d import ConvCapabilities
-        from kernel_variants._registry import Variant, hookimpl
+        from kernel_variants.plugin import Variant, hookimpl
         from kernel_variants.ops.causal_conv1d import _reference as reference
 
         @hookimpl
@@ -228,7 +228,7 @@ def test_an_entry_point_that_fails_to_import_leaves_the_others(monkeypatch, tmp_
 
 
 def test_a_variant_for_an_unregistered_op_or_with_another_ops_capabilities_is_refused():
-    from kernel_variants._registry import Capabilities
+    from kernel_variants.plugin import Capabilities
 
     with pytest.raises(ValueError, match="op 'conv2d', which is not registered"):
         _registry(("p", _Plugin(_variant("mine", op="conv2d"))))

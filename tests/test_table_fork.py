@@ -114,7 +114,7 @@ def test_rows_of_a_forked_child_survive_the_parents_writes(tmp_path):
 _CALIBRATE = textwrap.dedent("""
     import kernel_variants as kv
 
-    QUICK = dict(dtype="float32", warmup=1, windows=1, iters=2, variants=["reference"])
+    QUICK = dict(dtype="float32", timing=kv.TimingConfig(warmup=1, windows=1, iters=2), variants=["reference"])
 
     def calibrate(shape):
         kv.calibrate("causal_conv1d_fn", [shape], **QUICK)

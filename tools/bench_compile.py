@@ -36,11 +36,11 @@ import torch
 from _report import markdown_table, write_report  # a sibling module: tools/ is sys.path[0]
 
 import kernel_variants as kv
-from kernel_variants._registry import OpSpec
 from kernel_variants._runtime import custom_ops as _custom_ops
 from kernel_variants._runtime.bind import _params_source
 from kernel_variants._runtime.call import call
 from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants.plugin import OpSpec
 
 MODES = ("eager", "compiled", "custom_op", "floor")
 POOL_BYTES = 50 * 2**20

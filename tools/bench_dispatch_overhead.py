@@ -36,11 +36,11 @@ import torch
 from _report import cpu_model, markdown_table, write_report  # tools/ is sys.path[0]
 
 import kernel_variants as kv
-from kernel_variants._registry import Variant, hookimpl
 from kernel_variants._registry.registry import Registry, make_plugin_manager
 from kernel_variants._runtime import callcore as _callcore
 from kernel_variants._runtime.dispatcher import dispatcher, reset
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.plugin import Variant, hookimpl
 
 TARGETS_US = {"dispatched": 1.0, "forced": 1.0, "bound": 0.6}
 

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _key(spec, features, dtype):
-    from kernel_variants._registry import CallKey
+    from kernel_variants.plugin import CallKey
 
     return CallKey(spec, "cpu", dtype, features, (1,) * len(spec.axes))
 

@@ -25,12 +25,12 @@ import torch
 from _report import cpu_model  # a sibling module: tools/ is sys.path[0]
 
 import kernel_variants as kv
-from kernel_variants._registry import Variant, hookimpl
 from kernel_variants._registry.registry import Registry, make_plugin_manager
 from kernel_variants._runtime import call as _op
 from kernel_variants._runtime import device_errors as _device_errors
 from kernel_variants._runtime.dispatcher import dispatcher, reset
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.plugin import Variant, hookimpl
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -241,9 +241,9 @@ def qualify_jobs(ctx: Ctx, ops: tuple[str, ...], dtypes: tuple[str, ...], jobs: 
     import torch
 
     import kernel_variants as kv
-    from kernel_variants._registry import CallKey
     from kernel_variants._runtime.dispatcher import dispatcher
     from kernel_variants._tuning.isolate import isolated
+    from kernel_variants.plugin import CallKey
 
     d = dispatcher()
     reg = d.registry
@@ -426,7 +426,8 @@ def step_calibrate(ctx: Ctx) -> dict[str, Any]:
                     and dev_type in rv.variant.capabilities.devices]
         t0 = time.monotonic()
         res = kv.calibrate(op, shapes, dtype="float16", device=ctx.device, variants=candidates,
-                           budget_s=max(1.0, min(total * part, ctx.left() - 5)), **_timing(ctx), **feats)
+                           budget_s=max(1.0, min(total * part, ctx.left() - 5)),
+                           timing=kv.TimingConfig(**_timing(ctx)), **feats)
         out["sweeps"].append({
             "sweep": label, "op": op, "features": feats, "shapes": [list(s) for s in shapes],
             "candidates": candidates, "left_out_unqualified": left_out, "seconds": time.monotonic() - t0,

@@ -28,9 +28,9 @@ from _report import markdown_table, write_report  # a sibling module: tools/ is 
 
 import kernel_variants as kv
 from kernel_variants._dtypes import as_dtype
-from kernel_variants._registry import Sweep
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._tuning.timing import TimingConfig, measure
+from kernel_variants.plugin import Sweep
 
 
 def get_sweep(name: str) -> Sweep:

@@ -238,11 +238,16 @@ class CalibrationTable:
 
     def measurements(self, versions: dict[tuple[str, str], str], fingerprint_id: str):
         """Every current measurement and winner of this device: ((group, shape) -> {id: m}, winners)."""
-        ms, ws, _, _ = self._guard(self._scan, fingerprint_id)
+        ms, ws, counts, _ = self._guard(self._scan, fingerprint_id)
         rows: dict[tuple[Group, Shape], dict[str, Measurement]] = {}
+        stale: dict[str, tuple[str, str]] = {}
         for m in ms:
-            if versions.get((m.group.op, m.variant)) == m.version:  # a plugin not loaded now: left out
+            current = versions.get((m.group.op, m.variant))
+            if current is not None and current != m.version:
+                stale[m.variant] = (m.version, current)
+            elif current is not None:  # (a plugin not loaded now: its rows stay for when it is)
                 rows.setdefault((m.group, m.shape), {})[m.variant] = m
+        self._warn_once(fingerprint_id, counts, stale)
         return rows, {(w.group, w.shape): w for w in ws}
 
     def stale(self, versions: dict[tuple[str, str], str], deps: Mapping[tuple[str, str], dict[str, str]],
