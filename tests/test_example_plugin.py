@@ -61,7 +61,7 @@ def test_example_plugin_loads_through_its_entry_point_and_conforms(monkeypatch):
     assert registry.get("causal_conv1d_fn", "my_conv").plugin == "my_conv"
     assert registry.op_plugin("silu_and_mul") == "silu_and_mul"
     assert {rv.id for rv in registry.variants("silu_and_mul")} == {"reference", "fused"}
-    from test_conformance import assert_conforms
+    from helpers.conformance import assert_conforms
 
     assert_conforms(registry.get("causal_conv1d_fn", "my_conv"), "cpu")
     assert_conforms(registry.get("silu_and_mul", "fused"), "cpu")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_conformance import assert_conforms
+from helpers.conformance import assert_conforms
 
 import kernel_variants
 from kernel_variants.dispatch import dispatcher
