@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 import torch
+from helpers.calibration import QUICK
 
 import kernel_variants
 from kernel_variants.dispatch import _custom_ops
@@ -161,8 +162,8 @@ def test_force_kv_force_and_calibration_take_effect_in_a_compiled_graph(referenc
     monkeypatch.delenv("KV_FORCE")
     reset(dispatcher().registry)
     assert ran() == ["first"]
-    kernel_variants.calibrate(FN, [(2, 32, 16)], variants=["first", "second"], dtype="float32",
-                              warmup=1, windows=2, iters=3)
+    kernel_variants.calibrate(FN, [(2, 32, 16)], variants=["first", "second"],
+                              **QUICK | {"windows": 2, "iters": 3})
     assert kernel_variants.explain(FN, x, w, b, conv_states=pool, activation="silu").source == "table"
     assert ran() == ["second"]  # "first" sleeps: the table's winner is "second"
     assert len(compiles) == 1, "a pin or the table changed and the graph was recompiled"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.variants import variant
 
 import kernel_variants
 from kernel_variants import NoVariantError, VariantFailed
@@ -15,11 +16,6 @@ from kernel_variants.registry import Variant
 
 def _args():
     return (torch.randn(2, 5, 8), torch.randn(8, 4)), {"conv_states": torch.zeros(2, 3, 8)}
-
-
-def _v(vid, fn=reference.causal_conv1d_fn, priority=10, probe=None) -> Variant:
-    return Variant(id=vid, op="causal_conv1d_fn", version="1", priority=priority, probe=probe,
-                   capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}), fn=fn)
 
 
 def _top_priority(op="causal_conv1d_fn") -> str:
@@ -97,7 +93,7 @@ def test_force_context_pins_and_unpins(with_variants):
             return reference.causal_conv1d_fn(*a, **k)
         return fn
 
-    with_variants(_v("preferred", fn=tracked("preferred"), priority=99), _v("pinned", fn=tracked("pinned"), priority=1))
+    with_variants(variant("preferred", fn=tracked("preferred"), priority=99), variant("pinned", fn=tracked("pinned"), priority=1))
     args, kw = _args()
     kernel_variants.causal_conv1d_fn(*args, **kw)
     with kernel_variants.force(causal_conv1d_fn="pinned"):
@@ -123,7 +119,7 @@ def test_forced_variant_that_cannot_run_raises_with_reasons_instead_of_falling_b
 
 
 def test_unavailable_variant_is_never_chosen(with_variants):
-    with_variants(_v("fast_but_absent", priority=99, probe=lambda: "needs a device this machine lacks"))
+    with_variants(variant("fast_but_absent", priority=99, probe=lambda: "needs a device this machine lacks"))
     args, kw = _args()
     decision = kernel_variants.explain("causal_conv1d_fn", *args, **kw)
     assert decision.chosen.id != "fast_but_absent"
@@ -136,7 +132,7 @@ def test_a_variant_raising_in_a_real_call_is_named_and_writes_nothing(with_varia
             raise RuntimeError("kernel fault")
         return reference.causal_conv1d_fn(x, *a, **k)
 
-    with_variants(_v("broken", fn=broken, priority=99))
+    with_variants(variant("broken", fn=broken, priority=99))
     args, kw = _args()
     before = kw["conv_states"].clone()
     with pytest.raises(VariantFailed, match="variant 'broken' of causal_conv1d_fn failed: RuntimeError: kernel fault"):
