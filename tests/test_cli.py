@@ -382,3 +382,24 @@ def test_an_unavailable_device_is_a_user_error(capsys):
     rc, _, err = run(capsys, "table", "--device", "cuda")
     assert_one_line_error(rc, err, "table")
     assert "no CUDA device" in err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], []])
+def test_help_and_version_do_not_import_torch(argv):
+    code = ("import sys\nfrom kernel_variants._cli import main\nimport kernel_variants\n"
+            f"rc = main({argv!r})\nassert 'torch' not in sys.modules, 'torch was imported'\nsys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == (2 if not argv else 0), proc.stderr
+    assert "torch was imported" not in proc.stderr
+    text = proc.stdout + proc.stderr
+    assert ("kernel-variants" in text) if argv == ["--version"] else ("calibrate" in text and "build" in text)
+
+
+def test_kv_list_fits_120_columns_and_wide_shows_everything(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
+    rc, out, _ = run(capsys, "list")
+    assert rc == 0
+    assert max(len(line) for line in out.splitlines()) <= 120
+    rc, wide, _ = run(capsys, "list", "--wide")
+    assert rc == 0
+    assert "capabilities" in wide.splitlines()[0] and "version" in wide.splitlines()[0]

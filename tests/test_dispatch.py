@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from helpers.variants import variant
@@ -211,3 +216,27 @@ def test_update_op_dispatches_and_matches_reference():
     ref = reference.causal_conv1d_update(x, ref_state, w, activation="silu")
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(state, ref_state)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_forked_childs_first_dispatched_call_completes():
+    """Finding 6: with GNU OpenMP, a child forked after the parent ran a parallel region hung in
+    its first one. The child now runs one intra-op thread (or dies of SIGALRM, failing here)."""
+    code = textwrap.dedent("""
+        import os, signal, sys, torch
+        import kernel_variants as kv
+        x, w = torch.randn(8, 256, 512), torch.randn(512, 4)
+        kv.causal_conv1d_fn(x, w)  # a parallel region in the parent
+        threads = torch.get_num_threads()
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # default action: a hung child dies instead of hanging the test
+            kv.causal_conv1d_fn(x, w)
+            kv.gemma_rms_norm(torch.randn(64, 256), torch.zeros(256))
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert torch.get_num_threads() == threads, "the parent's threads changed"
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"child exit {proc.returncode} (-14: hung until SIGALRM)\n{proc.stderr[-2000:]}"

@@ -1,5 +1,6 @@
 """Each GPU of a process is itself: its fingerprint, and so the table rows its calls read and
-write, come from the device the call's tensors are on, not from device 0 (issue 15, finding 9).
+write, come from the device the call's tensors are on, not from device 0: two GPU models in one
+process must not read each other's timings.
 
 No GPU here: the CUDA properties are faked per ordinal, and keys carry the ordinal a CUDA
 tensor's device would give them."""
