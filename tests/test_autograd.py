@@ -1,6 +1,6 @@
 """Autograd: a call whose inputs require grad goes only to variants that declare ``autograd``
-(their gradients checked here), never to one that would hand back a detached output (finding 2
-of the reliability issue); state pools never join the graph; an inference-mode pool is refused
+(their gradients checked here), never to one that would hand back a detached output (the
+caller's backward would silently miss a gradient); state pools never join the graph; an inference-mode pool is refused
 outside inference mode whichever variant would run."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_an_inference_pool_is_refused_outside_inference_mode_by_every_variant():
 
 
 def test_aliased_memory_is_refused_before_anything_is_written():
-    """Finding 1 of the reliability issue: x a view of the pool it writes."""
+    """x a view of the pool the call writes: the write must not corrupt what autograd saved."""
     pool = torch.randn(4, 3, 16)
     before = pool.clone()
     w = torch.randn(16, 4)

@@ -1,5 +1,5 @@
 """kv compare and kv gate: head-to-head on measured variants and on CSVs measured elsewhere,
-including the 910B2 regression report's figures."""
+including the figures of a 910B2 report measured elsewhere."""
 
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ def test_the_custom_ops_are_well_formed():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-# --- ISSUE 17: the op is registered directly, and the variant is chosen when the graph runs
+# --- the op is registered directly, and the variant is chosen when the graph runs
 
 UPDATE = "causal_conv1d_update"
 FN = "causal_conv1d_fn"

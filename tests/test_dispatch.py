@@ -220,8 +220,8 @@ def test_update_op_dispatches_and_matches_reference():
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_a_forked_childs_first_dispatched_call_completes():
-    """Finding 6: with GNU OpenMP, a child forked after the parent ran a parallel region hung in
-    its first one. The child now runs one intra-op thread (or dies of SIGALRM, failing here)."""
+    """With GNU OpenMP, a child forked after the parent ran a parallel region hangs in its first
+    one unless it runs one intra-op thread; a hung child dies of SIGALRM, failing here."""
     code = textwrap.dedent("""
         import os, signal, sys, torch
         import kernel_variants as kv

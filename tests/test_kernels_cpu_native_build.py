@@ -75,8 +75,8 @@ def test_a_build_announces_itself_once_and_kv_build_reports_where(fresh_build_di
 
 
 def test_a_build_lock_left_by_a_killed_process_is_cleared(fresh_build_dir):
-    """Finding 3 of the reliability issue: cpp_extension's lock file outlives a killed build, and
-    the next process used to wait on it forever."""
+    """cpp_extension's lock file outlives a killed build, and the next process would wait on it
+    forever."""
     _, build_dir = _build._name_and_dir()
     build_dir.mkdir(parents=True)
     (build_dir / "lock").write_text("")
@@ -103,7 +103,7 @@ def test_a_failed_build_makes_the_variant_unavailable_and_the_call_goes_elsewher
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_four_processes_meeting_a_first_build_build_once_and_all_succeed(tmp_path):
-    """Finding 3's other half: concurrent first use builds once (an OS lock, not a lock file)."""
+    """Concurrent first use builds once: an OS lock, which a killed holder releases, not a lock file."""
     log = tmp_path / "builds.log"
     code = textwrap.dedent(f"""
         import time, types

@@ -95,7 +95,7 @@ COMPACTING = [("asc", FN, dict(noncontig=True)), ("asc", UPDATE, dict(noncontig=
                                                                   for n, o, k in COMPACTING])
 def test_pad_slot_id_zero_with_live_sequences_renumbered_from_zero(adapters, name, op, opts):
     """Slot 0 is the pad; the buffer paths number live sequences 0..B-1; every kernel skips any
-    index equal to the pad id it is given. Before: NaN (asc, pto) or out of tolerance."""
+    index equal to the pad id it is given. Passed through as-is: NaN (asc, pto) or out of tolerance."""
     options = dict(batch=4, dim=32, seqlen=3, width=4, dtype=torch.bfloat16, pad=True, pad_slot_id=0, poison=True)
     case = make_case(op, **{**options, **opts})
     assert verify(adapters[name][op].variant.fn, case) is None

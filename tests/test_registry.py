@@ -177,7 +177,7 @@ def test_a_declared_source_that_cannot_be_read_is_an_error():
 
 
 def test_a_broken_plugin_is_left_out_with_one_warning_and_the_rest_works():
-    """Finding 2 of the first-contact issue: one bad declaration no longer takes the library down."""
+    """One bad declaration costs its whole plugin (nothing of it, not half), never the library."""
     class Typo:
         @hookimpl
         def kv_register_variant(self, register):

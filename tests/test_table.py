@@ -184,7 +184,7 @@ def test_a_row_naming_a_file_never_makes_the_table_delete_it(tmp_path):
         " VALUES ('m|x|causal_conv1d_fn|y', 1, 0, NULL, 0, 0, NULL, 0, 2, ?, NULL)", (str(victim),))
     con.commit()
     con.close()
-    t.clear(FN)  # deletes the planted row, and with it (before the fix) the file it names
+    t.clear(FN)  # deletes the planted row; diskcache would delete the file a row names with it
     assert victim.read_text() == "keep me"
 
 
@@ -241,9 +241,9 @@ def test_a_table_written_by_the_previous_release_is_migrated_not_mixed():
 
 
 def test_a_read_only_table_is_read_and_new_measurements_stay_in_memory(monkeypatch):
-    """Finding 5 of the reliability issue: a table shipped read-only (an image, a shared mount)
-    used to be ignored entirely. (Tests run as root, whom file modes do not stop, so the
-    refused write is simulated where diskcache would meet it.)"""
+    """A table shipped read-only (an image, a shared mount) is still the table: its rows decide.
+    (Tests run as root, whom file modes do not stop, so the refused write is simulated where
+    diskcache would meet it.)"""
     from kernel_variants.dispatch._store import Store
 
     kv.calibrate(FN, SHAPES, **QUICK)
@@ -269,7 +269,7 @@ def test_a_read_only_table_is_read_and_new_measurements_stay_in_memory(monkeypat
 
 
 def test_decisions_read_one_snapshot_row_which_any_write_makes_out_of_date(reference_only, monkeypatch):
-    """Finding 8 (scale): a fresh process's first decision reads the snapshot the calibration
+    """At scale, a fresh process's first decision reads the snapshot the calibration
     left, not every row; a write renews the table's token, so a stale or planted snapshot is
     rebuilt from the rows, never trusted. (tools/bench_table_scale.py times it at 5000 shapes.)"""
     from kernel_variants.dispatch._fastindex import SNAPSHOT_PREFIX
