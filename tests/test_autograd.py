@@ -90,9 +90,10 @@ def test_an_inference_pool_is_refused_outside_inference_mode_by_every_variant():
     with torch.inference_mode():
         pool = torch.zeros(4, 3, 16)
     x, w = torch.randn(2, 16), torch.randn(16, 4)
-    for rv in kv.variants("causal_conv1d_update"):
-        if rv.unavailable_reason() is not None or "cpu" not in rv.variant.capabilities.devices:
-            continue
+    runnable = [rv for rv in kv.variants("causal_conv1d_update")
+                if rv.unavailable_reason() is None and "cpu" in rv.variant.capabilities.devices]
+    assert len(runnable) >= 2, [rv.id for rv in runnable]  # the reference and at least one other
+    for rv in runnable:
         with kv.force(causal_conv1d_update=rv.id), pytest.raises(ValueError, match="conv_state: an inference tensor"):
             kv.causal_conv1d_update(x, pool, w)
     with torch.inference_mode():
@@ -104,9 +105,10 @@ def test_aliased_memory_is_refused_before_anything_is_written():
     pool = torch.randn(4, 3, 16)
     before = pool.clone()
     w = torch.randn(16, 4)
-    for rv in kv.variants("causal_conv1d_fn"):
-        if rv.unavailable_reason() is not None or "cpu" not in rv.variant.capabilities.devices:
-            continue
+    runnable = [rv for rv in kv.variants("causal_conv1d_fn")
+                if rv.unavailable_reason() is None and "cpu" in rv.variant.capabilities.devices]
+    assert len(runnable) >= 2, [rv.id for rv in runnable]  # the reference and at least one other
+    for rv in runnable:
         with kv.force(causal_conv1d_fn=rv.id):
             with pytest.raises(ValueError, match="x: expected memory apart from conv_states"):
                 kv.causal_conv1d_fn(pool[0:2], w, conv_states=pool,

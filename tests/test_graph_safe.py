@@ -121,6 +121,7 @@ def test_every_conv_variant_that_declares_graph_safe_is_proven_here(interpreter)
     # The block configurations are the same kernels as "triton", with other block sizes.
     configs = {(op, vid) for op, vid in claimed if vid.startswith("triton_")}
     assert claimed - configs <= proven, f"declared graph_safe without a proof here: {sorted(claimed - configs - proven)}"
+    assert configs, "the Triton block configurations are registered beside triton"
     for op, vid in configs:
         rv = dispatcher().registry.get(op, vid)
         assert rv.variant.fn.__qualname__.startswith(("causal_conv1d_fn[", "causal_conv1d_update["))

@@ -159,7 +159,9 @@ def _calls(op):
 
 def _assert_never_chosen(op, calls=None):
     public = getattr(kv, op)
-    for case in calls if calls is not None else _calls(op):
+    calls = calls if calls is not None else _calls(op)
+    assert calls, f"no call of {op} to check"
+    for case in calls:
         # The dispatched call itself, judged like a variant: outputs, state and inputs.
         assert verify(public, case) is None
         decision = kv.explain(op, *case.args, **case.kwargs)
