@@ -1,6 +1,6 @@
 """Autograd: a call whose inputs require grad goes only to variants that declare ``autograd``
-(their gradients checked here), never to one that would hand back a detached output (finding 2
-of the reliability issue); state pools never join the graph; an inference-mode pool is refused
+(their gradients checked here), never to one that would hand back a detached output (the
+caller's backward would silently miss a gradient); state pools never join the graph; an inference-mode pool is refused
 outside inference mode whichever variant would run."""
 
 from __future__ import annotations
@@ -90,9 +90,10 @@ def test_an_inference_pool_is_refused_outside_inference_mode_by_every_variant():
     with torch.inference_mode():
         pool = torch.zeros(4, 3, 16)
     x, w = torch.randn(2, 16), torch.randn(16, 4)
-    for rv in kv.variants("causal_conv1d_update"):
-        if rv.unavailable_reason() is not None or "cpu" not in rv.variant.capabilities.devices:
-            continue
+    runnable = [rv for rv in kv.variants("causal_conv1d_update")
+                if rv.unavailable_reason() is None and "cpu" in rv.variant.capabilities.devices]
+    assert len(runnable) >= 2, [rv.id for rv in runnable]  # the reference and at least one other
+    for rv in runnable:
         with kv.force(causal_conv1d_update=rv.id), pytest.raises(ValueError, match="conv_state: an inference tensor"):
             kv.causal_conv1d_update(x, pool, w)
     with torch.inference_mode():
@@ -100,13 +101,14 @@ def test_an_inference_pool_is_refused_outside_inference_mode_by_every_variant():
 
 
 def test_aliased_memory_is_refused_before_anything_is_written():
-    """Finding 1 of the reliability issue: x a view of the pool it writes."""
+    """x a view of the pool the call writes: the write must not corrupt what autograd saved."""
     pool = torch.randn(4, 3, 16)
     before = pool.clone()
     w = torch.randn(16, 4)
-    for rv in kv.variants("causal_conv1d_fn"):
-        if rv.unavailable_reason() is not None or "cpu" not in rv.variant.capabilities.devices:
-            continue
+    runnable = [rv for rv in kv.variants("causal_conv1d_fn")
+                if rv.unavailable_reason() is None and "cpu" in rv.variant.capabilities.devices]
+    assert len(runnable) >= 2, [rv.id for rv in runnable]  # the reference and at least one other
+    for rv in runnable:
         with kv.force(causal_conv1d_fn=rv.id):
             with pytest.raises(ValueError, match="x: expected memory apart from conv_states"):
                 kv.causal_conv1d_fn(pool[0:2], w, conv_states=pool,

@@ -103,7 +103,7 @@ def test_explain_validates_like_the_op(name):
 def test_value_checks_are_off_only_off_the_cpu(monkeypatch):
     """KV_CHECK_VALUES=0 spares accelerators a device sync per call; on the CPU reading an index
     tensor costs nothing, so the checks stay on there and a bad slot never reaches a variant
-    (finding 7 of the reliability issue: the reference used to half-write the pool)."""
+    (a variant refusing it midway could leave the pool half-written)."""
     from kernel_variants._runtime import call as _op
 
     monkeypatch.setenv("KV_CHECK_VALUES", "0")

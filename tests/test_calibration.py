@@ -1,61 +1,57 @@
-"""Calibration: correctness before speed, per-variant storage, stable winners, table lookup, and
-the faults a shared on-disk table meets (corruption, no write access, concurrency, kills)."""
+"""Calibration: correctness before speed, per-variant storage, stable winners, the nearest
+calibrated shape; interleaved, noise-aware timing; pruning and a time budget; recording
+uncalibrated keys in production; staleness per variant; graph timing mode. (The on-disk table
+itself, its faults and its exchange format: test_table.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import sqlite3
 import subprocess
 import sys
 import textwrap
 import time
+import types
 import warnings
 
 import pytest
 import torch
+from helpers.calibration import conv_call, fpid, group, measurement, quick, quick_argv, run
+from helpers.variants import counting, slow, variant
 
 import kernel_variants as kv
 from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
 from kernel_variants._table.store import CalibrationWarning
-from kernel_variants._table.table import SCHEMA, CalibrationTable, Group, Measurement
+from kernel_variants._table.table import CalibrationTable
+from kernel_variants._tuning import calibrate as _calibrate
+from kernel_variants._tuning import timing as _timing
+from kernel_variants._tuning.timing import TimingConfig, measure, measure_interleaved
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as reference
 from kernel_variants.plugin import Variant
 
 FN = "causal_conv1d_fn"
-QUICK = dict(dtype="float32", timing=kv.TimingConfig(warmup=1, windows=2, iters=3))
 SHAPES = [(1, 16, 8), (2, 32, 16)]
+# Two windows of three calls: a best and a median that can differ.
+TIMED = quick(windows=2, iters=3)
+# Three windows: pruning acts after the first round, and noise needs several windows to show.
+ROUNDS = quick(windows=3, iters=3)
 
 
-def _slow(seconds):
-    def fn(*args, **kwargs):
-        time.sleep(seconds)
-        return reference.causal_conv1d_fn(*args, **kwargs)
-    return fn
-
-
-def _variant(vid, fn, version="1", priority=0):
-    return Variant(id=vid, op=FN, version=version, priority=priority, fn=fn,
-                   capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, varlen=True))
-
-
-def _call(b=2, d=32, seq=16):
-    return (torch.randn(b, seq, d), torch.randn(d, 4), torch.randn(d)), dict(
-        conv_states=torch.randn(b, 3, d), activation="silu")
+# ---- what calibration records, and what dispatch does with it
 
 
 def test_calibration_records_figures_and_dispatch_follows_the_table(reference_only, with_variants):
-    with_variants(_variant("sleepy", _slow(0.002), priority=100))
-    result = kv.calibrate(FN, SHAPES, variants=["reference", "sleepy"], prune=None, **QUICK)
+    with_variants(variant("sleepy", fn=slow(0.002), priority=100, varlen=True))
+    result = kv.calibrate(FN, SHAPES, variants=["reference", "sleepy"], prune=None, **TIMED)
     by = {(m.shape, m.variant): m for m in result.measurements}
     m = by[((2, 32, 16), "reference")]
     assert m.status == "ok" and m.best_us > 0 and m.median_us >= m.best_us
     assert m.windows == 2 and m.iters == 3 and m.measured_at <= time.time()
-    assert by[((2, 32, 16), "sleepy")].best_us > 2000
+    assert by[((2, 32, 16), "sleepy")].best_us > m.best_us  # recorded per variant: the slower one's own figure
     assert all(w.variant == "reference" for w in result.winners.values())
-    args, kw = _call()
+    args, kw = conv_call()
     decision = kv.explain(FN, *args, **kw)
     assert (decision.chosen.id, decision.source) == ("reference", "table"), str(decision)
     assert "sleepy" in str(decision) and "x the winner" in str(decision)
@@ -64,15 +60,15 @@ def test_calibration_records_figures_and_dispatch_follows_the_table(reference_on
 
 
 def test_unseen_shape_uses_the_nearest_calibrated_shape_in_log_space(reference_only, with_variants):
-    with_variants(_variant("sleepy", _slow(0.002), priority=100))
-    kv.calibrate(FN, [(1, 16, 8), (8, 128, 64)], variants=["reference", "sleepy"], dtype="float32", timing=kv.TimingConfig(warmup=1, windows=2, iters=1))
-    args, kw = _call(b=2, d=32, seq=16)
+    with_variants(variant("sleepy", fn=slow(0.002), priority=100, varlen=True))
+    kv.calibrate(FN, [(1, 16, 8), (8, 128, 64)], variants=["reference", "sleepy"], **quick(windows=2, iters=1))
+    args, kw = conv_call(b=2, d=32, seq=16)
     decision = kv.explain(FN, *args, **kw)
     assert decision.source == "nearest" and decision.measured_key == (1, 16, 8)
 
 
 def test_without_any_measurement_priority_decides():
-    args, kw = _call()
+    args, kw = conv_call()
     assert kv.explain(FN, *args, **kw).source == "priority"
 
 
@@ -87,196 +83,70 @@ def test_without_any_measurement_priority_decides():
     ],
 )
 def test_a_wrong_variant_is_rejected_with_its_reason_and_never_chosen(reference_only, with_variants, name, fn, reason):
-    with_variants(_variant(name, fn, priority=100))
-    result = kv.calibrate(FN, SHAPES[:1], **QUICK)
+    with_variants(variant(name, fn=fn, priority=100, varlen=True))
+    result = kv.calibrate(FN, SHAPES[:1], **TIMED)
     rejected = {m.variant: m.reason for m in result.rejected()}
     assert reason in rejected[name]
     assert result.winners[SHAPES[0]].variant != name
-    args, kw = _call(*SHAPES[0])
+    args, kw = conv_call(*SHAPES[0])
     assert kv.explain(FN, *args, **kw).chosen.id != name
     assert name in kv.table(FN)[0].rejected
 
 
 def test_a_new_variant_needs_only_itself_measured(with_variants):
-    kv.calibrate(FN, SHAPES, variants=["reference"], **QUICK)
-    first = {m.variant: m.measured_at for m in dispatcher().table.measurements(dispatcher().versions(), _fpid())[0][(_group(), SHAPES[0])].values()}
-    with_variants(_variant("newcomer", reference.causal_conv1d_fn))
-    kv.calibrate(FN, SHAPES, variants=["newcomer"], **QUICK)
+    kv.calibrate(FN, SHAPES, variants=["reference"], **TIMED)
+    first = {m.variant: m.measured_at for m in dispatcher().table.measurements(dispatcher().versions(), fpid())[0][(group(), SHAPES[0])].values()}
+    with_variants(variant("newcomer", varlen=True))
+    kv.calibrate(FN, SHAPES, variants=["newcomer"], **TIMED)
     row = kv.table(FN)[0]
     assert set(row.times_us) == {"reference", "newcomer"}
-    after = dispatcher().table.measurements(dispatcher().versions(), _fpid())[0][(_group(), SHAPES[0])]
+    after = dispatcher().table.measurements(dispatcher().versions(), fpid())[0][(group(), SHAPES[0])]
     assert after["reference"].measured_at == first["reference"], "the reference was not re-measured"
-
-
-def _fpid():
-    from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
-    return fingerprint_id(fingerprint("cpu"))
-
-
-def _group(**kw):
-    base = dict(op=FN, dtype="float32", width=4, bias=True, activation="silu", states=True, varlen=False, spec=False)
-    return Group(**(base | kw))
-
-
-def _m(variant, us, version, shape=(1, 16, 8), fp=None):
-    from kernel_variants._table.fingerprint import fingerprint
-    return Measurement(fingerprint=fingerprint("cpu"), fingerprint_id=fp or _fpid(), group=_group(), shape=shape,
-                       variant=variant, version=version, status="ok", best_us=us, median_us=us, spread=0.0,
-                       windows=5, iters=100, method="test", measured_at=time.time())
 
 
 def test_a_challenger_must_beat_the_winner_by_the_margin(tmp_path):
     t = CalibrationTable(tmp_path / "t")
     versions = {(FN, "a"): "1", (FN, "b"): "1"}
-    t.record(_m("a", 100.0, "1"))
-    assert t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02).variant == "a"
-    t.record(_m("b", 99.0, "1"))  # 1% faster: noise on a shared machine
-    assert t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02).variant == "a"
-    t.record(_m("b", 90.0, "1"))  # 10% faster: a real win
-    assert t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02).variant == "b"
-    t.record(_m("a", 89.0, "1"))  # and back only by more than the margin
-    assert t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02).variant == "b"
+    t.record(measurement("a", 100.0, "1"))
+    assert t.decide_winner(fpid(), group(), (1, 16, 8), versions, 0.02).variant == "a"
+    t.record(measurement("b", 99.0, "1"))  # 1% faster: noise on a shared machine
+    assert t.decide_winner(fpid(), group(), (1, 16, 8), versions, 0.02).variant == "a"
+    t.record(measurement("b", 90.0, "1"))  # 10% faster: a real win
+    assert t.decide_winner(fpid(), group(), (1, 16, 8), versions, 0.02).variant == "b"
+    t.record(measurement("a", 89.0, "1"))  # and back only by more than the margin
+    assert t.decide_winner(fpid(), group(), (1, 16, 8), versions, 0.02).variant == "b"
 
 
 def test_stale_versions_and_other_devices_are_ignored_with_one_warning(tmp_path):
     t = CalibrationTable(tmp_path / "t")
-    t.record(_m("a", 100.0, "1+old"))
-    t.record(_m("b", 50.0, "1", fp="another-device"))
-    t.record(_m("c", 70.0, "1"))
+    t.record(measurement("a", 100.0, "1+old"))
+    t.record(measurement("b", 50.0, "1", fp="another-device"))
+    t.record(measurement("c", 70.0, "1"))
     versions = {(FN, "a"): "1+new", (FN, "b"): "1", (FN, "c"): "1"}
     with pytest.warns(CalibrationWarning) as caught:
-        rows, _ = t.measurements(versions, _fpid())
+        rows, _ = t.measurements(versions, fpid())
     assert len(caught) == 1
     msg = str(caught[0].message)
     assert "variant 'a' changed since it was measured (version 1+old -> 1+new)" in msg
     assert "1 measured on another device or software stack" in msg
-    assert set(rows[(_group(), (1, 16, 8))]) == {"c"}
+    assert set(rows[(group(), (1, 16, 8))]) == {"c"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        t.measurements(versions, _fpid())  # the same load again: no second warning
+        t.measurements(versions, fpid())  # the same load again: no second warning
 
 
 def test_editing_a_kernel_makes_its_timings_stale(with_variants):
-    with_variants(_variant("mine", reference.causal_conv1d_fn, version="1"))
-    kv.calibrate(FN, SHAPES[:1], variants=["mine"], **QUICK)
-    with_variants(_variant("mine", reference.causal_conv1d_fn, version="2"))
+    with_variants(variant("mine", version="1", varlen=True))
+    kv.calibrate(FN, SHAPES[:1], variants=["mine"], **TIMED)
+    with_variants(variant("mine", version="2", varlen=True))
     with pytest.warns(CalibrationWarning, match="variant 'mine' changed"):
         assert kv.table(FN) == []
-
-
-def test_a_corrupt_table_is_moved_aside_and_the_op_keeps_working(tmp_path, monkeypatch):
-    cache = tmp_path / "corrupt"
-    cache.mkdir()
-    (cache / "cache.db").write_bytes(b"this is not a database" * 100)
-    monkeypatch.setenv("KV_CACHE_DIR", str(cache))
-    kv.reload()
-    args, kw = _call()
-    with pytest.warns(CalibrationWarning, match="corrupt.*moved to"):
-        out = kv.causal_conv1d_fn(*args, **kw)
-    assert out.shape == args[0].shape
-    assert any(p.name.startswith("corrupt.corrupt-") for p in tmp_path.iterdir())
-    kv.calibrate(FN, SHAPES[:1], variants=["reference"], **QUICK)
-    assert len(kv.table(FN)) == 1
-
-
-def test_a_truncated_table_is_moved_aside(tmp_path, monkeypatch):
-    monkeypatch.setenv("KV_CACHE_DIR", str(tmp_path / "t"))
-    kv.reload()
-    kv.calibrate(FN, SHAPES, variants=["reference"], **QUICK)
-    db = tmp_path / "t" / "cache.db"
-    db.write_bytes(db.read_bytes()[:1000])
-    kv.reload()
-    with pytest.warns(CalibrationWarning, match="corrupt"):
-        rows = kv.table(FN)
-    assert rows == []
-
-
-def test_an_unusable_directory_keeps_the_table_in_memory(tmp_path, monkeypatch):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    monkeypatch.setenv("KV_CACHE_DIR", str(blocker / "cache"))
-    kv.reload()
-    with pytest.warns(CalibrationWarning, match="not usable.*in memory"):
-        kv.calibrate(FN, SHAPES[:1], variants=["reference"], **QUICK)
-    assert dispatcher().table.in_memory
-    assert kv.table(FN)[0].winner == "reference"
-
-
-def test_a_pickled_row_is_never_unpickled(tmp_path):
-    t = CalibrationTable(tmp_path / "t")
-    t.record(_m("a", 100.0, "1"))
-    marker = tmp_path / "pwned"
-    payload = b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."
-    con = sqlite3.connect(tmp_path / "t" / "cache.db")
-    con.execute(
-        "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, filename, value)"
-        " VALUES (?, 0, 0, NULL, 0, 0, NULL, 0, 4, NULL, ?)", (sqlite3.Binary(payload), sqlite3.Binary(payload)))
-    con.execute(
-        "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, filename, value)"
-        " VALUES ('m|x', 1, 0, NULL, 0, 0, NULL, 0, 4, NULL, ?)", (sqlite3.Binary(payload),))
-    con.commit()
-    con.close()
-    t = CalibrationTable(tmp_path / "t")
-    with pytest.warns(CalibrationWarning, match="2 entries unreadable or malformed"):
-        rows, _ = t.measurements({(FN, "a"): "1"}, _fpid())
-    assert not marker.exists()
-    assert set(rows[(_group(), (1, 16, 8))]) == {"a"}
-
-
-_WORKER = textwrap.dedent("""
-    import sys, kernel_variants as kv
-    seed = int(sys.argv[1])
-    shapes = [(1 + (seed + i) % 3, 16, 4 + i) for i in range(6)]
-    kv.calibrate("causal_conv1d_fn", shapes, dtype="float32", timing=kv.TimingConfig(warmup=1, windows=1, iters=2),
-                 progress=lambda p: print(p.done, flush=True))
-""")
-
-
-def _worker_env(cache):
-    return {**os.environ, "KV_CACHE_DIR": str(cache), "PYTHONWARNINGS": "error::UserWarning"}
-
-
-def test_four_processes_calibrating_into_one_table(tmp_path):
-    cache = tmp_path / "shared"
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(i)], env=_worker_env(cache),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
-    t = CalibrationTable(cache)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        rows, winners = t.measurements(dispatcher().versions(), _fpid())
-    expected = {(1 + (s + i) % 3, 16, 4 + i) for s in range(4) for i in range(6)}
-    assert {shape for (_, shape) in rows} == expected
-    runnable = {rv.id for rv in kv.variants(FN) if rv.unavailable_reason() is None}
-    assert all(set(by_v) == runnable for by_v in rows.values())
-    assert {shape for (_, shape) in winners} == expected
-
-
-def test_a_process_killed_mid_calibration_leaves_a_readable_table(tmp_path):
-    cache = tmp_path / "killed"
-    with subprocess.Popen([sys.executable, "-c", _WORKER, "0"], env=_worker_env(cache),
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as p:
-        for line in p.stdout:
-            if int(line) >= 5:
-                p.send_signal(signal.SIGKILL)
-                break
-        p.wait(timeout=60)
-    assert p.returncode == -signal.SIGKILL
-    t = CalibrationTable(cache)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        rows, _ = t.measurements(dispatcher().versions(), _fpid())
-    measured = sum(len(v) for v in rows.values())
-    runnable = sum(1 for rv in kv.variants(FN) if rv.unavailable_reason() is None)
-    assert 4 <= measured < 6 * runnable
 
 
 def test_kv_tune_calibrates_an_unseen_shape_on_first_sight(monkeypatch):
     monkeypatch.setenv("KV_TUNE", "1")
     kv.reload()
-    args, kw = _call(b=1, d=16, seq=4)
+    args, kw = conv_call(b=1, d=16, seq=4)
     kv.causal_conv1d_fn(*args, **kw)
     assert [r.shape for r in kv.table(FN)] == [(1, 16, 4)]
     assert kv.explain(FN, *args, **kw).source == "table"
@@ -286,13 +156,13 @@ def test_kv_tune_never_measures_while_compiling(monkeypatch):
     monkeypatch.setenv("KV_TUNE", "1")
     kv.reload()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    args, kw = _call(b=1, d=16, seq=4)
+    args, kw = conv_call(b=1, d=16, seq=4)
     assert kv.explain(FN, *args, **kw).source == "priority"
     assert kv.table(FN) == []
 
 
 def test_clear_table_per_variant_and_op():
-    kv.calibrate(FN, SHAPES, prune=None, **QUICK)
+    kv.calibrate(FN, SHAPES, prune=None, **TIMED)
     assert kv.clear_table(FN, "torch_shift") == 2
     assert all("torch_shift" not in r.times_us and "reference" in r.times_us for r in kv.table(FN))
     kv.clear_table(FN)
@@ -301,44 +171,24 @@ def test_clear_table_per_variant_and_op():
 
 def test_calibrate_refuses_bad_arguments():
     with pytest.raises(ValueError, match="shapes: expected"):
-        kv.calibrate(FN, [(1, 2)], **QUICK)
+        kv.calibrate(FN, [(1, 2)], **TIMED)
     with pytest.raises(ValueError, match="variants: nope not registered"):
-        kv.calibrate(FN, SHAPES, variants=["nope"], **QUICK)
+        kv.calibrate(FN, SHAPES, variants=["nope"], **TIMED)
     with pytest.raises(ValueError, match="dtype: expected"):
-        kv.calibrate(FN, SHAPES, **(QUICK | {"dtype": "int8"}))
+        kv.calibrate(FN, SHAPES, **(TIMED | {"dtype": "int8"}))
     with pytest.raises(ValueError, match="op must be one of"):
-        kv.calibrate("conv2d", SHAPES, **QUICK)
-
-
-def test_values_on_disk_are_json(tmp_path, monkeypatch):
-    kv.calibrate(FN, SHAPES[:1], variants=["reference"], **QUICK)
-    con = sqlite3.connect(os.path.join(os.environ["KV_CACHE_DIR"], "cache.db"))
-    modes = {row[0] for row in con.execute("SELECT mode FROM Cache")}
-    values = [row[0] for row in con.execute("SELECT value FROM Cache")]
-    con.close()
-    assert modes == {1}  # diskcache's raw mode: inline text, no pickle
-    assert all(isinstance(json.loads(v), dict) for v in values)
-
-
-def _counting(vid, fn, priority):
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(vid)
-        return fn(*args, **kwargs)
-
-    return _variant(vid, counted, priority=priority), calls
+        kv.calibrate("conv2d", SHAPES, **TIMED)
 
 
 def test_real_calls_follow_the_table_after_calibrate_and_clear(reference_only, with_variants):
     """Through the memo, not explain(): calibrating and clearing must change what a call runs."""
-    slow, slow_calls = _counting("slow_but_preferred", _slow(0.003), priority=1000)
-    fast, fast_calls = _counting("fast", reference.causal_conv1d_fn, priority=0)
-    with_variants(slow, fast)
-    args, kw = _call(*SHAPES[0])
+    slow_v, slow_calls = counting("slow_but_preferred", slow(0.003), varlen=True, priority=1000)
+    fast_v, fast_calls = counting("fast", reference.causal_conv1d_fn, varlen=True, priority=0)
+    with_variants(slow_v, fast_v)
+    args, kw = conv_call(*SHAPES[0])
     kv.causal_conv1d_fn(*args, **kw)
     assert slow_calls and not fast_calls, "without measurements the priority decides"
-    kv.calibrate(FN, SHAPES[:1], variants=["slow_but_preferred", "fast"], **QUICK)
+    kv.calibrate(FN, SHAPES[:1], variants=["slow_but_preferred", "fast"], **TIMED)
     slow_calls.clear()
     fast_calls.clear()
     kv.causal_conv1d_fn(*args, **kw)
@@ -348,137 +198,385 @@ def test_real_calls_follow_the_table_after_calibrate_and_clear(reference_only, w
     assert slow_calls == ["slow_but_preferred"], "the memoised decision survived clear_table"
 
 
-def test_import_re_decides_winners_from_the_merged_timings(with_variants):
-    """A newer imported timing that dethrones the local winner wins, whatever the winner rows say."""
-    from kernel_variants._table.exchange import build_document, import_document
-
-    with_variants(_variant("a", reference.causal_conv1d_fn), _variant("b", reference.causal_conv1d_fn))
-    versions = dispatcher().versions()
-    va, vb = versions[(FN, "a")], versions[(FN, "b")]
-    t = dispatcher().table
-    t.record(_m("a", 100.0, va))
-    t.record(_m("b", 50.0, vb))
-    assert t.decide_winner(_fpid(), _group(), (1, 16, 8), versions, 0.02).variant == "b"
-    doc = build_document(t, "cpu").model_copy(update={"measurements": [_m("b", 500.0, vb)]})
-    import_document(doc, t, versions)
-    _, winners = t.measurements(versions, _fpid())
-    assert winners[(_group(), (1, 16, 8))].variant == "a"
+# ---- interleaved, noise-aware timing
 
 
-def test_a_row_naming_a_file_never_makes_the_table_delete_it(tmp_path):
+class _LoadedMachine:
+    """A clock the timer reads, and variants whose calls take ``base`` seconds of it times the
+    machine's load: 3x until ``busy_until``, then 1x (a neighbour's job that ends mid-calibration)."""
+
+    def __init__(self, busy_until: float) -> None:
+        self.t = 0.0
+        self.busy_until = busy_until
+
+    def now(self) -> float:
+        return self.t
+
+    def variant(self, base: float):
+        def call(*args, **kwargs):
+            self.t += base * (3.0 if self.t < self.busy_until else 1.0)
+            return reference.causal_conv1d_fn(*args, **kwargs) if args else None
+        return call
+
+
+def test_interleaved_timing_picks_the_truly_faster_variant_where_block_timing_does_not(monkeypatch):
+    config = TimingConfig(warmup=1, windows=5, iters=5, window_budget_s=None)
+    machine = _LoadedMachine(busy_until=0.1)
+    monkeypatch.setattr(_timing, "_now", machine.now)
+    fast, slow = machine.variant(1e-3), machine.variant(1.3e-3)  # fast is truly 1.3x faster
+    block = {"fast": measure([fast], "cpu", config).best_us, "slow": measure([slow], "cpu", config).best_us}
+    assert min(block, key=block.get) == "slow", block  # fast was timed while the machine was busy
+
+    machine = _LoadedMachine(busy_until=0.1)
+    monkeypatch.setattr(_timing, "_now", machine.now)
+    fast, slow = machine.variant(1e-3), machine.variant(1.3e-3)
+    got = measure_interleaved({"fast": [fast], "slow": [slow]}, "cpu", config)
+    assert got["fast"].best_us == pytest.approx(1000) and got["slow"].best_us == pytest.approx(1300)
+    assert len(got["fast"].samples_us) == 5 and got["fast"].noise > 0  # busy windows are in its samples
+    assert "interleaved" in got["fast"].method
+
+
+def test_calibration_stores_the_interleaved_winner_with_its_windows(reference_only, with_variants, monkeypatch):
+    machine = _LoadedMachine(busy_until=0.15)
+    monkeypatch.setattr(_timing, "_now", machine.now)
+    with_variants(variant("fast", fn=machine.variant(1e-3), varlen=True), variant("slow", fn=machine.variant(1.3e-3), varlen=True))
+    result = kv.calibrate(FN, [(1, 16, 8)], variants=["fast", "slow"], prune=None,
+                          **quick(windows=5, iters=5, window_budget_s=None))
+    assert result.winners[(1, 16, 8)].variant == "fast"
+    m = {m.variant: m for m in result.measurements}["fast"]
+    assert len(m.samples_us) == 5 and m.best_us == min(m.samples_us) and m.noise is not None
+
+
+def test_a_lead_inside_the_measured_noise_does_not_flip_the_incumbent(tmp_path):
     t = CalibrationTable(tmp_path / "t")
-    t.record(_m("a", 100.0, "1"))
-    victim = tmp_path / "victim" / "important"
-    victim.parent.mkdir()
-    victim.write_text("keep me")
-    con = sqlite3.connect(tmp_path / "t" / "cache.db")
-    con.execute(
-        "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, filename, value)"
-        " VALUES ('m|x|causal_conv1d_fn|y', 1, 0, NULL, 0, 0, NULL, 0, 2, ?, NULL)", (str(victim),))
-    con.commit()
-    con.close()
-    t.clear(FN)  # deletes the planted row, and with it (before the fix) the file it names
-    assert victim.read_text() == "keep me"
+    versions = {(FN, "a"): "1", (FN, "b"): "1"}
+    t.record(measurement("a", 100.0, samples=[100, 104, 108, 109, 112]))
+    w = t.decide_winner(fpid(), group(), (1, 16, 8), versions, 0.02)
+    assert (w.variant, w.confidence) == ("a", "single")
+    # 4% faster: above the 2% margin, but the windows wander by 8%: noise, not a lead
+    t.record(measurement("b", 96.0, samples=[96, 100, 104, 105, 107]))
+    w = t.decide_winner(fpid(), group(), (1, 16, 8), versions, 0.02)
+    assert (w.variant, w.runner_up, w.confidence) == ("a", "b", "within noise") and w.lead < 0 and w.noise > 0.04
+    # 30% faster is a lead whatever the noise
+    t.record(measurement("b", 70.0, samples=[70, 73, 75, 76, 77]))
+    w = t.decide_winner(fpid(), group(), (1, 16, 8), versions, 0.02)
+    assert (w.variant, w.runner_up, w.confidence) == ("b", "a", "clear") and w.lead > 0.4
+    # quiet figures: the 2% margin stays the floor
+    t.record(measurement("a", 69.0, samples=[69, 69, 69]))
+    assert t.decide_winner(fpid(), group(), (1, 16, 8), versions, 0.02).variant == "b"
+    row = {r.shape: r for r in kv.table(FN)}  # (the process table is another directory: empty)
+    assert row == {}
 
 
-def test_a_busy_table_is_not_called_corrupt(tmp_path):
-    from kernel_variants._table.table import is_corrupt
-
-    assert not is_corrupt(sqlite3.OperationalError("database is locked"))
-    assert not is_corrupt(sqlite3.OperationalError("attempt to write a readonly database"))
-    assert is_corrupt(sqlite3.DatabaseError("file is not a database"))
+# ---- pruning and a budget
 
 
-def test_a_cache_path_with_uri_characters_works(tmp_path, monkeypatch):
-    monkeypatch.setenv("KV_CACHE_DIR", str(tmp_path / "odd #1 ?x %20"))
+def test_a_far_slower_variant_is_pruned_recorded_with_its_bound_and_treated_as_measured(
+        reference_only, with_variants, capsys):
+    with_variants(variant("snail", fn=slow(0.02), priority=1000, varlen=True), variant("quick", varlen=True))  # >3x even on a loaded machine
+    result = kv.calibrate(FN, [(2, 32, 16)], variants=["snail", "quick"], **ROUNDS)
+    by = {m.variant: m for m in result.measurements}
+    snail = by["snail"]
+    assert snail.status == "pruned" and snail.windows == 1 and snail.pruned_at >= 3
+    assert snail.reason == f"pruned after the first round at >= {snail.pruned_at:.1f}x quick's time per call"
+    assert by["quick"].status == "ok" and by["quick"].windows == 3
+    row = kv.table(FN)[0]
+    assert row.pruned == {"snail": snail.pruned_at} and row.missing == ("reference",) and row.winner == "quick"
+    # measured-slower, never unmeasured: its priority (1000) does not make the row "incomplete"
+    args, kw = conv_call(2, 32, 16)
+    decision = kv.explain(FN, *args, **kw)
+    assert (decision.chosen.id, decision.source) == ("quick", "table"), str(decision)
+    assert f"pruned after the first round: >= {snail.pruned_at:.1f}x" in str(decision)
+    rc, out, _ = run(capsys, "table")
+    assert rc == 0 and f"pruned >={snail.pruned_at:.1f}x" in out
+    rc, out, _ = run(capsys, "list", "--shape", "2,32,16", "--dtype", "fp32")
+    assert rc == 0 and "pruned after the first round" in out
+    # --missing sees a pruned variant as measured
+    rc, out, err = run(capsys, "calibrate", "--shapes", "2,32,16", "--dtype", "fp32", "--warmup", "1", "--windows",
+                       "2", "--iters", "2", "--variants", "snail,quick", "--missing", "--json", "-q")
+    assert rc == 0, err and json.loads(out)["measurements"] == []
+
+
+def test_without_pruning_every_variant_is_timed_fully(reference_only, with_variants):
+    with_variants(variant("snail", fn=slow(0.004), varlen=True), variant("quick", varlen=True))
+    result = kv.calibrate(FN, [(2, 32, 16)], variants=["snail", "quick"], prune=None, **ROUNDS)
+    assert {m.status for m in result.measurements} == {"ok"}
+    with pytest.raises(ValueError, match="prune: expected a factor above 1"):
+        kv.calibrate(FN, [(2, 32, 16)], prune=0.5, **ROUNDS)
+
+
+def test_a_budget_bounds_the_sweep_and_says_what_it_skipped(reference_only, with_variants, monkeypatch, capsys):
+    """On a fake clock that only the variant's calls advance (10 ms each), so what fits in the
+    budget is a count of calls, whatever the machine's load."""
+    machine = _LoadedMachine(busy_until=0.0)
+    clock = types.SimpleNamespace(time=time.time, perf_counter=machine.now, monotonic=machine.now)
+    monkeypatch.setattr(_timing, "_now", machine.now)
+    monkeypatch.setattr(_timing, "time", clock)
+    monkeypatch.setattr(_calibrate, "time", clock)
+    with_variants(variant("sleepy", fn=machine.variant(0.01), varlen=True))
+    shapes = [(1, 16, 8), (2, 16, 8), (3, 16, 8), (4, 16, 8), (5, 16, 8)]
+    result = kv.calibrate(FN, shapes, variants=["sleepy"], budget_s=0.3, **quick(windows=3, iters=3, window_budget_s=0.05))
+    assert result.skipped and len(result.winners) + len(result.skipped) == len(shapes)
+    assert result.skipped == shapes[len(shapes) - len(result.skipped):]
+    rc, out, err = run(capsys, "calibrate", "--shapes", *(",".join(map(str, s)) for s in shapes[:3]),
+                       *quick_argv(ROUNDS), "--variants", "sleepy", "--budget", "0.05s", "-q")
+    assert rc == 0, err
+    assert "skipped 2 shapes that no longer fit: 2,16,8; 3,16,8" in out and "--missing" in out
+    rc, _, err = run(capsys, "calibrate", "--budget", "soon", "--shapes", "1,8,4")
+    assert rc == 2 and "--budget: expected a duration" in err
+
+
+# ---- record in production, calibrate offline
+
+
+def test_kv_record_notes_each_unmeasured_key_once_and_calibrate_recorded_measures_it(monkeypatch, capsys):
+    monkeypatch.setenv("KV_RECORD", "1")
+    monkeypatch.setenv("KV_DISABLE_PLUGINS", "cpu_native")
     kv.reload()
-    kv.calibrate(FN, SHAPES[:1], variants=["reference"], **QUICK)
+    kv.calibrate(FN, [(2, 32, 16)], **ROUNDS)  # measured: never recorded
+    for b, d, seq in [(2, 32, 16), (1, 16, 4), (1, 16, 4), (3, 16, 4)]:
+        args, kw = conv_call(b, d, seq)
+        kv.causal_conv1d_fn(*args, **kw)
+    args, kw = conv_call(1, 16, 4)
+    kv.causal_conv1d_fn(args[0].contiguous(), args[1], None, **kw)  # another group: no bias
+    from kernel_variants._api import recorded
+
+    got = recorded()
+    assert sorted((tuple(e["shape"]), e["features"]["bias"]) for e in got) == [
+        ((1, 16, 4), False), ((1, 16, 4), True), ((3, 16, 4), True)]
+    assert all(e["seen"] == 1 and e["done_at"] is None and e["fingerprint_id"] == fpid() for e in got)
+    assert (dispatcher().table.directory / "recorded.db").is_file()
+    rc, out, _ = run(capsys, "table")
+    assert "not calibrated yet (3; kv calibrate --recorded measures them)" in out
+
+    kv.reload()  # another process meets the same key: counted, not duplicated
+    args, kw = conv_call(3, 16, 4)
+    kv.causal_conv1d_fn(*args, **kw)
+    assert {tuple(e["shape"]): e["seen"] for e in recorded() if e["features"]["bias"]}[(3, 16, 4)] == 2
+
+    rc, out, err = run(capsys, "calibrate", "--recorded", "--warmup", "1", "--windows", "2", "--iters", "2", "-q",
+                       "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    measured = {(tuple(s["shape"]), g["features"]["bias"]) for g in doc["groups"] for s in g["shapes"]}
+    assert measured == {((1, 16, 4), False), ((1, 16, 4), True), ((3, 16, 4), True)}
+    assert all(g["dtype"] == "float32" for g in doc["groups"])
+    assert recorded(pending_only=True) == [] and len(recorded()) == 3
+    rc, out, _ = run(capsys, "table", "--recorded")
+    assert out.count("calibrated 20") == 3
     kv.reload()
-    assert [r.shape for r in kv.table(FN)] == [SHAPES[0]]
-    assert not any(".corrupt-" in p.name for p in tmp_path.iterdir())
+    args, kw = conv_call(3, 16, 4)
+    assert kv.explain(FN, *args, **kw).source == "table"
 
 
-def test_each_device_fingerprint_has_its_own_index(tmp_path):
-    t = CalibrationTable(tmp_path / "t")
-    t.record(_m("a", 100.0, "1"))
-    t.record(_m("a", 7.0, "1", shape=(2, 16, 8), fp="other-device"))
-    versions = {(FN, "a"): "1"}
-    with pytest.warns(CalibrationWarning):
-        mine, _ = t.measurements(versions, _fpid())
-    with pytest.warns(CalibrationWarning):
-        other, _ = t.measurements(versions, "other-device")
-    assert [s for _, s in mine] == [(1, 16, 8)] and [s for _, s in other] == [(2, 16, 8)]
+_RECORDER = textwrap.dedent("""
+    import sys, torch, kernel_variants as kv
+    start = int(sys.argv[1])
+    for i in range(start, start + 6):  # processes overlap: each key is met by several of them
+        x = torch.randn(1, 4, 8 + i)
+        kv.causal_conv1d_fn(x, torch.randn(8 + i, 4), None)
+""")
 
 
-def test_a_table_written_by_the_previous_release_is_migrated_not_mixed():
-    """Schema 1 kept causal_conv1d's flags inline in the group and keyed rows by another slug:
-    such rows are read, rewritten under the new key, and the old rows go."""
-    kv.calibrate(FN, SHAPES[:1], variants=["reference"], **QUICK)
+def test_many_processes_record_into_one_bounded_record(tmp_path):
+    cache = tmp_path / "shared"
+    env = {**os.environ, "KV_CACHE_DIR": str(cache), "KV_RECORD": "1", "PYTHONWARNINGS": "error",
+           "KV_DISABLE_PLUGINS": "cpu_native"}
+    procs = [subprocess.Popen([sys.executable, "-c", _RECORDER, str(start)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for start in (0, 2, 4)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    from kernel_variants._table.store import Recorder
+
+    entries = Recorder(cache).entries()
+    # key D=8+i is met by the processes starting at 0 (i < 6), 2 (2 <= i < 8) and 4 (i >= 4)
+    assert {e["shape"][1]: e["seen"] for e in entries} == {8: 1, 9: 1, 10: 2, 11: 2, 12: 3, 13: 3, 14: 2, 15: 2,
+                                                           16: 1, 17: 1}
+    small = Recorder(tmp_path / "small", limit=2)
+    assert [small.add(str(i), {"shape": [i]}) for i in range(3)] == ["added", "added", "full"]
+    assert small.add("0", {"shape": [0]}) == "seen"
+    small.mark_done(["0"])
+    assert small.add("2", {"shape": [2]}) == "added"
+
+
+def test_an_unwritable_record_warns_once_and_the_call_goes_on(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("KV_RECORD", str(blocker / "record"))
+    kv.reload()
+    args, kw = conv_call(1, 16, 4)
+    with pytest.warns(CalibrationWarning, match="KV_RECORD: cannot write the record") as caught:
+        kv.causal_conv1d_fn(*args, **kw)
+        args, kw = conv_call(2, 16, 4)
+        kv.causal_conv1d_fn(*args, **kw)
+    assert len(caught) == 1
+
+
+# ---- staleness per variant
+
+
+def test_the_fingerprint_holds_the_device_only_and_each_variant_its_dependencies():
+    fp = fingerprint("cpu")
+    assert "torch" not in fp and "kernel_variants" not in fp and fp["device"] == "cpu"
+    ref = next(rv for rv in kv.variants(FN) if rv.id == "reference")
+    assert ref.deps == {"torch": torch.__version__} or set(ref.deps) == {"torch"}
+    assert ref.version.count("+") == 1 and ref.version != ref.source_version  # the dependencies are folded in
+
+
+def test_the_builtin_kernels_declare_what_their_speed_depends_on():
+    """A new Triton must stale the Triton kernels' rows and a new compiler cpu_native's, and
+    neither the rest: each kernel declares its own dependencies."""
+    declared = {(rv.op, rv.id): set(rv.deps) for rv in kv.variants()}
+    expect = {"cpu_native": {"torch", "compiler", "isa"}, "triton": {"triton", "torch"},
+              "triton_d64": {"triton", "torch"}, "dao": {"causal-conv1d", "torch"},
+              "asc": {"sgl-kernel-npu", "torch_npu", "cann", "torch"},
+              "pto": {"sgl-kernel-npu", "torch_npu", "cann", "torch"},
+              "npu_conv_update": {"sgl-kernel-npu", "torch_npu", "cann", "torch"},
+              "npu_rms_norm": {"torch_npu", "cann", "torch"}, "aten": {"torch"}, "reference": {"torch"}}
+    seen = set()
+    for (op, vid), deps in declared.items():
+        if vid in expect:
+            assert deps == expect[vid], (op, vid, deps)
+            seen.add(vid)
+    assert seen == set(expect)
+
+
+def test_a_dependency_upgrade_makes_only_its_variants_stale(reference_only, with_variants, monkeypatch, capsys):
+    from kernel_variants._registry import versions as _versions
+
+    fake = {"kv-test-kernels": "1.0"}
+    monkeypatch.setattr(_versions, "dependency_version", lambda name: fake.get(name, "9.9"))
+    plugin = (variant("pinned", depends=("kv-test-kernels",), varlen=True), variant("pure", depends=(), varlen=True))
+    with_variants(*plugin)
+    kv.calibrate(FN, [(1, 16, 8)], variants=["pinned", "pure", "reference"], prune=None, **ROUNDS)
+    assert set(kv.table(FN)[0].times_us) == {"pinned", "pure", "reference"}
+    monkeypatch.setattr("kernel_variants._version.__version__", "99.0")  # a new kernel_variants: nothing stale
+    with_variants(*plugin)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(kv.table(FN)[0].times_us) == {"pinned", "pure", "reference"}
+    fake["kv-test-kernels"] = "2.0"  # the kernels' package upgraded: only "pinned" is stale
+    with_variants(*plugin)
+    with pytest.warns(CalibrationWarning, match="variant 'pinned' changed") as caught:
+        assert set(kv.table(FN)[0].times_us) == {"pure", "reference"}
+    assert len(caught) == 1 and "kv calibrate --stale" in str(caught[0].message)
+    rc, out, _ = run(capsys, "table", "--stale")
+    assert rc == 0 and "pinned" in out and "kv-test-kernels 1.0 -> 2.0" in out and "pure" not in out
+    rc, out, err = run(capsys, "calibrate", "--stale", "--warmup", "1", "--windows", "2", "--iters", "2", "-q",
+                       "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert [m["variant"] for g in doc["groups"] for m in g["measurements"]] == ["pinned"]
+    assert doc["groups"][0]["measurements"][0]["deps"] == {"kv-test-kernels": "2.0"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(kv.table(FN)[0].times_us) == {"pinned", "pure", "reference"}
+    assert run(capsys, "table", "--stale", "--json")[1].strip() == "[]"
+
+
+def test_rows_of_an_earlier_release_are_ignored_with_one_warning_and_re_measured(reference_only, capsys):
+    kv.calibrate(FN, [(1, 16, 8)], **ROUNDS)
     table = dispatcher().table
     (key, raw), = [(k, r) for k, r in table.store.items() if k.startswith("m|")]
     doc = json.loads(raw)
-    group = doc["group"]
-    old_group = {"op": group["op"], "dtype": group["dtype"], **dict(group["features"])}
-    old = {**doc, "schema_version": 1, "group": old_group}
-    old_key = (f"m|{doc['fingerprint_id']}|{FN}|float32|W4|silu|bs|"
-               f"{','.join(map(str, doc['shape']))}|reference")
+    old_fp = {**doc["fingerprint"], "torch": torch.__version__, "kernel_variants": "0.1.0"}
+    old_id = fingerprint_id(old_fp)
+    ref = next(rv for rv in kv.variants(FN) if rv.id == "reference")
+    legacy = {**doc, "schema_version": 2, "fingerprint": old_fp, "fingerprint_id": old_id,
+              "version": ref.source_version}
+    for k in ("samples_us", "noise", "pruned_at", "deps"):
+        legacy.pop(k)
     table.store.delete(key)
-    table.store.set(old_key, json.dumps(old))
-    table.forget()
+    table.store.set(key.replace(doc["fingerprint_id"], old_id), json.dumps(legacy))
+    for k, _ in list(table.store.items()):
+        if k.startswith("w|"):
+            table.store.delete(k)
     kv.reload()
-    row = kv.table(FN)[0]
-    assert row.times_us["reference"] == doc["best_us"]
-    keys = [k for k, _ in dispatcher().table.store.items() if k.startswith("m|")]
-    assert keys == [key], "the old row was rewritten under the new key, and only once"
-    assert json.loads(dispatcher().table.store.get(key))["schema_version"] == SCHEMA
+    with pytest.warns(CalibrationWarning, match="1 measured on this device by an earlier kernel_variants release") as w:
+        assert kv.table(FN) == []
+    assert len(w) == 1 and "another device" not in str(w[0].message)
+    args, kw = conv_call(1, 16, 8)
+    assert kv.explain(FN, *args, **kw).source == "priority"  # never mixed in
+    rc, out, _ = run(capsys, "table", "--stale")
+    assert "measured by an earlier release (kernel_variants 0.1.0" in out
+    rc, out, err = run(capsys, "calibrate", "--stale", "--warmup", "1", "--windows", "2", "--iters", "2", "-q")
+    assert rc == 0, err
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [r.winner for r in kv.table(FN)] == ["reference"]
+        assert kv.explain(FN, *args, **kw).source == "table"
+    assert not any(old_id in k for k, _ in dispatcher().table.store.items()), "the superseded row was dropped"
 
 
-def test_a_read_only_table_is_read_and_new_measurements_stay_in_memory(monkeypatch):
-    """Finding 5 of the reliability issue: a table shipped read-only (an image, a shared mount)
-    used to be ignored entirely. (Tests run as root, whom file modes do not stop, so the
-    refused write is simulated where diskcache would meet it.)"""
-    from kernel_variants._table.store import Store
-
-    kv.calibrate(FN, SHAPES, **QUICK)
-    winner = {r.shape: r.winner for r in kv.table(FN)}[SHAPES[0]]
-
-    def refuse(self):
-        raise sqlite3.OperationalError("attempt to write a readonly database")
-
-    monkeypatch.setattr(Store, "_connect", refuse)
-    kv.reload()
-    with pytest.warns(CalibrationWarning, match="not usable.*read-only") as caught:
-        with kv.force(causal_conv1d_fn="reference"):
-            pass
-        rows = kv.table(FN)
-    assert len(caught) == 1
-    assert {r.shape for r in rows} == set(SHAPES) and dispatcher().table.store.read_only
-    x = torch.randn(*SHAPES[0][:1], SHAPES[0][2], SHAPES[0][1])
-    decision = kv.explain(FN, x, torch.randn(SHAPES[0][1], 4), torch.randn(SHAPES[0][1]),
-                          conv_states=torch.zeros(3, 3, SHAPES[0][1]), activation="silu")
-    assert decision.source == "table" and decision.chosen.id == winner
-    kv.calibrate(FN, [(3, 8, 4)], variants=["reference"], **QUICK)  # writes go to memory, no error
-    assert (3, 8, 4) in {r.shape for r in kv.table(FN)}
+# ---- graph timing mode (CUDA); what runs here is the argument handling and the bookkeeping
 
 
-def test_decisions_read_one_snapshot_row_which_any_write_makes_out_of_date(reference_only, monkeypatch):
-    """Finding 8 (scale): a fresh process's first decision reads the snapshot the calibration
-    left, not every row; a write renews the table's token, so a stale or planted snapshot is
-    rebuilt from the rows, never trusted. (tools/bench_table_scale.py times it at 5000 shapes.)"""
-    from kernel_variants._table.index import SNAPSHOT_PREFIX
+def test_graph_mode_and_cold_l2_need_cuda(capsys):
+    with pytest.raises(ValueError, match="timing mode graph: replays a captured CUDA graph"):
+        kv.calibrate(FN, [(1, 16, 8)], **quick(windows=3, iters=3, mode="graph"))
+    with pytest.raises(ValueError, match="cold L2"):
+        kv.calibrate(FN, [(1, 16, 8)], **quick(windows=3, iters=3, cold_l2=True))
+    with pytest.raises(ValueError, match="mode: expected one of eager, graph"):
+        TimingConfig(mode="lazy")
+    rc, _, err = run(capsys, "calibrate", "--shapes", "1,16,8", "--timing-mode", "graph")
+    assert rc == 2 and "timing mode graph" in err
+    rc, _, err = run(capsys, "compare", "reference", "aten", "--shapes", "1,16,8", "--cold-l2")
+    assert rc == 2 and "cold L2" in err
 
-    kv.calibrate(FN, SHAPES, **QUICK)
-    args, kw = _call(*SHAPES[1])
-    expected = kv.explain(FN, *args, **kw)
-    scans = []
-    real_scan = CalibrationTable._scan
-    monkeypatch.setattr(CalibrationTable, "_scan", lambda self, fp: scans.append(fp) or real_scan(self, fp))
-    kv.reload()
-    again = kv.explain(FN, *args, **kw)
-    assert again.chosen.id == expected.chosen.id and again.source == "table" and scans == []
-    snapshot_key = next(k for k, _ in dispatcher().table.store.items() if k.startswith(SNAPSHOT_PREFIX))
-    kv.calibrate(FN, [(3, 8, 4)], **QUICK)  # a write: the token changes, calibration leaves a new snapshot
-    kv.reload()
-    dispatcher().table.store.set(snapshot_key, '{"format": 2, "token": "forged", "groups": {}}')
-    decision = kv.explain(FN, *args, **kw)
-    assert decision.source == "table" and len(scans) >= 1, "a snapshot of another token was trusted"
+
+def test_graph_mode_records_the_method_of_each_row(reference_only, with_variants, monkeypatch):
+    """The CUDA graph itself is faked: each 'replay' runs the captured calls eagerly."""
+    captured = []
+
+    def fake_capture(device, calls, iters):
+        captured.append(iters)
+
+        def replay():
+            for i in range(iters):
+                calls[i % len(calls)]()
+        return replay
+
+    monkeypatch.setattr(_timing, "GRAPH_DEVICES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr(_timing, "_capture_graph", fake_capture)
+    monkeypatch.setattr(_timing, "l2_bytes", lambda device: 1 << 20)  # a 1 MiB L2
+    with_variants(Variant(id="safe", op=FN, version="1", fn=reference.causal_conv1d_fn,
+                          capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, varlen=True,
+                                                        graph_safe=True)))
+    result = kv.calibrate(FN, [(2, 256, 64)], variants=["safe", "reference"],
+                          prune=None, **quick(windows=3, iters=3, mode="graph", cold_l2=True))
+    methods = {m.variant: m.method for m in result.measurements}
+    # inputs of (2, 256, 64) fp32: x 128 KiB + pool, weight, bias: 2 x 1 MiB / ~134 KiB -> 16 input sets
+    assert methods["safe"].startswith("perf_counter, graph replay, interleaved, cold L2 (")
+    assert methods["reference"].startswith("perf_counter, eager (not graph_safe)")
+    assert "input sets)" in methods["safe"] and captured == [3]
+    from kernel_variants._tuning.calibrate import case_bytes
+
+    spec = dispatcher().registry.spec(FN)
+    case = spec.sweep_case((2, 256, 64), spec.features(), dtype=torch.float32, device="cpu")
+    n = -(-2 * (1 << 20) // case_bytes(case))
+    assert f"cold L2 ({n} input sets)" in methods["safe"]
+
+
+def test_a_key_recorded_with_another_thread_count_is_measured_with_it(capsys):
+    """Serving processes often run with another intra-op thread count than `kv calibrate`: the
+    key is measured with the recorded count (the only fingerprint difference allowed)."""
+    from kernel_variants._api import recorded, recorder
+
+    before = torch.get_num_threads()
+    theirs = {**fingerprint("cpu"), "threads": str(before + 1)}
+    other = {**fingerprint("cpu"), "name": "another cpu"}
+    r = recorder()
+    base = {"op": FN, "device": "cpu", "dtype": "float32", "shape": [1, 16, 4], "extra": [],
+            "features": dict(group().features)}
+    r.add("threads", {**base, "fingerprint": theirs, "fingerprint_id": fingerprint_id(theirs)})
+    r.add("elsewhere", {**base, "shape": [2, 16, 4], "fingerprint": other, "fingerprint_id": fingerprint_id(other)})
+    r.close()
+    rc, out, err = run(capsys, "calibrate", "--recorded", "--variants", "reference", "--warmup", "1", "--windows", "1",
+                       "--iters", "1", "-q", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    (m,) = [m for g in doc["groups"] for m in g["measurements"]]
+    assert m["fingerprint"]["threads"] == str(before + 1) and torch.get_num_threads() == before
+    assert [(e["shape"], "another cpu" in e["why"]) for e in doc["not_measured"]] == [([2, 16, 4], True)]
+    assert [e["id"] for e in recorded(pending_only=True)] == ["elsewhere"]

@@ -12,48 +12,16 @@ import sys
 import time
 
 import pytest
+from helpers.calibration import assert_one_line_error, quick_argv, run, run_json
+from helpers.variants import off_by_one, variant
 
 import kernel_variants as kv
-from kernel_variants._cli import main
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.ops.causal_conv1d import _reference as reference
-from kernel_variants.plugin import Variant
 
 FN = "causal_conv1d_fn"
-QUICK = ["--dtype", "fp32", "--warmup", "1", "--windows", "1", "--iters", "2"]
+QUICK = quick_argv()
 SHAPES = ["--shapes", "1,16,8", "2,32,16"]
-
-
-def _variant(vid, fn=reference.causal_conv1d_fn, probe=None, priority=0):
-    return Variant(id=vid, op=FN, version="1", priority=priority, fn=fn, probe=probe,
-                   capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}))
-
-
-def _off_by_one(*args, **kwargs):
-    return reference.causal_conv1d_fn(*args, **kwargs) + 1
-
-
-def run(capsys, *argv):
-    """(exit status, stdout, stderr) of one kv command."""
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def run_json(capsys, *argv):
-    rc, out, err = run(capsys, *argv, "--json")
-    assert rc == 0, err
-    return json.loads(out)
-
-
-def assert_one_line_error(rc, err, command):
-    assert rc == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"kv {command}: error: " if command else "kv: error: "), err
-    assert "Traceback" not in err
 
 
 def calibrate(capsys, *extra):
@@ -67,7 +35,7 @@ def calibrate(capsys, *extra):
 
 
 def test_list_shows_every_variant_with_plugin_version_and_why_unavailable(capsys, with_variants):
-    with_variants(_variant("unicorn", probe=lambda: "needs a unicorn accelerator"))
+    with_variants(variant("unicorn", probe=lambda: "needs a unicorn accelerator"))
     rc, out, _ = run(capsys, "list", "--wide")
     assert rc == 0
     lines = {tuple(line.split()[:2]): line for line in out.splitlines()[2:] if line[:1].strip()}
@@ -118,7 +86,7 @@ def test_list_feature_flags_shape_the_call(capsys):
 
 
 def test_calibrate_prints_winners_and_rejected_variants(capsys, with_variants):
-    with_variants(_variant("off_by_one", _off_by_one))
+    with_variants(variant("off_by_one", fn=off_by_one))
     rc, out, err = run(capsys, "calibrate", *SHAPES, *QUICK, "--variants", "reference,off_by_one")
     assert rc == 0, err
     head, _, rejected = out.partition("\nrejected (2):\n")
@@ -414,3 +382,24 @@ def test_an_unavailable_device_is_a_user_error(capsys):
     rc, _, err = run(capsys, "table", "--device", "cuda")
     assert_one_line_error(rc, err, "table")
     assert "no CUDA device" in err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], []])
+def test_help_and_version_do_not_import_torch(argv):
+    code = ("import sys\nfrom kernel_variants._cli import main\nimport kernel_variants\n"
+            f"rc = main({argv!r})\nassert 'torch' not in sys.modules, 'torch was imported'\nsys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == (2 if not argv else 0), proc.stderr
+    assert "torch was imported" not in proc.stderr
+    text = proc.stdout + proc.stderr
+    assert ("kernel-variants" in text) if argv == ["--version"] else ("calibrate" in text and "build" in text)
+
+
+def test_kv_list_fits_120_columns_and_wide_shows_everything(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
+    rc, out, _ = run(capsys, "list")
+    assert rc == 0
+    assert max(len(line) for line in out.splitlines()) <= 120
+    rc, wide, _ = run(capsys, "list", "--wide")
+    assert rc == 0
+    assert "capabilities" in wide.splitlines()[0] and "version" in wide.splitlines()[0]

@@ -1,63 +1,35 @@
 """kv compare and kv gate: head-to-head on measured variants and on CSVs measured elsewhere,
-including the 910B2 regression report's figures."""
+including the figures of a 910B2 report measured elsewhere."""
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from helpers.calibration import assert_one_line_error, quick_argv, run
+from helpers.variants import off_by_one, slow, variant
 
 import kernel_variants as kv
-from kernel_variants._cli import main
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.ops.causal_conv1d import _reference as reference
-from kernel_variants.plugin import Variant
 
 FN = "causal_conv1d_fn"
-QUICK = ["--dtype", "fp32", "--warmup", "1", "--windows", "1", "--iters", "2", "-q"]
+QUICK = [*quick_argv(), "-q"]
 SHAPES = ["--shapes", "1,16,8", "2,32,16"]
 SEED = Path(__file__).resolve().parents[2] / "shared" / "data" / "seed_910b2_fp16.csv"
 SEED_SUMMARY = "pto faster on 69 of 69 shapes, median asc/pto 1.49x (range 1.03x\N{EN DASH}1.90x)"
 
 
-def _variant(vid, fn):
-    return Variant(id=vid, op=FN, version="1", fn=fn,
-                   capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}))
-
-
-def _sleepy(*args, **kwargs):
-    time.sleep(0.002)  # far slower than the reference on these tiny shapes
-    return reference.causal_conv1d_fn(*args, **kwargs)
-
-
-def _off_by_one(*args, **kwargs):
-    return reference.causal_conv1d_fn(*args, **kwargs) + 1
-
-
 @pytest.fixture
 def contenders(with_variants):
-    with_variants(_variant("sleepy", _sleepy), _variant("off_by_one", _off_by_one))
-
-
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_one_line_error(rc, err, command):
-    assert rc == 2
-    assert len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"kv {command}: error: ") and "Traceback" not in err
+    # sleepy: right and far slower than the reference on these tiny shapes; off_by_one: wrong
+    with_variants(variant("sleepy", fn=slow(0.002)), variant("off_by_one", fn=off_by_one))
 
 
 needs_seed = pytest.mark.skipif(not SEED.exists(), reason=f"shared data not beside the checkout ({SEED})")
 
 
-# the regression report
+# the 910B2 report's figures
 
 
 @needs_seed

@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 import torch
+from helpers.calibration import quick
 
 import kernel_variants
 from kernel_variants._runtime import custom_ops as _custom_ops
@@ -95,7 +96,7 @@ def test_the_custom_ops_are_well_formed():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-# --- ISSUE 17: the op is registered directly, and the variant is chosen when the graph runs
+# --- the op is registered directly, and the variant is chosen when the graph runs
 
 UPDATE = "causal_conv1d_update"
 FN = "causal_conv1d_fn"
@@ -161,7 +162,8 @@ def test_force_kv_force_and_calibration_take_effect_in_a_compiled_graph(referenc
     monkeypatch.delenv("KV_FORCE")
     reset(dispatcher().registry)
     assert ran() == ["first"]
-    kernel_variants.calibrate(FN, [(2, 32, 16)], variants=["first", "second"], dtype="float32", timing=kernel_variants.TimingConfig(warmup=1, windows=2, iters=3))
+    kernel_variants.calibrate(FN, [(2, 32, 16)], variants=["first", "second"],
+                              **quick(windows=2, iters=3))
     assert kernel_variants.explain(FN, x, w, b, conv_states=pool, activation="silu").source == "table"
     assert ran() == ["second"]  # "first" sleeps: the table's winner is "second"
     assert len(compiles) == 1, "a pin or the table changed and the graph was recompiled"

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.conformance import DTYPES, assert_conforms, spec_of
 
 import kernel_variants
 from kernel_variants._tuning.verify import verify
 from kernel_variants.ops.causal_conv1d import _reference as reference
 from kernel_variants.ops.causal_conv1d._cases import make_case
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def pytest_generate_tests(metafunc):
@@ -33,41 +32,6 @@ def variant(entry):
     return kernel_variants._runtime.dispatcher.dispatcher().registry.get(op, vid)
 
 
-def _spec(rv):
-    return kernel_variants._runtime.dispatcher.dispatcher().registry.spec(rv.op)
-
-
-def _claimed_cases(rv, device):
-    """Every case of the op's conformance list, in every dtype, that ``rv`` claims on ``device``."""
-    spec, caps = _spec(rv), rv.variant.capabilities
-    for label, options in spec.conformance(caps):
-        # Each case at the nearest sizes the variant takes (a kernel that needs D % 32 == 0 is
-        # tested at D=64 where the case says 37), so every case is tried on every variant.
-        shape = caps.fit(spec.axes, tuple(options["shape"]))
-        if shape is None:
-            continue
-        options = {**options, "shape": shape}
-        for dname in sorted(caps.dtypes & DTYPES.keys()):
-            case = spec.make_case(dtype=DTYPES[dname], device=device, **options)
-            if caps.uncovered(spec.key_of_case(case)) is None:
-                yield f"{label} {dname}", case
-
-
-def assert_conforms(rv, device, keep=lambda label: True) -> int:
-    """Run ``rv`` on every case it claims on ``device`` (those ``keep`` selects); returns how many."""
-    failures, ran = [], 0
-    for label, case in _claimed_cases(rv, device):
-        if not keep(label):
-            continue
-        ran += 1
-        why = verify(rv.variant.fn, case)
-        if why is not None:
-            failures.append(f"{label}: {why}")
-    assert ran > 0, f"{rv.id} claims no case of the suite"
-    assert not failures, f"{rv.id} failed {len(failures)} of {ran} cases on {device}:\n" + "\n".join(failures)
-    return ran
-
-
 def test_matches_reference_on_every_claimed_case(variant, device):
     if device not in variant.variant.capabilities.devices:
         pytest.skip(f"{variant.id} does not claim {device}")
@@ -81,11 +45,11 @@ def test_dispatched_call_writes_into_the_callers_view(variant, device):
         pytest.skip(f"{variant.id} does not claim non-contiguous states on {device}")
     width = min(caps.width[1] or 4, 4)
     dtype = "float32" if "float32" in caps.dtypes else sorted(caps.dtypes & DTYPES.keys())[0]
-    batch, dim, seqlen = caps.fit(_spec(variant).axes, (2, 32, 3))
+    batch, dim, seqlen = caps.fit(spec_of(variant).axes, (2, 32, 3))
     case = make_case(variant.op, batch, dim, seqlen, width=width, noncontig=True, device=device,
                      dtype=DTYPES[dtype]).fresh()
     before = case.pool_base.clone()
-    _, bases = case.run(_spec(variant).reference.fn)  # the reference, on a fresh copy
+    _, bases = case.run(spec_of(variant).reference.fn)  # the reference, on a fresh copy
     expected_pool = next(iter(bases.values()))
     op = getattr(kernel_variants, variant.op)
     with kernel_variants.force(**{variant.op: variant.id}):
@@ -148,7 +112,7 @@ def _in_place_args(spec, full):
 def _variant_with_out(rv, in_place):
     """``rv``'s fn called as the dispatcher calls a variant that takes ``out``: a dense out, or
     (in place) out being exactly the inputs the op lets it alias. Fails unless ``out`` comes back."""
-    spec = _spec(rv)
+    spec = spec_of(rv)
 
     def run(*args, **kwargs):
         full = spec.bind(*args, **kwargs)
@@ -172,19 +136,12 @@ def _variant_with_out(rv, in_place):
 def test_variant_writes_into_out_as_it_claims(variant, device, in_place):
     """A variant that declares ``takes_out`` (and ``in_place``) is handed ``out`` by the
     dispatcher: on every case it claims, writing there must match the reference."""
-    caps, spec = variant.variant.capabilities, _spec(variant)
+    caps, spec = variant.variant.capabilities, spec_of(variant)
     if device not in caps.devices or not (caps.in_place if in_place else caps.takes_out):
         pytest.skip(f"{variant.id} does not claim {'in_place' if in_place else 'takes_out'} on {device}")
     if in_place and not spec.out_aliases:
         pytest.skip(f"{spec.name} lets no output alias an input")
-    failures, ran = [], 0
-    for label, case in _claimed_cases(variant, device):
-        ran += 1
-        why = verify(_variant_with_out(variant, in_place), case)
-        if why is not None:
-            failures.append(f"{label}: {why}")
-    assert ran > 0
-    assert not failures, f"{variant.id} with out= failed {len(failures)} of {ran} cases:\n" + "\n".join(failures)
+    assert_conforms(variant, device, fn=_variant_with_out(variant, in_place))
 
 
 @pytest.mark.parametrize("form", ["dense", "strided", "in_place"])
@@ -192,7 +149,7 @@ def test_dispatched_call_with_out_matches_reference(variant, device, form):
     """Through the public op, pinned to this variant, every variant honours ``out=`` (written
     directly by one that takes it, copied for the rest): a dense out, a strided one, and out being
     exactly the input the op lets it alias."""
-    caps, spec = variant.variant.capabilities, _spec(variant)
+    caps, spec = variant.variant.capabilities, spec_of(variant)
     if device not in caps.devices:
         pytest.skip(f"{variant.id} does not claim {device}")
     if form == "in_place" and not spec.out_aliases:
@@ -212,11 +169,4 @@ def test_dispatched_call_with_out_matches_reference(variant, device, form):
         assert _returned(got, outs), "the op did not return out"
         return got
 
-    failures, ran = [], 0
-    for label, case in _claimed_cases(variant, device):
-        ran += 1
-        why = verify(run, case, layout=False)  # the result is the caller's out, strided or not
-        if why is not None:
-            failures.append(f"{label}: {why}")
-    assert ran > 0
-    assert not failures, f"{variant.id} dispatched with out= ({form}) failed {len(failures)} of {ran}:\n" + "\n".join(failures)
+    assert_conforms(variant, device, fn=run, layout=False)  # the result is the caller's out, strided or not

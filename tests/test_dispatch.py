@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
+from helpers.variants import variant
 
 import kernel_variants
 from kernel_variants._policy import NoVariantError, select
@@ -17,11 +23,6 @@ from kernel_variants.plugin import Variant
 
 def _args():
     return (torch.randn(2, 5, 8), torch.randn(8, 4)), {"conv_states": torch.zeros(2, 3, 8)}
-
-
-def _v(vid, fn=reference.causal_conv1d_fn, priority=10, probe=None) -> Variant:
-    return Variant(id=vid, op="causal_conv1d_fn", version="1", priority=priority, probe=probe,
-                   capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}), fn=fn)
 
 
 def _top_priority(op="causal_conv1d_fn") -> str:
@@ -99,7 +100,7 @@ def test_force_context_pins_and_unpins(with_variants):
             return reference.causal_conv1d_fn(*a, **k)
         return fn
 
-    with_variants(_v("preferred", fn=tracked("preferred"), priority=99), _v("pinned", fn=tracked("pinned"), priority=1))
+    with_variants(variant("preferred", fn=tracked("preferred"), priority=99), variant("pinned", fn=tracked("pinned"), priority=1))
     args, kw = _args()
     kernel_variants.causal_conv1d_fn(*args, **kw)
     with kernel_variants.force(causal_conv1d_fn="pinned"):
@@ -125,7 +126,7 @@ def test_forced_variant_that_cannot_run_raises_with_reasons_instead_of_falling_b
 
 
 def test_unavailable_variant_is_never_chosen(with_variants):
-    with_variants(_v("fast_but_absent", priority=99, probe=lambda: "needs a device this machine lacks"))
+    with_variants(variant("fast_but_absent", priority=99, probe=lambda: "needs a device this machine lacks"))
     args, kw = _args()
     decision = kernel_variants.explain("causal_conv1d_fn", *args, **kw)
     assert decision.chosen.id != "fast_but_absent"
@@ -138,7 +139,7 @@ def test_a_variant_raising_in_a_real_call_is_named_and_writes_nothing(with_varia
             raise RuntimeError("kernel fault")
         return reference.causal_conv1d_fn(x, *a, **k)
 
-    with_variants(_v("broken", fn=broken, priority=99))
+    with_variants(variant("broken", fn=broken, priority=99))
     args, kw = _args()
     before = kw["conv_states"].clone()
     with pytest.raises(VariantFailed, match="variant 'broken' of causal_conv1d_fn failed: RuntimeError: kernel fault"):
@@ -217,3 +218,27 @@ def test_update_op_dispatches_and_matches_reference():
     ref = reference.causal_conv1d_update(x, ref_state, w, activation="silu")
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(state, ref_state)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_forked_childs_first_dispatched_call_completes():
+    """With GNU OpenMP, a child forked after the parent ran a parallel region hangs in its first
+    one unless it runs one intra-op thread; a hung child dies of SIGALRM, failing here."""
+    code = textwrap.dedent("""
+        import os, signal, sys, torch
+        import kernel_variants as kv
+        x, w = torch.randn(8, 256, 512), torch.randn(512, 4)
+        kv.causal_conv1d_fn(x, w)  # a parallel region in the parent
+        threads = torch.get_num_threads()
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # default action: a hung child dies instead of hanging the test
+            kv.causal_conv1d_fn(x, w)
+            kv.gemma_rms_norm(torch.randn(64, 256), torch.zeros(256))
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert torch.get_num_threads() == threads, "the parent's threads changed"
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"child exit {proc.returncode} (-14: hung until SIGALRM)\n{proc.stderr[-2000:]}"

@@ -5,14 +5,13 @@ where they do not."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from helpers.calibration import quick_argv
+from helpers.processes import free_port, rank_env, two_ranks
 
 from kernel_variants._table.table import CalibrationTable, Measurement, Winner
 from kernel_variants._tuning.distributed import mismatches, rank_device, shard
@@ -32,14 +31,7 @@ WRAPPER = """
     sys.exit(main(sys.argv[1:]))
 """
 
-ARGS = ["calibrate", "--distributed", "--sweep", "smoke", "--iters", "2", "--windows", "1", "--warmup", "1",
-        "--dtype", "fp32", "--json"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+ARGS = ["calibrate", "--distributed", "--sweep", "smoke", *quick_argv(), "--json"]
 
 
 def _wrapper(tmp_path):
@@ -48,24 +40,18 @@ def _wrapper(tmp_path):
     return script
 
 
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KV_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
-    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", **extra)
-    return env
-
-
 def _torchrun(tmp_path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(_wrapper(tmp_path)), *ARGS]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120, check=False)
+           "--master-port", str(free_port()), str(_wrapper(tmp_path)), *ARGS]
+    return subprocess.run(cmd, capture_output=True, text=True, env=rank_env(), timeout=120, check=False)
 
 
 def _two_ranks_by_hand(tmp_path, **extra) -> list[tuple[int, str]]:
     """The two ranks as plain processes with torchrun's variables, so that each one's exit status
     and output can be read (torchrun stops the other ranks as soon as one exits non-zero)."""
-    script, port = _wrapper(tmp_path), str(_free_port())
+    script, port = _wrapper(tmp_path), str(free_port())
     procs = [subprocess.Popen([sys.executable, str(script), *ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                              text=True, env=rank_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                                                   MASTER_PORT=port, **extra))
              for r in range(2)]
     out = []
@@ -141,28 +127,6 @@ def test_each_rank_takes_its_own_device():
         rank_device("cuda:1", 0)
 
 
-def _two_ranks(tmp_path, source: str, **env_vars: str) -> tuple[dict, dict]:
-    """Run ``source`` (formatted with ``base``) as ranks 0 and 1 under gloo; each rank's last
-    stdout line, as JSON."""
-    script = tmp_path / "ranks.py"
-    script.write_text(textwrap.dedent(source.format(base=str(tmp_path))))
-    env = _env(WORLD_SIZE="2", MASTER_PORT=str(_free_port()), **env_vars)
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
-    done = []
-    try:
-        for p in procs:
-            done.append(p.communicate(timeout=120))
-    finally:
-        for p in procs:
-            p.kill()
-            p.communicate()
-    for p, (_, err) in zip(procs, done, strict=True):
-        assert p.returncode == 0, err[-4000:]
-    rank0, rank1 = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in done)
-    return rank0, rank1
-
-
 AGREE = """
     import os, sys, json
 
@@ -208,7 +172,7 @@ AGREE = """
 def test_online_tuning_measures_on_rank_0_and_every_rank_runs_its_choice(tmp_path):
     """KV_TUNE=1 under torch.distributed: rank 0 measures a key no rank has, the others take its
     choice (and its rows); check_agreement() is empty until a rank runs something else."""
-    rank0, rank1 = _two_ranks(tmp_path, AGREE, KV_TUNE="1", KV_DISABLE_PLUGINS="cpu_native")
+    rank0, rank1 = two_ranks(tmp_path, AGREE, KV_TUNE="1", KV_DISABLE_PLUGINS="cpu_native")
     assert rank0["measured"] == [[1, 16, 8], [2, 32, 16]] and rank1["measured"] == []
     assert rank0["agreed"] == rank1["agreed"] == []
     assert rank0["chosen"] == rank1["chosen"] and len(rank0["chosen"]) == 2
@@ -263,7 +227,7 @@ def test_rank_0_chooses_only_among_variants_qualified_on_every_rank(tmp_path):
     """A variant right on rank 0's device and wrong on rank 1's (faster than anything else there):
     rank 0 measures it fastest, but it failed qualification on rank 1, so rank 0 chooses among
     the others and every rank runs that, right on each."""
-    rank0, rank1 = _two_ranks(tmp_path, QUALIFIED_EVERYWHERE, KV_TUNE="1",
+    rank0, rank1 = two_ranks(tmp_path, QUALIFIED_EVERYWHERE, KV_TUNE="1",
                               KV_DISABLE_PLUGINS="cpu_native,aten,torch_shift")
     assert ["fast", True] in rank0["verdicts"] and ["fast", False] in rank1["verdicts"]
     (times,) = rank0["times"]

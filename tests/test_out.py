@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.calibration import quick
 
 import kernel_variants as kv
 from kernel_variants._runtime.dispatcher import dispatcher
@@ -271,7 +272,8 @@ def test_calibration_can_time_the_out_path(with_variants):
     calls: list = []
     caps = ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, takes_out=True)
     with_variants(_counting("causal_conv1d_update", caps, calls))
-    result = kv.calibrate("causal_conv1d_update", [(2, 32, 1)], dtype="float32", variants=["probe", "reference"], prune=None, timing=kv.TimingConfig(warmup=1, windows=1, iters=2, with_out=True))
+    result = kv.calibrate("causal_conv1d_update", [(2, 32, 1)], variants=["probe", "reference"],
+                          prune=None, **quick(with_out=True))
     timed = {m.variant: m for m in result.measurements if m.status == "ok"}
     assert set(timed) == {"probe", "reference"}
     assert all("out=" in m.method for m in timed.values())

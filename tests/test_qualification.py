@@ -9,6 +9,8 @@ import signal
 
 import pytest
 import torch
+from helpers.calibration import quick
+from helpers.variants import variant
 
 import kernel_variants as kv
 from kernel_variants._runtime.dispatcher import dispatcher
@@ -16,13 +18,14 @@ from kernel_variants._tuning.verify import verify
 from kernel_variants.kernels import cpu_native
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d._cases import make_case
-from kernel_variants.plugin import Capabilities, Variant
+from kernel_variants.plugin import Capabilities
 
 FN, UPDATE, RMS, ADD = "causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm"
 FAST = {FN: cpu_native.causal_conv1d_fn, UPDATE: cpu_native.causal_conv1d_update,
         RMS: cpu_native.gemma_rms_norm, ADD: cpu_native.add_gemma_rms_norm}
 CONV_CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)
-QUICK = dict(timing=kv.TimingConfig(warmup=1, windows=1, iters=2, window_budget_s=0.05))
+# Windows of at most 50 ms: some variants here are slow on purpose, and speed is not the point.
+TIMING = quick(window_budget_s=0.05)
 
 
 def _slots(op, args, kwargs):
@@ -137,7 +140,7 @@ RMS_BAD = [zeros, writes_input]
 def _variant(op, make, *, isolate=False, priority=100):
     caps = (ConvCapabilities(varlen=op == FN, num_accepted_tokens=op == UPDATE, **CONV_CAPS) if op in (FN, UPDATE)
             else Capabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}))
-    return Variant(id="evil", op=op, version="1", fn=make(op), capabilities=caps, priority=priority, isolate=isolate)
+    return variant("evil", op, make(op), capabilities=caps, priority=priority, isolate=isolate)
 
 
 def _calls(op):
@@ -156,7 +159,9 @@ def _calls(op):
 
 def _assert_never_chosen(op, calls=None):
     public = getattr(kv, op)
-    for case in calls if calls is not None else _calls(op):
+    calls = calls if calls is not None else _calls(op)
+    assert calls, f"no call of {op} to check"
+    for case in calls:
         # The dispatched call itself, judged like a variant: outputs, state and inputs.
         assert verify(public, case) is None
         decision = kv.explain(op, *case.args, **case.kwargs)
@@ -208,7 +213,7 @@ def test_wrong_only_at_large_sizes_is_caught_where_calibrated_and_fails_the_clas
     """Right on every small edge case, wrong above D=512 (T=64 for RMSNorm): the check at the
     calibrated shape catches it, and the class is failed, so no route chooses it anywhere."""
     with_variants(_variant(op, lambda o: wrong_above(o, 512 if o in (FN, UPDATE) else 64)))
-    result = kv.calibrate(op, shapes, dtype="float32", variants=["evil", "cpu_native"], **QUICK)
+    result = kv.calibrate(op, shapes, variants=["evil", "cpu_native"], **TIMING)
     rejected = {m.shape: m.reason for m in result.rejected() if m.variant == "evil"}
     assert shapes[1] in rejected and "check at" in rejected[shapes[1]]
     assert all(w is None or w.variant != "evil" for w in result.winners.values())
@@ -340,7 +345,7 @@ def test_the_compiled_graph_runs_only_qualified_variants(with_variants):
 def test_policy_off_still_rejects_a_wrong_variant_at_a_calibrated_shape(with_variants, monkeypatch):
     monkeypatch.setenv("KV_QUALIFY", "off")
     with_variants(_variant(FN, zeros))
-    result = kv.calibrate(FN, [(2, 64, 16)], dtype="float32", variants=["evil", "cpu_native"], **QUICK)
+    result = kv.calibrate(FN, [(2, 64, 16)], variants=["evil", "cpu_native"], **TIMING)
     assert [m.variant for m in result.rejected()] == ["evil"]
     assert kv.verdicts() == [], "off keeps no verdicts"
 

@@ -7,6 +7,7 @@ import textwrap
 
 import pluggy
 import pytest
+from helpers.variants import variant
 
 import kernel_variants
 from kernel_variants._registry.registry import (
@@ -20,11 +21,6 @@ from kernel_variants.ops.causal_conv1d import _reference as reference
 from kernel_variants.plugin import Variant, hookimpl
 
 CAPS = ConvCapabilities(devices={"cpu"}, dtypes={"float32"})
-
-
-def _variant(vid: str, op: str = "causal_conv1d_fn", **kw) -> Variant:
-    fn = reference.causal_conv1d_fn if op == "causal_conv1d_fn" else reference.causal_conv1d_update
-    return Variant(id=vid, op=op, version="1", capabilities=CAPS, fn=fn, **kw)
 
 
 class _Plugin:
@@ -97,17 +93,17 @@ def test_entry_point_plugin_is_loaded_and_its_variant_dispatched(tmp_path, monke
 
 def test_duplicate_id_names_both_plugins():
     with pytest.raises(DuplicateVariantError, match="'first'.*'second'"):
-        _registry(("first", _Plugin(_variant("mine"))), ("second", _Plugin(_variant("mine"))))
+        _registry(("first", _Plugin(variant("mine"))), ("second", _Plugin(variant("mine"))))
 
 
 def test_same_id_for_two_ops_is_fine():
-    reg = _registry(("p", _Plugin(_variant("mine"), _variant("mine", op="causal_conv1d_update"))))
+    reg = _registry(("p", _Plugin(variant("mine"), variant("mine", "causal_conv1d_update"))))
     assert reg.get("causal_conv1d_update", "mine").id == "mine"
 
 
 def test_duplicate_of_a_builtin_names_the_builtin():
     with pytest.raises(DuplicateVariantError, match="'reference'.*'intruder'"):
-        _registry(("intruder", _Plugin(_variant("reference"))))
+        _registry(("intruder", _Plugin(variant("reference"))))
 
 
 def test_blocked_plugins_are_not_loaded(monkeypatch):
@@ -171,26 +167,26 @@ def test_a_crashing_probe_makes_the_variant_unavailable_with_the_reason():
     def probe():
         raise OSError("driver missing")
 
-    reg = _registry(("p", _Plugin(_variant("flaky", probe=probe))))
+    reg = _registry(("p", _Plugin(variant("flaky", probe=probe))))
     assert reg.get("causal_conv1d_fn", "flaky").unavailable_reason() == "availability probe raised OSError: driver missing"
 
 
 def test_a_declared_source_that_cannot_be_read_is_an_error():
     with pytest.raises(ValueError, match="declares source 'missing.cpp', which cannot be read"):
-        _registry(("p", _Plugin(_variant("with_src", sources=("missing.cpp",)))))
+        _registry(("p", _Plugin(variant("with_src", sources=("missing.cpp",)))))
 
 
 def test_a_broken_plugin_is_left_out_with_one_warning_and_the_rest_works():
-    """Finding 2 of the first-contact issue: one bad declaration no longer takes the library down."""
+    """One bad declaration costs its whole plugin (nothing of it, not half), never the library."""
     class Typo:
         @hookimpl
         def kv_register_variant(self, register):
             pass
 
-    good = _Plugin(_variant("good"))
-    half = _Plugin(_variant("half_ok"), _variant("with_src", sources=("missing.cpp",)))
+    good = _Plugin(variant("good"))
+    half = _Plugin(variant("half_ok"), variant("with_src", sources=("missing.cpp",)))
     with pytest.warns(PluginWarning) as caught:
-        reg = _registry(("typo", Typo()), ("half", half), ("good", good), ("dup", _Plugin(_variant("good"))),
+        reg = _registry(("typo", Typo()), ("half", half), ("good", good), ("dup", _Plugin(variant("good"))),
                         strict=False)
     assert len(caught) == 1
     text = str(caught[0].message)
@@ -231,7 +227,7 @@ def test_a_variant_for_an_unregistered_op_or_with_another_ops_capabilities_is_re
     from kernel_variants.plugin import Capabilities
 
     with pytest.raises(ValueError, match="op 'conv2d', which is not registered"):
-        _registry(("p", _Plugin(_variant("mine", op="conv2d"))))
+        _registry(("p", _Plugin(variant("mine", "conv2d", fn=reference.causal_conv1d_update))))
     plain = Variant(id="plain", op="causal_conv1d_fn", version="1", fn=reference.causal_conv1d_fn,
                     capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"}))
     with pytest.raises(TypeError, match="capabilities must be a kernel_variants.ops.causal_conv1d.ConvCapabilities"):

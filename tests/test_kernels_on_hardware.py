@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_conformance import assert_conforms
+from helpers.calibration import quick
+from helpers.conformance import assert_conforms
 
 import kernel_variants
 from kernel_variants._runtime.dispatcher import dispatcher
@@ -39,7 +40,8 @@ def _smoke_calibration(op, candidates, device, dtype):
     if not ids:
         pytest.skip(f"no accelerator variant of {op} available on {device}")
     shape = (4, 256, 1 if op == "causal_conv1d_update" else 64)
-    result = kernel_variants.calibrate(op, [shape], dtype=dtype, device=device, variants=[*ids, "torch_shift"], timing=kernel_variants.TimingConfig(warmup=2, windows=2, iters=10))
+    result = kernel_variants.calibrate(op, [shape], device=device, variants=[*ids, "torch_shift"],
+                                       **quick(warmup=2, windows=2, iters=10) | {"dtype": dtype})
     assert not result.rejected(), [(m.variant, m.reason) for m in result.rejected()]
     winner = result.winners[shape]
     assert winner is not None and winner.variant in [*ids, "torch_shift"]

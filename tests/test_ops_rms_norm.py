@@ -8,13 +8,14 @@ import json
 
 import pytest
 import torch
+from helpers.calibration import quick_argv
 
 import kernel_variants as kv
 from kernel_variants._cli import main
 from kernel_variants.ops.gemma_rms_norm import _spec
 
 FN, ADD = "gemma_rms_norm", "add_gemma_rms_norm"
-QUICK = ["--dtype", "fp32", "--warmup", "1", "--windows", "1", "--iters", "2", "-q"]
+QUICK = [*quick_argv(), "-q"]
 
 
 def _inputs(shape=(3, 5, 64), dtype=torch.bfloat16):

@@ -1,5 +1,5 @@
 """The Ascend Gemma RMSNorm adapters (``kernels/npu_rms_norm.py``) against a CPU double of
-torch_npu (``_npu_rms_doubles.py``): numbers within the dtype's tolerance of a plain fp32
+torch_npu (``helpers.torch_npu_double``): numbers within the dtype's tolerance of a plain fp32
 reference of the contract, the kernels called as sgl-kernel-npu calls them, the kernels'
 constraints (ranks, empty and non-contiguous tensors, gamma's dtype) handled by the adapters,
 inputs untouched, and probes that say why, without importing torch_npu at module import.
@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 import torch
-from _npu_rms_doubles import SOC, TorchNpuDouble, installed
+from helpers.torch_npu_double import SOC, TorchNpuDouble, installed
 
 from kernel_variants.kernels import npu_rms_norm as rms
 from kernel_variants.kernels.npu_rms_norm import (

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import naive
 import pytest
 import torch
+from helpers import naive
 
 from kernel_variants._tolerances import mismatch
 from kernel_variants.ops.causal_conv1d import _reference as reference

@@ -1,5 +1,5 @@
 """Accelerator fidelity: each upstream defect the NPU adapters work around, shown on the CPU
-doubles of ``test_npu_adapters`` (which behave like the real kernels, defects included), with
+doubles of :mod:`helpers.ascend_conv` (which behave like the real kernels, defects included), with
 the adapter's answer next to it: the contract's result, or an honest refusal.
 
 The upstream sources these were read from: sgl-kernel-npu HEAD f425bdf1, the Ascend C kernel of
@@ -14,21 +14,17 @@ import sys
 
 import pytest
 import torch
-from test_npu_adapters import (
+from helpers import ascend_conv
+from helpers.ascend_conv import (
     ASC_DOUBLE,
     ASC_SCHEMA,
     PTO_DOUBLE,
     PTO_SCHEMA,
     UPDATE_DOUBLE,
     AscendDouble,
-    _asc,
-    _cpu,
-    _dao,
-    _dao_module,
-    _npu_conv_update,
-    _npu_triton,
-    _pto,
-    _require,
+    library,
+    registered,
+    require,
     update_v2,
 )
 
@@ -43,13 +39,6 @@ from kernel_variants.ops.causal_conv1d._cases import make_case
 FN, UPDATE = "causal_conv1d_fn", "causal_conv1d_update"
 
 
-def _library(ns: str, schema: str, impl, name: str = "causal_conv1d") -> torch.library.Library:
-    lib = torch.library.Library(ns, "DEF")
-    lib.define(schema)
-    lib.impl(name, impl, "CPU")
-    return lib
-
-
 class OlderAscendC(AscendDouble):
     """The Ascend C kernel of PR #420 under the PTO schema (released wheels up to 2026.7.0): its
     host validates everything, then refuses any width but 4 and any D not a multiple of 16."""
@@ -59,9 +48,9 @@ class OlderAscendC(AscendDouble):
 
     def pto_op(self, x, weight, conv_states, query_start_loc, cache_indices, has_initial_state, bias=None,
                activation_mode=False, pad_slot_id=-1):
-        _require(x.dtype in (torch.bfloat16, torch.float16), f"Only BF16 and FP16 are supported, got {x.dtype}")
-        _require(weight.shape[1] == x.shape[-1], "weight.shape[1] must equal dim")
-        _require(weight.shape[0] == 4, f"Only width == 4 is supported, got {weight.shape[0]}")
+        require(x.dtype in (torch.bfloat16, torch.float16), f"Only BF16 and FP16 are supported, got {x.dtype}")
+        require(weight.shape[1] == x.shape[-1], "weight.shape[1] must equal dim")
+        require(weight.shape[0] == 4, f"Only width == 4 is supported, got {weight.shape[0]}")
         return super().pto_op(x, weight, conv_states, query_start_loc, cache_indices, has_initial_state, bias,
                               activation_mode, pad_slot_id)
 
@@ -79,19 +68,18 @@ def _refuses_otherwise(x, weight, conv_states, query_start_loc, cache_indices, h
 TILING_DEMO = AscendDouble(pto_checks=False)  # fresh tiling caches: one for the raw demo, one for the adapter
 TILING_ADAPTER = AscendDouble(pto_checks=False)
 _LIBS = [
-    _library("kv_test_older", PTO_SCHEMA, OlderAscendC().pto_op),
-    _library("kv_test_anywidth", PTO_SCHEMA, _accepts_any_width),
-    _library("kv_test_otherwidth", PTO_SCHEMA, _refuses_otherwise),
-    _library("kv_test_tiling_demo", ASC_SCHEMA, TILING_DEMO.asc),
-    _library("kv_test_tiling", ASC_SCHEMA, TILING_ADAPTER.asc),
+    library("kv_test_older", PTO_SCHEMA, OlderAscendC().pto_op),
+    library("kv_test_anywidth", PTO_SCHEMA, _accepts_any_width),
+    library("kv_test_otherwidth", PTO_SCHEMA, _refuses_otherwise),
+    library("kv_test_tiling_demo", ASC_SCHEMA, TILING_DEMO.asc),
+    library("kv_test_tiling", ASC_SCHEMA, TILING_ADAPTER.asc),
 ]
 
 
 @pytest.fixture
 def adapters(monkeypatch):
-    monkeypatch.setitem(sys.modules, "kv_test_causal_conv1d", _dao_module())
-    return {"asc": _asc(), "pto": _pto(), "npu_triton_update": _npu_triton(), "dao": _dao(),
-            "npu_conv_update": _npu_conv_update()}
+    monkeypatch.setitem(sys.modules, ascend_conv.DAO_MODULE, ascend_conv.make_dao_module())
+    return ascend_conv.adapters()
 
 
 # --- 1. a pad id inside [0, B) on the paths that renumber sequences 0..B-1 ---------------------
@@ -107,7 +95,7 @@ COMPACTING = [("asc", FN, dict(noncontig=True)), ("asc", UPDATE, dict(noncontig=
                                                                   for n, o, k in COMPACTING])
 def test_pad_slot_id_zero_with_live_sequences_renumbered_from_zero(adapters, name, op, opts):
     """Slot 0 is the pad; the buffer paths number live sequences 0..B-1; every kernel skips any
-    index equal to the pad id it is given. Before: NaN (asc, pto) or out of tolerance."""
+    index equal to the pad id it is given. Passed through as-is: NaN (asc, pto) or out of tolerance."""
     options = dict(batch=4, dim=32, seqlen=3, width=4, dtype=torch.bfloat16, pad=True, pad_slot_id=0, poison=True)
     case = make_case(op, **{**options, **opts})
     assert verify(adapters[name][op].variant.fn, case) is None
@@ -160,7 +148,7 @@ def test_the_double_reuses_a_bf16_tiling_for_fp16_as_the_kernel_does():
 
 
 def test_asc_gives_each_dtype_its_own_tiling():
-    variants = _cpu(asc.variants(asc.AscAdapter(OpRef("kv_test_tiling::causal_conv1d")), devices={"cpu"}))
+    variants = registered(asc.variants(asc.AscAdapter(OpRef("kv_test_tiling::causal_conv1d")), devices={"cpu"}))
     for op in (FN, UPDATE):
         for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
             case = make_case(op, 3, 32, 2, width=4, dtype=dtype, seed=3, pad=True)

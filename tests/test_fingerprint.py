@@ -1,5 +1,6 @@
 """Each GPU of a process is itself: its fingerprint, and so the table rows its calls read and
-write, come from the device the call's tensors are on, not from device 0 (issue 15, finding 9).
+write, come from the device the call's tensors are on, not from device 0: two GPU models in one
+process must not read each other's timings.
 
 No GPU here: the CUDA properties are faked per ordinal, and keys carry the ordinal a CUDA
 tensor's device would give them."""
@@ -62,6 +63,7 @@ def test_capabilities_compare_the_device_type_not_the_ordinal():
     spec = dispatcher().registry.spec(FN)
     key = spec.key_of(torch.randn(1, 8, 16), torch.randn(16, 4))._replace(device="cuda", index=1)
     triton = [rv for rv in kv.variants(FN) if rv.id == "triton"]
+    assert triton, "the triton variant is registered on every machine (available or not)"
     for rv in triton:  # declared for "cuda": an ordinal does not make it "not in devices"
         why = rv.variant.capabilities.uncovered(key)
         assert why is None or "device" not in why

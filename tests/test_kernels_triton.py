@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_conformance import assert_conforms
+from helpers.calibration import QUICK
+from helpers.conformance import assert_conforms
 
 import kernel_variants
 from kernel_variants._runtime.dispatcher import dispatcher
@@ -81,8 +82,8 @@ def test_the_calibrator_picks_among_block_configurations(monkeypatch, interprete
     monkeypatch.setenv("KV_DISABLE_PLUGINS", ",".join(others))
     kernel_variants.reload()
     ids = ["triton"] + [c.id for c in triton_conv.UPDATE_CONFIGS]
-    result = kernel_variants.calibrate("causal_conv1d_update", [(2, 64, 1)], dtype="float32", device="cpu",
-                                       variants=ids, timing=kernel_variants.TimingConfig(warmup=1, windows=1, iters=2))
+    result = kernel_variants.calibrate("causal_conv1d_update", [(2, 64, 1)], device="cpu",
+                                       variants=ids, **QUICK)
     assert not result.rejected()
     winner = result.winners[(2, 64, 1)]
     assert winner is not None and winner.variant in ids
