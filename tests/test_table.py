@@ -99,7 +99,7 @@ _WORKER = textwrap.dedent("""
     import sys, kernel_variants as kv
     seed = int(sys.argv[1])
     shapes = [(1 + (seed + i) % 3, 16, 4 + i) for i in range(6)]
-    kv.calibrate("causal_conv1d_fn", shapes, dtype="float32", warmup=1, windows=1, iters=2,
+    kv.calibrate("causal_conv1d_fn", shapes, dtype="float32", timing=kv.TimingConfig(warmup=1, windows=1, iters=2),
                  progress=lambda p: print(p.done, flush=True))
 """)
 

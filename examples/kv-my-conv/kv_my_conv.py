@@ -1,7 +1,6 @@
 import torch.nn.functional as F
 
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.plugin import Variant, hookimpl
+from kernel_variants.plugin import ConvCapabilities, Variant, hookimpl
 
 
 def my_conv(x, weight, bias=None, *, conv_states=None, cache_indices=None,

@@ -80,7 +80,8 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     key = spec.key(args, values)
     if out is not None:
         spec.check_out(args, out)
-    vid, fn, _, subs, _, checks, rule = d.resolve(None, key, args, finish(spec, args, None, values))
+    hit = d.resolve(None, key, args, finish(spec, args, None, values))
+    vid, fn, subs, checks, rule = hit.vid, hit.fn, hit.subs, hit.checks, hit.rule
     guard_writes(spec, args, out)
     caps = d.registry.get(spec.name, vid).variant.capabilities
     tensors = set(spec.tensor_indices)

@@ -9,6 +9,7 @@ raises, and teaches it the entry.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +43,7 @@ def finish(spec: OpSpec, args: tuple[Any, ...], out: Any, values: bool) -> Calla
         if out is not None:
             direct = caps.takes_out and all(o.is_contiguous() for o in spec.out_tensors(out))
             invoke = out_runner(spec, direct, caps.in_place)
-        return hit._replace(invoke=invoke, guard=write_plan(spec, args, out), checks=checks, rule=rule)
+        return dataclasses.replace(hit, invoke=invoke, guard=write_plan(spec, args, out), checks=checks, rule=rule)
 
     return finish_hit
 
@@ -91,18 +92,17 @@ def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None, core: Any = None)
         hit = d.resolve(sig, key, args, finish(spec, args, out, values))
     elif hit.checks is not None:
         hit.checks(args)
-    vid, fn, invoke, subs, guard, _, rule = hit
-    aliased = guard is not None and guard(args, out)
+    aliased = hit.guard is not None and hit.guard(args, out)
     if core is not None and sig is not None and sig in d.memo:  # not a decision kept out of the memo
         callcore.learn(core, spec, args, out, hit)
-    if subs:
-        args = with_subs(args, subs)
-    if rule is not None:
-        args = rule(args)
+    if hit.subs:
+        args = with_subs(args, hit.subs)
+    if hit.rule is not None:
+        args = hit.rule(args)
     try:
-        return invoke(fn, args) if out is None else invoke(fn, args, out, aliased)
+        return hit.invoke(hit.fn, args) if out is None else hit.invoke(hit.fn, args, out, aliased)
     except Exception as exc:
-        raise variant_failed(spec, vid, exc) from exc
+        raise variant_failed(spec, hit.vid, exc) from exc
 
 
 def with_subs(args: tuple[Any, ...], subs: tuple[tuple[int, Any], ...]) -> tuple[Any, ...]:

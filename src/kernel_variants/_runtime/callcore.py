@@ -211,7 +211,7 @@ def learn(core: Any, spec: OpSpec, args: tuple[Any, ...], out: Any, hit: Hit) ->
     """Hand ``core`` the entry the Python path memoised for this call. A hit the core cannot
     run (an ``out=`` runner, a device rule, a write guard or value check it cannot read) is
     kept as the Python path's, so the core hands such calls over without asking again."""
-    vid, fn, invoke, subs, guard, checks, rule = hit
+    vid, fn, invoke, subs, guard, checks, rule = hit.vid, hit.fn, hit.invoke, hit.subs, hit.guard, hit.checks, hit.rule
     python_only = rule is not None or invoke is not spec.invoke or out is not None
     data = py_checks = gate = None
     if checks is not None and not python_only:

@@ -20,7 +20,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from kernel_variants._capture import capturing
 from kernel_variants._policy import (
@@ -45,7 +45,8 @@ from kernel_variants._table.table import CalibrationTable
 from kernel_variants._tuning.qualify import Qualifier
 
 
-class Hit(NamedTuple):
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hit:
     """A memoised decision and what each call with its signature runs around the variant."""
 
     vid: str
@@ -242,7 +243,7 @@ class Dispatcher:
         spec = key.spec
         # Normalised arguments depend only on values that are part of the signature.
         subs = tuple((i, spec.normalize[n](args[i])) for i, n in enumerate(spec.params) if n in spec.normalize)
-        hit = Hit(decision.chosen.id, decision.chosen.variant.fn, spec.invoke, subs, None, None, None)
+        hit = Hit(decision.chosen.id, decision.chosen.variant.fn, spec.invoke, subs, guard=None, checks=None, rule=None)
         if finish is not None:
             hit = finish(decision.chosen, hit)
         if sig is not None and not decision.provisional:

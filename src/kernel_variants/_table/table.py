@@ -169,13 +169,18 @@ class CalibrationTable:
             warnings.warn("calibration table: ignoring entries: " + "; ".join(reasons) + hint, CalibrationWarning,
                           stacklevel=4)
 
+    def _for_versions(self, versions: dict[tuple[str, str], str]) -> None:
+        """Read for these registered versions: another set (a plugin loaded or edited since)
+        makes everything read so far, and what was warned about, out of date."""
+        if versions != self._versions:
+            self.forget()
+            self._versions = dict(versions)
+
     def _fast_index(self, versions: dict[tuple[str, str], str], fingerprint_id: str) -> FastIndex:
         """The decision-time view of this device's rows: from the snapshot row when it is current,
         else from a full scan, which then stores a fresh snapshot for the next process."""
         with self._lock:
-            if versions != self._versions:
-                self.forget()
-                self._versions = dict(versions)
+            self._for_versions(versions)
             fast = self._fast.get(fingerprint_id)
             if fast is None:
                 fast = self._fast[fingerprint_id] = self._guard(self._load_fast, fingerprint_id)
@@ -238,6 +243,8 @@ class CalibrationTable:
 
     def measurements(self, versions: dict[tuple[str, str], str], fingerprint_id: str):
         """Every current measurement and winner of this device: ((group, shape) -> {id: m}, winners)."""
+        with self._lock:
+            self._for_versions(versions)
         ms, ws, counts, _ = self._guard(self._scan, fingerprint_id)
         rows: dict[tuple[Group, Shape], dict[str, Measurement]] = {}
         stale: dict[str, tuple[str, str]] = {}
@@ -335,43 +342,6 @@ class CalibrationTable:
             self.record(m)
             shapes[(m.fingerprint_id, m.group, m.shape)] = None
         return {shape: self.decide_winner(fp, group, shape, versions, margin) for fp, group, shape in shapes}
-
-    def rows_at(self, fingerprint_id: str, group: Group, shape: Shape, versions: dict[tuple[str, str], str]) -> list[str]:
-        """The JSON rows of one shape (its current measurements, then its winner), for another
-        process to ``ingest``."""
-        out = []
-        for (op, vid), version in versions.items():
-            if op != group.op:
-                continue
-            raw = self.store.get(mkey(fingerprint_id, group, shape, vid))
-            with contextlib.suppress(ValidationError):
-                if raw is not None and Measurement.model_validate_json(raw).version == version:
-                    out.append(raw)
-        raw = self.store.get(wkey(fingerprint_id, group, shape))
-        if raw is not None:
-            out.append(raw)
-        return out
-
-    def ingest(self, rows: Iterable[str]) -> int:
-        """Write rows another process of the same fingerprint sent (``rows_at``): a measurement
-        where it is newer than the local one, a winner as it is (so that both decide alike).
-        Returns how many were written; a row that does not validate is skipped."""
-        n = 0
-        with self._lock, self.store.transaction():
-            for raw in rows:
-                try:
-                    row: Measurement | Winner = (Measurement if '"measured_at"' in raw else Winner).model_validate_json(raw)
-                except ValidationError:
-                    continue
-                if isinstance(row, Measurement):
-                    mine = self.store.get(row.storage_key())
-                    with contextlib.suppress(ValidationError):
-                        if mine is not None and Measurement.model_validate_json(mine).measured_at >= row.measured_at:
-                            continue
-                self.store.set(row.storage_key(), row.model_dump_json())
-                n += 1
-        self.forget()
-        return n
 
     def clear(self, op: str | None = None, variant: str | None = None,
               versions: dict[tuple[str, str], str] | None = None, margin: float = DEFAULT_MARGIN) -> int:

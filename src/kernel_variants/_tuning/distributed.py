@@ -36,6 +36,7 @@ from kernel_variants._table.exchange import (
     parse_document,
 )
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.replicate import ingest, rows_at
 from kernel_variants._table.rows import (
     DEFAULT_MARGIN,
     Group,
@@ -287,7 +288,7 @@ def tune_together(d: Dispatcher, key: CallKey, forced: str | None) -> Decision:
             if need:
                 d._tune(key)
             mine = d.decide(key, None, tune=False, exclude=anywhere)
-            rows = d.table.rows_at(fpid, Group.of(key), key.shape, d.versions())
+            rows = rows_at(d.table, fpid, Group.of(key), key.shape, d.versions())
             box = [(None, mine.chosen.id if mine.chosen is not None else None, fpid, rows)]
         except Exception as exc:  # the other ranks wait in the broadcast below: they must hear of it
             failure = exc
@@ -301,7 +302,7 @@ def tune_together(d: Dispatcher, key: CallKey, forced: str | None) -> Decision:
     if error is not None:
         raise RuntimeError(f"KV_TUNE: rank 0 failed to measure {text}: {error}")
     if dist.get_rank() != 0 and rows and fpid0 == fpid:
-        d.table.ingest(rows)
+        ingest(d.table, rows)
     if chosen is not None:
         d.agreed[text] = chosen
     if measured:

@@ -36,9 +36,9 @@ class ConvFeatures(Features):
     @field_validator("activation", mode="before")
     @classmethod
     def _activation(cls, v: object) -> object:
-        if v is None:
-            return "none"
-        return "silu" if isinstance(v, str) and v.lower() == "swish" else (v.lower() if isinstance(v, str) else v)
+        # Written by people too (kv --activation, sweeps): any case, and "none" for None.
+        v = v.lower() if isinstance(v, str) else v
+        return "none" if v == "none" else _checks.activation_name(v)
 
 
 class FnFeatures(ConvFeatures):
@@ -194,7 +194,8 @@ _SWEEPS = _sweeps.sweeps()
 
 
 def _normalize_activation(a: object) -> str | None:
-    return None if a is None else "silu"  # validated already: None, "silu" or "swish"
+    """What variants receive: None or "silu" (the call was validated already)."""
+    return None if _checks.activation_name(a) == "none" else "silu"
 
 
 FN_SPEC = OpSpec(

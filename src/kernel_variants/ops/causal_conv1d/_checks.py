@@ -46,7 +46,9 @@ def _pad_slot_id(pad_slot_id: object) -> None:
         raise TypeError(f"pad_slot_id: expected int, got {type(pad_slot_id).__name__}")
 
 
-def _activation(activation: object) -> str:
+def activation_name(activation: object) -> str:
+    """The one reading of a conv activation, as a feature value: None -> "none", "silu" or its
+    other name "swish" -> "silu"; anything else is a ValueError naming the argument."""
     if activation is None:
         return "none"
     if activation in ("silu", "swish"):
@@ -140,7 +142,7 @@ def check_fn(features: type[Features], x, weight, bias, conv_states, cache_indic
         if batch < 1 or seqlen < 1:
             raise ValueError(f"x: expected B >= 1 and L >= 1, got {shape_str(x)}")
     width = _weight_bias(x, weight, bias, dim)
-    act = _activation(activation)
+    act = activation_name(activation)
     _pad_slot_id(pad_slot_id)
     tensor("conv_states", conv_states, optional=True)
     if conv_states is None:
@@ -183,7 +185,7 @@ def check_update(features: type[Features], x, conv_state, weight, bias, activati
     if batch < 1 or seqlen < 1:
         raise ValueError(f"x: expected B >= 1 and L >= 1, got {shape_str(x)}")
     width = _weight_bias(x, weight, bias, dim)
-    act = _activation(activation)
+    act = activation_name(activation)
     _pad_slot_id(pad_slot_id)
     tensor("conv_state", conv_state)
     spec_call = num_accepted_tokens is not None
