@@ -18,7 +18,8 @@ from pydantic import Field, field_validator, model_validator
 from kernel_variants._registry import CallKey, Capabilities, Features, OpSpec, Variant, hookimpl
 from kernel_variants._registry.models import Range, format_range, in_range
 from kernel_variants._runtime.ops import make_op
-from kernel_variants.ops.causal_conv1d import _cases, _checks, _reference, _sweeps
+from kernel_variants.ops.causal_conv1d import _cases, _checks, _sweeps
+from kernel_variants.ops.causal_conv1d import _reference as _reference_impl
 
 FN, UPDATE = "causal_conv1d_fn", "causal_conv1d_update"
 
@@ -198,67 +199,64 @@ def _normalize_activation(a: object) -> str | None:
     return None if _checks.activation_name(a) == "none" else "silu"
 
 
+def _reference(op: str, fn, **caps) -> Variant:
+    return Variant(id="reference", op=op, version="1", fn=fn, priority=-100, isolate=False,
+                   capabilities=ConvCapabilities(**caps, **_REFERENCE_CAPS), description=_ORACLE)
+
+
+# What the two ops share: the key's axes, the capabilities model, the traps of a calibrated
+# shape's check, the activation variants receive.
+_FAMILY = dict(axes=("B", "D", "L"), axis_aliases=_sweeps.AXIS_ALIASES, capabilities=ConvCapabilities,
+               check_options=_cases.CHECK_OPTIONS, normalize={"activation": _normalize_activation})
+
 FN_SPEC = OpSpec(
     name=FN,
     signature=causal_conv1d_fn,
-    axes=("B", "D", "L"),
-    axis_aliases=_sweeps.AXIS_ALIASES,
     features=FnFeatures,
-    capabilities=ConvCapabilities,
     check=lambda *a, values: _checks.check_fn(FnFeatures, *a, values=values),
     value_checks=_checks.fn_value_checks,
     device_values=_checks.device_fn_values,
-    reference=Variant(id="reference", op=FN, version="1", fn=_reference.causal_conv1d_fn, priority=-100, isolate=False,
-                      capabilities=ConvCapabilities(varlen=True, **_REFERENCE_CAPS), description=_ORACLE),
+    reference=_reference(FN, _reference_impl.causal_conv1d_fn, varlen=True),
     make_case=_cases.spec_case(FN),
     conformance=_cases.conformance(_cases.FN_CASES),
     edge_cases=_cases.FN_CASES,
-    check_options=_cases.CHECK_OPTIONS,
     sweeps=_SWEEPS[FN],
     default_sweep="smoke",
-    normalize={"activation": _normalize_activation},
     mutates=("conv_states",),
     aliases=("fn", "prefill"),
     description="prefill: whole sequences, state written in place",
+    **_FAMILY,
 )
 
 UPDATE_SPEC = OpSpec(
     name=UPDATE,
     signature=causal_conv1d_update,
-    axes=("B", "D", "L"),
-    axis_aliases=_sweeps.AXIS_ALIASES,
     features=UpdateFeatures,
-    capabilities=ConvCapabilities,
     check=lambda *a, values: _checks.check_update(UpdateFeatures, *a, values=values),
     value_checks=_checks.update_value_checks,
     device_values=_checks.device_update_values,
-    reference=Variant(id="reference", op=UPDATE, version="1", fn=_reference.causal_conv1d_update, priority=-100, isolate=False,
-                      capabilities=ConvCapabilities(num_accepted_tokens=True, in_place=True, **_REFERENCE_CAPS),
-                      description=_ORACLE),
+    reference=_reference(UPDATE, _reference_impl.causal_conv1d_update, num_accepted_tokens=True, in_place=True),
     make_case=_cases.spec_case(UPDATE),
     conformance=_cases.conformance(_cases.UPDATE_CASES),
     edge_cases=_cases.UPDATE_CASES,
-    check_options=_cases.CHECK_OPTIONS,
     sweeps=_SWEEPS[UPDATE],
     default_sweep="decode",
-    normalize={"activation": _normalize_activation},
     mutates=("conv_state",),
     out_aliases={"out": "x"},  # sgl-kernel-npu's update writes its output over x
     aliases=("update", "decode"),
     description="decode / speculative verify: a few tokens per sequence, state shifted in place",
+    **_FAMILY,
 )
 
 SPECS = {FN: FN_SPEC, UPDATE: UPDATE_SPEC}
-
 _cases.SPECS.update(SPECS)
-_FN = make_op(FN_SPEC)
-_UPDATE = make_op(UPDATE_SPEC)
+_FN, _UPDATE = make_op(FN_SPEC), make_op(UPDATE_SPEC)
 
 
 @hookimpl
 def kv_register_ops(register) -> None:
-    register(FN_SPEC)
-    register(UPDATE_SPEC)
+    for spec in SPECS.values():
+        register(spec)
 
 
 __all__ = ["ConvCapabilities", "ConvFeatures", "causal_conv1d_fn", "causal_conv1d_update"]

@@ -61,57 +61,54 @@ _ANY = dict(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "floa
 _IN_PLACE = dict(takes_out=True, in_place=True)  # the reference computes apart, then writes out
 _ORACLE = "the contract in plain torch, fp32; the oracle for every other variant"
 
+def _reference(op: str, fn) -> Variant:
+    return Variant(id="reference", op=op, version="1", fn=fn, priority=-100, isolate=False,
+                   capabilities=Capabilities(**_ANY, **_IN_PLACE), description=_ORACLE)
+
+
+# What the two ops share: the key's axes, no flags, the base capabilities, the cases.
+_FAMILY = dict(axes=("T", "D"), features=RmsFeatures, capabilities=Capabilities, conformance=_spec.conformance,
+               normalize={"eps": float})
+
 FN_SPEC = OpSpec(
     name=FN,
     signature=gemma_rms_norm,
-    axes=("T", "D"),
-    features=RmsFeatures,
-    capabilities=Capabilities,
     check=_spec.check_fn,
-    reference=Variant(id="reference", op=FN, version="1", fn=_spec.reference_fn, priority=-100, isolate=False,
-                      capabilities=Capabilities(**_ANY, **_IN_PLACE), description=_ORACLE),
+    reference=_reference(FN, _spec.reference_fn),
     make_case=_spec.spec_case(FN),
-    conformance=_spec.conformance,
     sweeps=_spec.sweeps(FN),
     default_sweep="rms-smoke",
-    normalize={"eps": float},
     out_aliases={"out": "x"},
     aliases=("rms",),
     description="Gemma RMSNorm (scale 1 + weight)",
+    **_FAMILY,
 )
 
 ADD_SPEC = OpSpec(
     name=ADD,
     signature=add_gemma_rms_norm,
-    axes=("T", "D"),
-    features=RmsFeatures,
-    capabilities=Capabilities,
     check=_spec.check_add,
-    reference=Variant(id="reference", op=ADD, version="1", fn=_spec.reference_add, priority=-100, isolate=False,
-                      capabilities=Capabilities(**_ANY, **_IN_PLACE), description=_ORACLE),
+    reference=_reference(ADD, _spec.reference_add),
     make_case=_spec.spec_case(ADD),
-    conformance=_spec.conformance,
     sweeps=_spec.sweeps(ADD),
     default_sweep="add-rms-smoke",
-    normalize={"eps": float},
     outputs=("out", "residual_sum"),
     # sglang's fused add-rmsnorm runs in place: the norm over x, the sum over residual.
     out_aliases={"out": "x", "residual_sum": "residual"},
     aliases=("add_rms",),
     description="residual add, then Gemma RMSNorm; returns (out, residual_sum)",
+    **_FAMILY,
 )
 
 SPECS = {FN: FN_SPEC, ADD: ADD_SPEC}
-
 _spec.SPECS.update(SPECS)
-_FN = make_op(FN_SPEC)
-_ADD = make_op(ADD_SPEC)
+_FN, _ADD = make_op(FN_SPEC), make_op(ADD_SPEC)
 
 
 @hookimpl
 def kv_register_ops(register) -> None:
-    register(FN_SPEC)
-    register(ADD_SPEC)
+    for spec in SPECS.values():
+        register(spec)
 
 
 __all__ = ["add_gemma_rms_norm", "gemma_rms_norm"]
