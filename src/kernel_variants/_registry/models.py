@@ -204,7 +204,7 @@ class Variant(BaseModel):
     build: Callable[[], str] | None = Field(default=None, exclude=True, repr=False)
     is_built: Callable[[], bool] | None = Field(default=None, exclude=True, repr=False)
     priority: int = 0
-    # Qualified in a child process (see dispatch/_qualify): it runs compiled code (its own C++,
+    # Qualified in a child process (see _tuning/isolate.py): it runs compiled code (its own C++,
     # a vendor op, an engine's kernel) whose crash or hang must be a verdict, not the caller's
     # death. None is taken as True: only a variant declared pure (False) qualifies in-process.
     isolate: bool | None = None
