@@ -429,7 +429,7 @@ def test_the_builtin_kernels_declare_what_their_speed_depends_on():
     neither the rest: each kernel declares its own dependencies."""
     declared = {(rv.op, rv.id): set(rv.deps) for rv in kv.variants()}
     expect = {"cpu_native": {"torch", "compiler", "isa"}, "triton": {"triton", "torch"},
-              "triton_d64": {"triton", "torch"}, "dao": {"causal-conv1d", "torch"},
+              "triton:d64": {"triton", "torch"}, "dao": {"causal-conv1d", "torch"},
               "asc": {"sgl-kernel-npu", "torch_npu", "cann", "torch"},
               "pto": {"sgl-kernel-npu", "torch_npu", "cann", "torch"},
               "npu_conv_update": {"sgl-kernel-npu", "torch_npu", "cann", "torch"},

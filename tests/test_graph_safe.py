@@ -118,8 +118,8 @@ def test_every_conv_variant_that_declares_graph_safe_is_proven_here(interpreter)
     proven = {(op, vid) for vid, op in ADAPTERS} | {(op, "triton") for op in OPS}
     claimed = {(rv.op, rv.id) for rv in kernel_variants.variants() if rv.op in OPS
                and rv.variant.capabilities.graph_safe}
-    # The block configurations are the same kernels as "triton", with other block sizes.
-    configs = {(op, vid) for op, vid in claimed if vid.startswith("triton_")}
+    # The block configurations (tactics) are the same kernels as "triton", with other block sizes.
+    configs = {(op, vid) for op, vid in claimed if vid.startswith("triton:")}
     assert claimed - configs <= proven, f"declared graph_safe without a proof here: {sorted(claimed - configs - proven)}"
     assert configs, "the Triton block configurations are registered beside triton"
     for op, vid in configs:

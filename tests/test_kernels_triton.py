@@ -8,6 +8,8 @@ use, per mode. So a test only needs the variable set before it first calls a ker
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers.calibration import QUICK
@@ -41,16 +43,17 @@ def test_triton_matches_the_reference_on_every_claimed_case(interpreter, op):
     assert _verify_all(rv) > 100
 
 
-CONFIG_IDS = [(op, rv.id) for op, rv in
+CONFIG_IDS = [(op, c.id) for op, c in
               [("causal_conv1d_fn", c) for c in triton_conv.FN_CONFIGS]
               + [("causal_conv1d_update", c) for c in triton_conv.UPDATE_CONFIGS]]
 
 
 @pytest.mark.parametrize(("op", "vid"), CONFIG_IDS, ids=[v for _, v in CONFIG_IDS])
 def test_each_block_configuration_on_the_width_4_cases(interpreter, op, vid):
-    """Every registered block configuration is its own variant; a sample of the suite each."""
+    """Every block configuration is a tactic of ``triton`` (the candidate ``triton:<config>``);
+    a sample of the suite each."""
     rv = dispatcher().registry.get(op, vid)
-    assert rv.unavailable_reason() is None
+    assert rv.unavailable_reason() is None and rv.parent is dispatcher().registry.get(op, "triton")
     _verify_all(rv, keep=lambda label: "W=4 float32" in label or "W=2 bfloat16" in label)
 
 
@@ -92,6 +95,31 @@ def test_the_calibrator_picks_among_block_configurations(monkeypatch, interprete
     decision = kernel_variants.explain("causal_conv1d_update", x, pool, w, torch.randn(64), activation="silu",
                                        conv_state_indices=idx)
     assert decision.source == "table" and decision.chosen.id == winner.variant
+
+
+def test_force_runs_the_named_block_configuration(interpreter, monkeypatch):
+    """``triton:d32`` launches the decode kernel with BLOCK_D=32 (two channel blocks at D=64),
+    ``triton`` with its heuristic's 64 (one)."""
+    real, grids = triton_conv.kernels, []
+
+    class Update:
+        def __init__(self, k):
+            self.k = k
+
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return self.k.update[grid]
+
+    monkeypatch.setattr(triton_conv, "kernels", lambda mode: SimpleNamespace(update=Update(real(mode)),
+                                                                             cdiv=real(mode).cdiv))
+    x, w = torch.randn(2, 64), torch.randn(64, 4)
+    for pin, grid in (("triton:d32", (2, 2)), ("triton", (2, 1))):
+        pool = torch.randn(4, 3, 64)
+        expected = reference.causal_conv1d_update(x, pool.clone(), w)
+        monkeypatch.setenv("KV_FORCE", f"causal_conv1d_update={pin}")
+        kernel_variants.reload()
+        torch.testing.assert_close(kernel_variants.causal_conv1d_update(x, pool, w), expected)
+        assert grids[-1] == grid, pin
 
 
 def test_without_the_interpreter_or_a_gpu_the_probe_says_why(monkeypatch):

@@ -25,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _catalogue(args: argparse.Namespace) -> int:
     op = opt.op_spec(args.op).name if args.op else None
     order = {spec.name: i for i, spec in enumerate(opt.registry().ops())}
-    entries = sorted(kv.variants(op), key=lambda rv: (order[rv.op], -rv.variant.priority, rv.id))
+    # A variant's tactics are listed with it, not as rows of their own.
+    entries = sorted((rv for rv in kv.variants(op) if rv.tactic is None),
+                     key=lambda rv: (order[rv.op], -rv.variant.priority, rv.id))
     verdicts: dict[tuple[str, str], list] = {}
     for v in kv.verdicts(opt.device(args.device)):
         verdicts.setdefault((v.group.op, v.variant), []).append(v)
@@ -34,7 +36,7 @@ def _catalogue(args: argparse.Namespace) -> int:
         c = rv.variant.capabilities
         why = rv.unavailable_reason()
         records.append({
-            "op": rv.op, "id": rv.id, "plugin": rv.plugin, "version": rv.version, "depends": rv.deps,
+            "op": rv.op, "id": rv.id, "tactics": list(rv.tactics), "plugin": rv.plugin, "version": rv.version, "depends": rv.deps,
             "priority": rv.variant.priority, "devices": sorted(c.devices), "dtypes": sorted(c.dtypes),
             "features": c.summary(), "available": why is None, "reason": why,
             "needs_build": rv.needs_build(),
@@ -51,14 +53,14 @@ def _catalogue(args: argparse.Namespace) -> int:
     qualified = [_qualified(r, rv.variant.fn is opt.registry().spec(rv.op).reference.fn, args.wide)
                  for r, rv in zip(records, entries, strict=True)]
     if args.wide:
-        rows = [[r["op"], r["id"], r["plugin"], r["version"], r["priority"], ",".join(r["devices"]),
+        rows = [[r["op"], _named(r), r["plugin"], r["version"], r["priority"], ",".join(r["devices"]),
                  ",".join(short(d) for d in r["dtypes"]), r["features"], q, st]
                 for r, st, q in zip(records, status, qualified, strict=True)]
         print(render_table(["op", "variant", "plugin", "version", "prio", "devices", "dtypes", "capabilities",
                             "qualified", "available"], rows, right=[False] * 4 + [True] + [False] * 5))
     else:
         # "available" last: its reasons are the long cells, wrapped to the terminal's width.
-        rows = [[r["op"], r["id"], r["priority"], ",".join(r["devices"]),
+        rows = [[r["op"], _named(r), r["priority"], ",".join(r["devices"]),
                  ",".join(short(d) for d in r["dtypes"]), q, st]
                 for r, st, q in zip(records, status, qualified, strict=True)]
         print(render_table(["op", "variant", "prio", "devices", "dtypes", "qualified", "available"], rows,
@@ -66,6 +68,11 @@ def _catalogue(args: argparse.Namespace) -> int:
     for name, why in dispatcher().registry.broken.items():
         print(f"broken plugin {name!r}: {why}")
     return 0
+
+
+def _named(record: dict) -> str:
+    """The variant's id, with its tactics (``triton [d32,d64]``)."""
+    return f"{record['id']} [{','.join(record['tactics'])}]" if record["tactics"] else record["id"]
 
 
 def _qualified(record: dict, oracle: bool, wide: bool) -> str:

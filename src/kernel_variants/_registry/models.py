@@ -29,6 +29,11 @@ def valid_id(value: str) -> bool:
     return isinstance(value, str) and _ID.match(value) is not None
 
 
+def valid_candidate(name: str) -> bool:
+    """A name the table and ``force`` take: a variant id, or ``variant:tactic`` (see ``Variant.tactics``)."""
+    return isinstance(name, str) and all(valid_id(part) for part in name.split(":", 1))
+
+
 def check_id(value: str, what: str) -> str:
     if not valid_id(value):
         raise ValueError(f"{what} must be {ID_RULE}, got {value!r}")
@@ -213,6 +218,31 @@ class Variant(BaseModel):
     # or named facts, or a function returning {name: version}; () for nothing beyond its source.
     depends: tuple[str, ...] | Callable[[], Mapping[str, str]] | None = Field(default=None, exclude=True, repr=False)
     description: str = ""
+    # Named alternatives of ``fn`` for the same calls (a kernel's block configurations, say):
+    # each is verified, qualified, timed and chosen as a candidate of its own, named
+    # ``id:name`` in the table, ``force`` and ``KV_FORCE``; ``fn`` stays the default (``id``).
+    tactics: Mapping[str, Callable[..., Any]] = Field(default_factory=dict, exclude=True, repr=False)
+    # Variant ids these tactics replace ({"old_id": "tactic"}): table rows kept under an old id
+    # are moved to ``id:tactic`` when the table is read, with one warning naming them.
+    replaces: Mapping[str, str] = Field(default_factory=dict)
+
+    @field_validator("tactics")
+    @classmethod
+    def _tactic_names(cls, v: Mapping[str, Callable[..., Any]]) -> Mapping[str, Callable[..., Any]]:
+        for name, fn in v.items():
+            check_id(name, "tactic name")
+            if not callable(fn):
+                raise ValueError(f"tactic {name!r} must be callable, got {type(fn).__name__}")
+        return dict(v)
+
+    @model_validator(mode="after")
+    def _replaced_by_tactics(self) -> Variant:
+        for old, tactic in self.replaces.items():
+            check_id(old, "replaced variant id")
+            if tactic not in self.tactics:
+                raise ValueError(f"replaces[{old!r}] names tactic {tactic!r}, which is not one of "
+                                 f"{', '.join(self.tactics) or '(no tactics)'}")
+        return self
 
     @field_validator("id")
     @classmethod

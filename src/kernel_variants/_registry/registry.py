@@ -98,13 +98,20 @@ def make_plugin_manager(
 @dataclass(eq=False)
 class RegisteredVariant:
     """A variant as the registry holds it: who registered it, its full version (declared
-    version, source hash, dependencies' hash) and the dependency versions it was made of."""
+    version, source hash, dependencies' hash) and the dependency versions it was made of.
+
+    Each tactic of a variant is registered beside it as a candidate of its own, ``id:tactic``
+    (``tactic`` set, ``parent`` the variant's entry, ``variant.fn`` the tactic's function): it
+    is verified, qualified, timed and chosen like any variant; it is available, and built,
+    exactly when its variant is."""
 
     variant: Variant
     plugin: str
     version: str
     deps: dict[str, str] = field(default_factory=dict)
     source_version: str = ""  # see source_version()
+    tactic: str | None = None
+    parent: RegisteredVariant | None = field(default=None, repr=False)
     _reason: str | None = field(default=None, repr=False)
     _probed: bool = field(default=False, repr=False)
     _built: bool = field(default=False, repr=False)
@@ -112,7 +119,13 @@ class RegisteredVariant:
 
     @property
     def id(self) -> str:
-        return self.variant.id
+        """The candidate's name: the variant id, or ``variant:tactic`` for a tactic."""
+        return self.variant.id if self.tactic is None else f"{self.variant.id}:{self.tactic}"
+
+    @property
+    def tactics(self) -> tuple[str, ...]:
+        """The variant's tactic names (a tactic's own entry has none)."""
+        return tuple(self.variant.tactics)
 
     @property
     def op(self) -> str:
@@ -126,6 +139,8 @@ class RegisteredVariant:
     def unavailable_reason(self) -> str | None:
         """``None`` when this variant can run here, else why not. Probed once, then remembered;
         a build that failed makes it unavailable with the build's reason. Never builds."""
+        if self.parent is not None:
+            return self.parent.unavailable_reason()
         with self._lock:
             if not self._probed:
                 self._reason = _run_probe(self.variant)
@@ -134,7 +149,7 @@ class RegisteredVariant:
 
     def needs_build(self) -> bool:
         """Whether the first call would compile this variant first (``kv build`` does it ahead)."""
-        built = self.variant.is_built
+        built = self.variant.is_built  # (None on a tactic's entry: its variant's build covers it)
         if built is None or self.unavailable_reason() is not None:
             return False
         try:
@@ -144,6 +159,8 @@ class RegisteredVariant:
 
     def ensure_built(self) -> str | None:
         """Build now if the variant needs it; ``None`` when it can run, else why not."""
+        if self.parent is not None:
+            return self.parent.ensure_built()
         reason = self.unavailable_reason()
         if reason is not None or self.variant.build is None:
             return reason
@@ -171,6 +188,13 @@ def _run_probe(variant: Variant) -> str | None:
 
 class DuplicateVariantError(ValueError):
     pass
+
+
+class UnknownTacticError(KeyError, ValueError):
+    """``variant:tactic`` names a registered variant but none of its tactics."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class Register:
@@ -267,13 +291,23 @@ class Registry:
                 f"variant id {variant.id!r} for op {variant.op!r} is registered twice: by plugin "
                 f"{first!r} and by plugin {plugin!r}"
             )
-        staged[key] = self._registered(variant, plugin)
+        staged[key] = rv = self._registered(variant, plugin)
+        for name, fn in variant.tactics.items():
+            # The tactic's own function and source make its version; the build stays the variant's.
+            tv = variant.model_copy(update={"fn": fn, "tactics": {}, "replaces": {}, "build": None, "is_built": None})
+            staged[(variant.op, f"{variant.id}:{name}")] = RegisteredVariant(
+                tv, plugin, full_version(tv, plugin, rv.deps), rv.deps, source_version(tv, plugin), name, rv)
 
     @staticmethod
     def _registered(variant: Variant, plugin: str) -> RegisteredVariant:
         deps = resolve_depends(variant, plugin)
         return RegisteredVariant(variant, plugin, full_version(variant, plugin, deps), deps,
                                  source_version(variant, plugin))
+
+    def renames(self) -> dict[tuple[str, str], str]:
+        """(op, retired variant id) -> the ``variant:tactic`` that replaces it (``Variant.replaces``)."""
+        return {(rv.op, old): f"{rv.id}:{tactic}" for rv in self._by_key.values() if rv.tactic is None
+                for old, tactic in rv.variant.replaces.items()}
 
     @property
     def plugin_manager(self) -> pluggy.PluginManager:
@@ -295,6 +329,7 @@ class Registry:
         return spec
 
     def variants(self, op: str | None = None) -> list[RegisteredVariant]:
+        """Every candidate (of ``op``): each variant, followed by its tactics' entries."""
         if op is not None and op not in self._ops:
             raise ValueError(f"op must be one of {', '.join(self._ops)}, got {op!r}")
         return [rv for (o, _), rv in self._by_key.items() if op is None or o == op]
@@ -303,6 +338,11 @@ class Registry:
         try:
             return self._by_key[(op, variant_id)]
         except KeyError:
+            base, sep, tactic = variant_id.partition(":")
+            parent = self._by_key.get((op, base)) if sep else None
+            if parent is not None:
+                raise UnknownTacticError(f"variant {base!r} of op {op!r} has no tactic {tactic!r} (its tactics: "
+                                         f"{', '.join(parent.tactics) or 'none'})") from None
             known = ", ".join(sorted(i for (o, i) in self._by_key if o == op)) or "none"
             raise KeyError(
                 f"no variant {variant_id!r} registered for op {op!r} (registered: {known})"

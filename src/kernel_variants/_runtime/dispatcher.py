@@ -37,7 +37,7 @@ from kernel_variants._policy import (
 from kernel_variants._registry import CallKey
 from kernel_variants._registry.registry import RegisteredVariant, Registry, make_plugin_manager
 from kernel_variants._runtime import callcore
-from kernel_variants._runtime.pins import _pins, parse_force
+from kernel_variants._runtime.pins import _pins, check_tactics, parse_force
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
 from kernel_variants._table.rows import DEFAULT_MARGIN, DEFAULT_PRUNE, key_parts, key_text
 from kernel_variants._table.store import CalibrationWarning, Recorder
@@ -123,6 +123,7 @@ class Dispatcher:
     def table(self) -> CalibrationTable:
         if self._table is None:
             self._table = CalibrationTable()
+            self._table.renames = self.registry.renames()  # rows of retired ids move to their tactics
         return self._table
 
     def versions(self) -> dict[tuple[str, str], str]:
@@ -130,7 +131,8 @@ class Dispatcher:
 
     def pinned(self, op: str) -> str | None:
         if self._env_pins is None:  # parsed against the registered ops, so on first use
-            self._env_pins = parse_force(self._force_raw, (spec.name for spec in self.registry.ops()))
+            self._env_pins = check_tactics(parse_force(self._force_raw, (s.name for s in self.registry.ops())),
+                                           self.registry)
         return dict(_pins.get()).get(op) or self._env_pins.get(op)
 
     def decide(self, key: CallKey, forced: str | None = None, *, tune: bool | None = None,
@@ -314,7 +316,8 @@ def reset(registry: Registry | None = None) -> Dispatcher:
 
 @contextlib.contextmanager
 def force(**pins: str) -> Iterator[None]:
-    """Pin ops to variants inside the block: ``with force(causal_conv1d_fn="reference"): ...``.
+    """Pin ops to variants inside the block: ``with force(causal_conv1d_fn="reference"): ...``;
+    ``"variant:tactic"`` pins one tactic of a variant (an unknown tactic: ValueError naming them).
 
     A pinned variant that cannot run a call raises with its reasons; it never falls back.
     """

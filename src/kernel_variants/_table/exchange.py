@@ -23,7 +23,7 @@ from typing import IO, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kernel_variants._registry.models import valid_id
+from kernel_variants._registry.models import valid_candidate
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
 from kernel_variants._table.rows import (
     DEFAULT_MARGIN,
@@ -99,7 +99,7 @@ class TableDocument(BaseModel):
             problem = None
             if v.fingerprint != mine or v.fingerprint_id != fingerprint_id(mine):
                 problem = "qualified on another fingerprint than the document's"
-            elif not valid_id(v.variant):
+            elif not valid_candidate(v.variant):
                 problem = f"variant id {v.variant!r} is not a valid id"
             elif v.qualified_at > now + _FUTURE_S:
                 problem = "qualified_at lies in the future"
@@ -124,7 +124,7 @@ def _common_problem(shape: tuple[int, ...], variant: str, best_us: float | None,
                     t_name: str) -> str | None:
     if not shape or not all(1 <= s < _MAX_COUNT for s in shape):
         return f"shape sizes must be between 1 and {_MAX_COUNT - 1}"
-    if not valid_id(variant):
+    if not valid_candidate(variant):
         return f"variant id {variant[:80]!r} is not a valid id"
     if best_us is not None and not (math.isfinite(best_us) and 0 < best_us <= _MAX_US):
         return f"best_us must be a positive number of microseconds up to {_MAX_US:g}, got {best_us}"
@@ -164,7 +164,7 @@ def winner_problem(w: Winner, now: float | None = None) -> str | None:
     """Why ``w`` is not a believable winner (None when it is)."""
     now = time.time() if now is None else now
     problem = _common_problem(w.shape, w.variant, w.best_us, w.decided_at, now, "decided_at")
-    if problem is None and w.runner_up is not None and not valid_id(w.runner_up):
+    if problem is None and w.runner_up is not None and not valid_candidate(w.runner_up):
         problem = f"runner_up {w.runner_up[:80]!r} is not a valid id"
     if problem is None and w.lead is not None and not (math.isfinite(w.lead) and -1 < w.lead <= _MAX_US):
         problem = f"lead must be a finite ratio above -1, got {w.lead}"

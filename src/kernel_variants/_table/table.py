@@ -34,6 +34,7 @@ from kernel_variants._table.index import (
     encode,
     index_from,
 )
+from kernel_variants._table.renames import Mover, Renames, mentions
 from kernel_variants._table.rows import (
     DEFAULT_MARGIN,
     SCHEMA,
@@ -72,6 +73,7 @@ class CalibrationTable:
         self._versions: dict[tuple[str, str], str] = {}
         # While `kv calibrate --stale` re-measures them, stale and legacy rows are not news.
         self.quiet_stale = False
+        self.renames: Renames = {}  # retired variant ids -> their tactics (see _table.renames)
 
     @property
     def store(self) -> Store:
@@ -112,6 +114,7 @@ class CalibrationTable:
         # apart because it is the usual reason: a forked child runs one thread (see the package's
         # at-fork handler), so its rows are filed apart from its parent's, not lost.
         retuned: dict[str, bool] = {}
+        mover = Mover(self.renames)
         for key, raw in self.store.items():
             if key.startswith((TOKEN_KEY, SNAPSHOT_PREFIX, VERDICT_PREFIX)):
                 continue  # bookkeeping and qualification verdicts: not timings
@@ -122,7 +125,9 @@ class CalibrationTable:
                 if key.startswith(("m|", "w|")) and '"schema_version":1' in raw.replace(" ", ""):
                     key, raw = self._migrate_row(key, raw)
                 if key.startswith("m|"):
-                    m = Measurement.model_validate_json(raw)
+                    m = mover.measurement(self.store, key, Measurement.model_validate_json(raw))
+                    if m is None:
+                        continue
                     if m.fingerprint_id == fingerprint_id and not is_legacy(m.fingerprint):
                         ms.append(m)
                     elif is_legacy(m.fingerprint) and mine.setdefault(
@@ -134,13 +139,14 @@ class CalibrationTable:
                             retuned[m.fingerprint_id] = _other_threads(m.fingerprint, fingerprint_id)
                         counts["threads" if retuned[m.fingerprint_id] else "other_fp"] += 1
                 elif key.startswith("w|"):
-                    w = Winner.model_validate_json(raw)
+                    w = mover.winner(self.store, key, Winner.model_validate_json(raw))
                     if w.fingerprint_id == fingerprint_id:
                         ws.append(w)
                 else:
                     counts["bad"] += 1
             except (ValidationError, ValueError):
                 counts["bad"] += 1
+        mover.warn()
         return ms, ws, counts, legacy
 
     def _warn_once(self, fingerprint_id: str, counts: dict[str, int], stale: dict[str, tuple[str, str]]) -> None:
@@ -195,7 +201,7 @@ class CalibrationTable:
     def _load_fast(self, fingerprint_id: str) -> FastIndex:
         token = self.store.get(TOKEN_KEY)
         doc = decode(self.store.get(SNAPSHOT_PREFIX + fingerprint_id), token)
-        fast = index_from(doc, self._versions) if doc is not None else None
+        fast = index_from(doc, self._versions) if doc is not None and not mentions(doc, self.renames) else None
         if fast is None:  # no snapshot, an old one, or a damaged one: from the rows, then stored
             ms, ws, counts, _ = self._scan(fingerprint_id)
             doc = document(ms, ws, counts)

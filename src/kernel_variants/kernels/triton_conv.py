@@ -22,9 +22,10 @@ indices as they are instead of rewriting them first. Launches run under ``x``'s 
 than the current one is never handed to a kernel compiled and launched for the current one.
 Nothing reads a tensor's values on the host: the variants are declared graph_safe.
 
-Block sizes are chosen per shape by the calibrator: besides ``triton`` (a heuristic choice),
-each configuration in ``FN_CONFIGS`` / ``UPDATE_CONFIGS`` is registered as its own variant id
-(``triton_d64_t32``...). The kernels are built on first use, so ``import kernel_variants``
+Block sizes are chosen per shape by the calibrator: ``triton`` (block sizes by a heuristic)
+declares each configuration in ``FN_CONFIGS`` / ``UPDATE_CONFIGS`` as a tactic (``triton:d64_t32``,
+``triton:d64``...), measured, qualified and chosen as a candidate of its own. (They were variant
+ids of their own, ``triton_d64_t32``..., before: the table moves such rows to the tactics.) The kernels are built on first use, so ``import kernel_variants``
 works without triton; they run on CUDA, or on the CPU under the Triton interpreter when
 ``TRITON_INTERPRET=1`` is set before they are first used (the variants then also declare the
 CPU, at a priority below every native CPU variant, since the interpreter is very slow).
@@ -52,8 +53,14 @@ class FnBlocks:
     t: int  # tokens per program
 
     @property
+    def name(self) -> str:
+        """The tactic's name."""
+        return f"d{self.d}_t{self.t}"
+
+    @property
     def id(self) -> str:
-        return f"triton_d{self.d}_t{self.t}"
+        """The candidate's name (in the table, force and KV_FORCE)."""
+        return f"triton:{self.name}"
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,12 @@ class UpdateBlocks:
     d: int
 
     @property
+    def name(self) -> str:
+        return f"d{self.d}"
+
+    @property
     def id(self) -> str:
-        return f"triton_d{self.d}"
+        return f"triton:{self.name}"
 
 
 FN_CONFIGS = (FnBlocks(32, 64), FnBlocks(64, 32), FnBlocks(128, 16), FnBlocks(256, 8))
@@ -177,8 +188,13 @@ def _bind(fn, blocks):
     def run(*args, **kwargs):
         return fn(*args, blocks=blocks, **kwargs)
 
-    run.__qualname__ = f"{fn.__qualname__}[{blocks.id}]"
+    run.__qualname__ = f"{fn.__qualname__}[{blocks.name}]"
     return run
+
+
+def _tactics(fn, configs) -> dict:
+    return {"tactics": {c.name: _bind(fn, c) for c in configs},
+            "replaces": {f"triton_{c.name}": c.name for c in configs}}  # the ids they had before
 
 
 def variants() -> list[Variant]:
@@ -187,19 +203,14 @@ def variants() -> list[Variant]:
     base = -50 if interpreting() else 15
     version = "1"
     fn_caps, update_caps = _caps(varlen=True), _caps(num_accepted_tokens=True)
-    out = [
-        Variant(id="triton", op="causal_conv1d_fn", version=version, depends=DEPENDS, sources=SOURCES, fn=causal_conv1d_fn, probe=probe, priority=base,
-                capabilities=fn_caps, description="Triton prefill, block sizes by a heuristic"),
-        Variant(id="triton", op="causal_conv1d_update", version=version, depends=DEPENDS, sources=SOURCES, fn=causal_conv1d_update, probe=probe,
-                priority=base, capabilities=update_caps, description="Triton decode, block sizes by a heuristic"),
+    common = dict(id="triton", version=version, depends=DEPENDS, sources=SOURCES, probe=probe, priority=base)
+    return [
+        Variant(op="causal_conv1d_fn", fn=causal_conv1d_fn, capabilities=fn_caps, **common, **_tactics(causal_conv1d_fn, FN_CONFIGS),
+                description="Triton prefill, block sizes by a heuristic; tactics: fixed BLOCK_D, BLOCK_T"),
+        Variant(op="causal_conv1d_update", fn=causal_conv1d_update, capabilities=update_caps, **common,
+                **_tactics(causal_conv1d_update, UPDATE_CONFIGS),
+                description="Triton decode, block sizes by a heuristic; tactics: fixed BLOCK_D"),
     ]
-    out += [Variant(id=c.id, op="causal_conv1d_fn", version=version, depends=DEPENDS, sources=SOURCES, fn=_bind(causal_conv1d_fn, c), probe=probe,
-                    priority=base - 5, capabilities=fn_caps, description=f"Triton prefill, BLOCK_D={c.d} BLOCK_T={c.t}")
-            for c in FN_CONFIGS]
-    out += [Variant(id=c.id, op="causal_conv1d_update", version=version, depends=DEPENDS, sources=SOURCES, fn=_bind(causal_conv1d_update, c), probe=probe,
-                    priority=base - 5, capabilities=update_caps, description=f"Triton decode, BLOCK_D={c.d}")
-            for c in UPDATE_CONFIGS]
-    return out
 
 
 @hookimpl
