@@ -18,8 +18,7 @@ from pydantic import Field, field_validator, model_validator
 from kernel_variants._registry import CallKey, Capabilities, Features, OpSpec, Variant, hookimpl
 from kernel_variants._registry.models import Range, format_range, in_range
 from kernel_variants._runtime.ops import make_op
-from kernel_variants.ops.causal_conv1d import _cases, _checks, _sweeps
-from kernel_variants.ops.causal_conv1d import _reference as _reference_impl
+from kernel_variants.ops.causal_conv1d import _cases, _checks, _reference, _sweeps
 
 FN, UPDATE = "causal_conv1d_fn", "causal_conv1d_update"
 
@@ -199,7 +198,7 @@ def _normalize_activation(a: object) -> str | None:
     return None if _checks.activation_name(a) == "none" else "silu"
 
 
-def _reference(op: str, fn, **caps) -> Variant:
+def _reference_variant(op: str, fn, **caps) -> Variant:
     return Variant(id="reference", op=op, version="1", fn=fn, priority=-100, isolate=False,
                    capabilities=ConvCapabilities(**caps, **_REFERENCE_CAPS), description=_ORACLE)
 
@@ -216,7 +215,7 @@ FN_SPEC = OpSpec(
     check=lambda *a, values: _checks.check_fn(FnFeatures, *a, values=values),
     value_checks=_checks.fn_value_checks,
     device_values=_checks.device_fn_values,
-    reference=_reference(FN, _reference_impl.causal_conv1d_fn, varlen=True),
+    reference=_reference_variant(FN, _reference.causal_conv1d_fn, varlen=True),
     make_case=_cases.spec_case(FN),
     conformance=_cases.conformance(_cases.FN_CASES),
     edge_cases=_cases.FN_CASES,
@@ -235,7 +234,7 @@ UPDATE_SPEC = OpSpec(
     check=lambda *a, values: _checks.check_update(UpdateFeatures, *a, values=values),
     value_checks=_checks.update_value_checks,
     device_values=_checks.device_update_values,
-    reference=_reference(UPDATE, _reference_impl.causal_conv1d_update, num_accepted_tokens=True, in_place=True),
+    reference=_reference_variant(UPDATE, _reference.causal_conv1d_update, num_accepted_tokens=True, in_place=True),
     make_case=_cases.spec_case(UPDATE),
     conformance=_cases.conformance(_cases.UPDATE_CASES),
     edge_cases=_cases.UPDATE_CASES,

@@ -61,7 +61,7 @@ _ANY = dict(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "floa
 _IN_PLACE = dict(takes_out=True, in_place=True)  # the reference computes apart, then writes out
 _ORACLE = "the contract in plain torch, fp32; the oracle for every other variant"
 
-def _reference(op: str, fn) -> Variant:
+def _reference_variant(op: str, fn) -> Variant:
     return Variant(id="reference", op=op, version="1", fn=fn, priority=-100, isolate=False,
                    capabilities=Capabilities(**_ANY, **_IN_PLACE), description=_ORACLE)
 
@@ -74,7 +74,7 @@ FN_SPEC = OpSpec(
     name=FN,
     signature=gemma_rms_norm,
     check=_spec.check_fn,
-    reference=_reference(FN, _spec.reference_fn),
+    reference=_reference_variant(FN, _spec.reference_fn),
     make_case=_spec.spec_case(FN),
     sweeps=_spec.sweeps(FN),
     default_sweep="rms-smoke",
@@ -88,7 +88,7 @@ ADD_SPEC = OpSpec(
     name=ADD,
     signature=add_gemma_rms_norm,
     check=_spec.check_add,
-    reference=_reference(ADD, _spec.reference_add),
+    reference=_reference_variant(ADD, _spec.reference_add),
     make_case=_spec.spec_case(ADD),
     sweeps=_spec.sweeps(ADD),
     default_sweep="add-rms-smoke",
