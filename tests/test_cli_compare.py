@@ -266,3 +266,15 @@ def test_plot_without_matplotlib_is_one_clear_line(capsys, monkeypatch, tmp_path
     assert_one_line_error(rc, err, "compare")
     assert "matplotlib" in err and "pip install" in err
     assert not png.exists() and out == ""
+
+
+def test_the_head_to_head_is_public(contenders, tmp_path):
+    got = kv.compare(FN, "reference", "sleepy", [(1, 16, 8)], dtype="fp32",
+                     timing=kv.TimingConfig(warmup=1, windows=1, iters=2))
+    assert (got.incumbent, got.candidate, got.axes) == ("reference", "sleepy", ("B", "D", "L"))
+    (pair,) = got.pairs
+    assert pair.ratio is not None and pair.ratio > 1 and got.stats()["incumbent_faster"] == 1
+    assert kv.table() == []
+    path = _csv(tmp_path, "B,dim,seq,old_us,new_us\n1,64,16,100,150\n")
+    csv = kv.HeadToHead.from_csv(path, "old_us", "new_us")
+    assert (csv.incumbent, csv.candidate, csv.pairs[0].ratio) == ("old", "new", 1.5)
