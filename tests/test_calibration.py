@@ -521,7 +521,8 @@ def test_graph_mode_and_cold_l2_need_cuda(capsys):
         TimingConfig(mode="lazy")
     rc, _, err = run(capsys, "calibrate", "--shapes", "1,16,8", "--timing-mode", "graph")
     assert rc == 2 and "timing mode graph" in err
-    rc, _, err = run(capsys, "compare", "reference", "aten", "--shapes", "1,16,8", "--cold-l2")
+    rc, _, err = run(capsys, "compare", "--incumbent", "reference", "--candidate", "aten", "--shapes", "1,16,8",
+                       "--cold-l2")
     assert rc == 2 and "cold L2" in err
 
 

@@ -404,3 +404,36 @@ def test_kv_list_fits_120_columns_and_wide_shows_everything(capsys, monkeypatch)
     rc, wide, _ = run(capsys, "list", "--wide")
     assert rc == 0
     assert "capabilities" in wide.splitlines()[0] and "version" in wide.splitlines()[0]
+
+
+# what the CLI stands on: the public API
+
+
+def test_the_planning_behind_missing_is_public(reference_only):
+    """kv calibrate --missing is kv.plan_calibration("missing", ...) measured by plan.run()."""
+    timing = kv.TimingConfig(warmup=1, windows=1, iters=2)
+    kv.calibrate(FN, [(1, 16, 8)], dtype="float32", timing=timing)
+    plan = kv.plan_calibration("missing", FN, [(1, 16, 8), (2, 32, 16)], dtype="fp32")
+    (job,) = plan.jobs
+    assert (job.op, job.dtype, job.device) == (FN, "float32", "cpu")
+    assert job.variants == {(1, 16, 8): (), (2, 32, 16): ("reference",)}
+    assert kv.plan_calibration("all", FN, [(1, 16, 8)], dtype="fp32").jobs[0].variants == {(1, 16, 8): ("reference",)}
+    (done,) = plan.run(timing=timing)
+    assert [m.shape for m in done.result.measurements] == [(2, 32, 16)]
+    assert set(done.rows) == {(2, 32, 16)} and done.rows[(2, 32, 16)].winner == "reference"
+    assert kv.plan_calibration("missing", FN, [(1, 16, 8), (2, 32, 16)], dtype="fp32").jobs[0].variants == {
+        (1, 16, 8): (), (2, 32, 16): ()}
+    assert kv.plan_calibration("stale").jobs == [] and kv.plan_calibration("recorded").jobs == []
+    with pytest.raises(ValueError, match="brings its own shapes"):
+        kv.plan_calibration("stale", FN, [(1, 16, 8)])
+    with pytest.raises(ValueError, match="select: expected one of all, missing, stale, recorded"):
+        kv.plan_calibration("everything", FN, [(1, 16, 8)])
+
+
+def test_info_build_and_ops_are_public():
+    info = kv.info()
+    assert info.fingerprint_id and info.fingerprint["device"] == "cpu" and info.call_path
+    assert FN in {s.name for s in kv.op_specs()} and set(info.op_plugins) == {s.name for s in kv.op_specs()}
+    assert kv.dtype_name("bf16") == "bfloat16" and kv.dtype_name("float32") == "float32"
+    with pytest.raises(ValueError, match="expected one of"):
+        kv.dtype_name("half-ish")

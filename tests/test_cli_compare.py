@@ -34,15 +34,16 @@ needs_seed = pytest.mark.skipif(not SEED.exists(), reason=f"shared data not besi
 
 @needs_seed
 def test_compare_reproduces_the_910b2_report_from_its_csv(capsys):
-    rc, out, _ = run(capsys, "compare", "--from-csv", str(SEED), "--a-col", "pto_us", "--b-col", "asc_us")
+    rc, out, _ = run(capsys, "compare", "--from-csv", str(SEED), "--incumbent", "pto_us", "--candidate", "asc_us")
     assert rc == 0
     lines = out.strip().splitlines()
     assert lines[-1] == SEED_SUMMARY
     assert lines[1].split() == ["B", "dim", "seq", "elements", "pto", "µs", "asc", "µs", "asc/pto"]
     assert lines[3].split() == ["64", "1024", "512", "33554432", "358.6", "408.6", "1.14x"]
-    rc, out, _ = run(capsys, "compare", "--from-csv", str(SEED), "--a-col", "pto_us", "--b-col", "asc_us", "--json")
+    rc, out, _ = run(capsys, "compare", "--from-csv", str(SEED), "--incumbent", "pto_us", "--candidate", "asc_us",
+                     "--json")
     got = json.loads(out)
-    assert (got["a_faster"], got["compared"], got["shapes"]) == (69, 69, 69)
+    assert (got["incumbent_faster"], got["compared"], got["shapes"]) == (69, 69, 69)
     assert (round(got["median"], 2), round(got["min"], 2), round(got["max"], 2)) == (1.49, 1.03, 1.90)
     assert got["summary"] == SEED_SUMMARY
 
@@ -69,7 +70,7 @@ def test_the_gate_stops_the_ascend_c_kernel_on_all_69_shapes(capsys):
 
 
 def test_compare_times_both_variants_on_every_shape_without_writing_the_table(capsys, contenders):
-    rc, out, err = run(capsys, "compare", "reference", "sleepy", *SHAPES, *QUICK)
+    rc, out, err = run(capsys, "compare", "--incumbent", "reference", "--candidate", "sleepy", *SHAPES, *QUICK)
     assert rc == 0, err
     lines = out.strip().splitlines()
     assert lines[0] == "sleepy vs reference, measured on cpu float32"
@@ -79,22 +80,25 @@ def test_compare_times_both_variants_on_every_shape_without_writing_the_table(ca
 
 
 def test_compare_reports_a_wrong_variant_instead_of_timing_it(capsys, contenders):
-    rc, out, _ = run(capsys, "compare", "reference", "off_by_one", *SHAPES, *QUICK, "--json")
+    rc, out, _ = run(capsys, "compare", "--incumbent", "reference", "--candidate", "off_by_one", *SHAPES, *QUICK,
+                     "--json")
     got = json.loads(out)
     assert rc == 0 and got["compared"] == 0
-    assert all(p["b_us"] is None and p["b_note"].startswith("rejected: failed qualification: ")
-               and "output:" in p["b_note"] for p in got["pairs"])
-    assert all(p["a_us"] > 0 for p in got["pairs"])
-    rc, out, _ = run(capsys, "compare", "reference", "off_by_one", *SHAPES, *QUICK)
+    assert all(p["candidate_us"] is None and p["candidate_note"].startswith("rejected: failed qualification: ")
+               and "output:" in p["candidate_note"] for p in got["pairs"])
+    assert all(p["incumbent_us"] > 0 for p in got["pairs"])
+    rc, out, _ = run(capsys, "compare", "--incumbent", "reference", "--candidate", "off_by_one", *SHAPES, *QUICK)
     assert "rejected" in out.splitlines()[3]
     assert out.strip().splitlines()[-1] == "reference and off_by_one were not both timed on any of 2 shapes"
 
 
 def test_compare_says_why_a_variant_cannot_run_a_shape(capsys, contenders):
     # torch_shift declares no varlen: it is not timed there, and the reason is shown.
-    _, out, _ = run(capsys, "compare", "reference", "torch_shift", "--shapes", "3,16,8", "--varlen", *QUICK, "--json")
+    _, out, _ = run(capsys, "compare", "--incumbent", "reference", "--candidate", "torch_shift", "--shapes", "3,16,8",
+                     "--varlen", *QUICK, "--json")
     (pair,) = json.loads(out)["pairs"]
-    assert pair["b_us"] is None and pair["b_note"].startswith("cannot run: ") and "varlen" in pair["b_note"]
+    assert (pair["candidate_us"] is None and pair["candidate_note"].startswith("cannot run: ")
+            and "varlen" in pair["candidate_note"])
 
 
 def test_gate_fails_a_slower_candidate_and_passes_a_faster_one(capsys, contenders):
@@ -141,7 +145,7 @@ def test_gate_tolerance_is_a_fraction_of_the_incumbent(capsys, tmp_path):
 
 def test_compare_from_csv_computes_ratios_from_the_times_not_a_ratio_column(capsys, tmp_path):
     path = _csv(tmp_path, "B,dim,seq,a_us,b_us,b_over_a\n1,2,3,10,20,9.99\n4,5,6,10,5,9.99\n")
-    rc, out, _ = run(capsys, "compare", "a_us", "b_us", "--from-csv", path)
+    rc, out, _ = run(capsys, "compare", "--incumbent", "a_us", "--candidate", "b_us", "--from-csv", path)
     assert rc == 0
     assert out.strip().splitlines()[-1] == "a faster on 1 of 2 shapes, median b/a 1.25x (range 0.50x\N{EN DASH}2.00x)"
     assert out.splitlines()[3].split()[3] == "6"  # elements computed as B*dim*seq without that column
@@ -170,9 +174,7 @@ def test_a_bad_csv_is_one_line(capsys, tmp_path, command, text, says):
         path.write_bytes(text)
     elif text is not None:
         path.write_text(text)
-    argv = (["compare", "--a-col", "pto_us", "--b-col", "asc_us"] if command == "compare"
-            else ["gate", "--incumbent", "pto_us", "--candidate", "asc_us"])
-    rc, out, err = run(capsys, *argv, "--from-csv", str(path))
+    rc, out, err = run(capsys, command, "--incumbent", "pto_us", "--candidate", "asc_us", "--from-csv", str(path))
     assert_one_line_error(rc, err, command)
     assert says in err and out == ""
 
@@ -180,18 +182,35 @@ def test_a_bad_csv_is_one_line(capsys, tmp_path, command, text, says):
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["compare", "reference"], "expected the two variant ids"),
-        (["compare", "reference", "reference"], "two different variants"),
-        (["compare", "reference", "ghost", "--shapes", "1,8,4"], "no variant 'ghost' registered"),
-        (["compare", "--from-csv", "x.csv"], "--a-col COL --b-col COL"),
-        (["compare", "a", "b", "--a-col", "x"], "--from-csv FILE, which is missing"),
-        (["compare", "a", "b", "--from-csv", "x.csv", "--shapes", "1,2,3"], "drop --sweep/--shapes"),
+        (["compare", "--incumbent", "reference"], "the following arguments are required: --candidate"),
+        (["compare", "--incumbent", "reference", "--candidate", "reference"], "two different variants"),
+        (["compare", "--incumbent", "reference", "--candidate", "ghost", "--shapes", "1,8,4"],
+         "no variant 'ghost' registered"),
+        (["compare", "--from-csv", "x.csv"], "the following arguments are required: --incumbent, --candidate"),
+        (["compare", "--incumbent", "a", "--candidate", "b", "--from-csv", "x.csv", "--shapes", "1,2,3"],
+         "drop --sweep/--shapes"),
         (["gate", "--candidate", "reference"], "the following arguments are required: --incumbent"),
         (["gate", "--incumbent", "reference", "--candidate", "torch_shift", "--tolerance", "-2"], "--tolerance"),
         (["gate", "--incumbent", "reference", "--candidate", "torch_shift", "--tolerance", "nan"], "--tolerance"),
     ],
 )
 def test_compare_and_gate_argument_mistakes(capsys, argv, says):
+    rc, out, err = run(capsys, *argv)
+    assert_one_line_error(rc, err, argv[0])
+    assert says in err and out == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["compare", "reference", "sleepy"], "--incumbent A --candidate B"),
+        (["compare", "--from-csv", "x.csv", "--a-col", "a_us", "--b-col", "b_us"], "--a-col is now --incumbent"),
+        (["gate", "--from-csv", "x.csv", "--incumbent", "a_us", "--b-col", "b_us"], "--b-col is now --candidate"),
+        (["gate", "reference", "sleepy"], "--incumbent A --candidate B"),
+    ],
+)
+def test_the_old_spellings_of_the_two_sides_name_the_new_ones(capsys, argv, says):
+    """compare and gate name the sides alike: compare's positional A B and --a-col/--b-col are gone."""
     rc, out, err = run(capsys, *argv)
     assert_one_line_error(rc, err, argv[0])
     assert says in err and out == ""
@@ -204,7 +223,8 @@ def test_plot_draws_the_ratio_per_shape(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     path = _csv(tmp_path, "B,dim,seq,a_us,b_us\n1,2,3,10,20\n4,5,6,10,5\n")
     png = tmp_path / "ratio.png"
-    rc, out, _ = run(capsys, "compare", "--from-csv", path, "--a-col", "a_us", "--b-col", "b_us", "--plot", str(png))
+    rc, out, _ = run(capsys, "compare", "--from-csv", path, "--incumbent", "a_us", "--candidate", "b_us", "--plot",
+                       str(png))
     assert rc == 0 and f"plot: {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -213,7 +233,20 @@ def test_plot_without_matplotlib_is_one_clear_line(capsys, monkeypatch, tmp_path
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     path = _csv(tmp_path, "B,dim,seq,a_us,b_us\n1,2,3,10,20\n")
     png = tmp_path / "ratio.png"
-    rc, out, err = run(capsys, "compare", "--from-csv", path, "--a-col", "a_us", "--b-col", "b_us", "--plot", str(png))
+    rc, out, err = run(capsys, "compare", "--from-csv", path, "--incumbent", "a_us", "--candidate", "b_us", "--plot",
+                       str(png))
     assert_one_line_error(rc, err, "compare")
     assert "matplotlib" in err and "pip install" in err
     assert not png.exists() and out == ""
+
+
+def test_the_head_to_head_is_public(contenders, tmp_path):
+    got = kv.compare(FN, "reference", "sleepy", [(1, 16, 8)], dtype="fp32",
+                     timing=kv.TimingConfig(warmup=1, windows=1, iters=2))
+    assert (got.incumbent, got.candidate, got.axes) == ("reference", "sleepy", ("B", "D", "L"))
+    (pair,) = got.pairs
+    assert pair.ratio is not None and pair.ratio > 1 and got.stats()["incumbent_faster"] == 1
+    assert kv.table() == []
+    path = _csv(tmp_path, "B,dim,seq,old_us,new_us\n1,64,16,100,150\n")
+    csv = kv.HeadToHead.from_csv(path, "old_us", "new_us")
+    assert (csv.incumbent, csv.candidate, csv.pairs[0].ratio) == ("old", "new", 1.5)

@@ -98,7 +98,7 @@ def test_every_kv_command_takes_the_op(capsys, tmp_path):
     assert "T" in table.split() and "gemma_rms_norm|float32|-" in table
     listing = run("list", "--op", "rms", "--shape", "4,256", "--dtype", "fp32")
     assert listing.startswith(f"{FN} on cpu float32 (T=4, D=256)") and "by table" in listing
-    assert "T" in run("compare", "aten", "reference", "--op", ADD, "--shapes", "2,64", *QUICK).split()
+    assert "T" in run("compare", "--incumbent", "aten", "--candidate", "reference", "--op", ADD, "--shapes", "2,64", *QUICK).split()
     run("gate", "--incumbent", "aten", "--candidate", "reference", "--op", ADD,
         "--shapes", "2,64", "--tolerance", "1000", *QUICK)
     run("export", str(tmp_path / "t.json"))

@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
-from kernel_variants._version import __version__
+from kernel_variants import __version__
 
 # command -> (module in this package, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

@@ -17,26 +17,32 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from kernel_variants._dtypes import CHOICES as DTYPE_CHOICES
-from kernel_variants._dtypes import canonical
-from kernel_variants._registry import Features, OpSpec
-from kernel_variants._registry.case import load_sweep_csv
-from kernel_variants._registry.spec import Shape, Sweep
-from kernel_variants._runtime.dispatcher import dispatcher
-from kernel_variants._tuning.timing import MODES, TimingConfig, check_mode
+import kernel_variants as kv
+from kernel_variants.plugin import Features, OpSpec, Sweep
 
+Shape = tuple[int, ...]
+DTYPES = "bf16, fp16, fp32, fp64 (or bfloat16, float16...)"
+MODES = typing.get_args(typing.get_type_hints(kv.TimingConfig)["mode"])  # eager, graph
 _FEATURE_PREFIX = "feature_"
 
 
-def registry():
-    return dispatcher().registry
+def ops() -> list[OpSpec]:
+    return kv.op_specs()
+
+
+def spec_of(name: str) -> OpSpec:
+    """The registered op called ``name`` (or one of its aliases); KeyError otherwise."""
+    found = next((s for s in ops() if s.name == name), None) or next((s for s in ops() if name in s.aliases), None)
+    if found is None:
+        raise KeyError(f"op must be one of {', '.join(s.name for s in ops())}, got {name!r}")
+    return found
 
 
 def op_spec(raw: str) -> OpSpec:
     try:
-        return registry().spec(raw)
-    except ValueError:
-        names = ", ".join(f"{s.name}" + (f" ({', '.join(s.aliases)})" if s.aliases else "") for s in registry().ops())
+        return spec_of(raw)
+    except KeyError:
+        names = ", ".join(f"{s.name}" + (f" ({', '.join(s.aliases)})" if s.aliases else "") for s in ops())
         raise ValueError(f"--op: expected one of {names}, got {raw!r}") from None
 
 
@@ -55,9 +61,9 @@ def shape(raw: str, spec: OpSpec) -> Shape:
 
 def dtype(raw: str) -> str:
     try:
-        return canonical(raw)
-    except ValueError:
-        raise ValueError(f"--dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {raw!r}") from None
+        return kv.dtype_name(raw)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
 
 
 def device(raw: str) -> str:
@@ -90,7 +96,7 @@ def add_device(p: argparse.ArgumentParser) -> None:
 
 
 def add_dtype(p: argparse.ArgumentParser, default: str = "bf16") -> None:
-    p.add_argument("--dtype", default=default, help=f"{', '.join(DTYPE_CHOICES)} (default {default})")
+    p.add_argument("--dtype", default=default, help=f"{DTYPES} (default {default})")
 
 
 def _flag(name: str) -> str:
@@ -102,15 +108,15 @@ def add_features(p: argparse.ArgumentParser) -> None:
     ``--X`` for one off by default, ``--X VALUE`` otherwise. Unset options leave the op's default."""
     g = p.add_argument_group("call features (what the measured call looks like; each op has its own)")
     seen: set[str] = set()
-    for spec in registry().ops():
+    for spec in ops():
         hints = typing.get_type_hints(spec.features)
         for name, field in spec.features.model_fields.items():
             if name in seen:
                 continue
             seen.add(name)
             dest = _FEATURE_PREFIX + name
-            ops = [s.name for s in registry().ops() if name in s.features.model_fields]
-            doc = f"{field.description + '; ' if field.description else ''}{', '.join(ops)}"
+            having = [s.name for s in ops() if name in s.features.model_fields]
+            doc = f"{field.description + '; ' if field.description else ''}{', '.join(having)}"
             if hints[name] is bool:
                 if field.default:
                     g.add_argument(f"--no-{_flag(name)}", dest=dest, action="store_false", default=None,
@@ -163,16 +169,16 @@ def add_timing(p: argparse.ArgumentParser) -> None:
                         "variant that takes out, else its result copied there), for callers that pass out=")
 
 
-def timing(args: argparse.Namespace) -> TimingConfig:
+def timing(args: argparse.Namespace) -> kv.TimingConfig:
+    """The timing options as a TimingConfig (whether the device can take them, graph mode and
+    cold L2 on CUDA only, the library checks before measuring anything)."""
     if args.rotate < 0:
         raise ValueError(f"--rotate: expected a count >= 0, got {args.rotate}")
     try:
-        config = TimingConfig(warmup=args.warmup, windows=args.windows, iters=args.iters,
-                              mode=args.timing_mode, cold_l2=args.cold_l2, with_out=args.with_out)
+        return kv.TimingConfig(warmup=args.warmup, windows=args.windows, iters=args.iters,
+                               mode=args.timing_mode, cold_l2=args.cold_l2, with_out=args.with_out)
     except ValueError as exc:
         raise ValueError(f"--{exc}") from None
-    check_mode(config, device(args.device))
-    return config
 
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -203,17 +209,17 @@ def budget(raw: str | None) -> float | None:
 
 def find_sweep(name: str, spec: OpSpec | None) -> Sweep:
     """A named sweep (of ``spec``, or of whichever op has one by that name), or a CSV file."""
-    specs = [spec] if spec is not None else registry().ops()
+    specs = [spec] if spec is not None else ops()
     named = [s.sweeps[name] for s in specs if name in s.sweeps]
     if len(named) == 1:
         return named[0]
     if len(named) > 1:
         raise ValueError(f"--sweep {name}: several ops have a sweep of that name; say which with --op")
     if name.endswith(".csv") or Path(name).exists():
-        return load_sweep_csv(name, spec or registry().ops()[0])
-    known = list(dict.fromkeys(n for s in registry().ops() for n in s.sweeps))
+        return kv.read_sweep(name, spec.name if spec is not None else None)
+    known = list(dict.fromkeys(n for s in ops() for n in s.sweeps))
     if spec is not None:
-        others = [s.name for s in registry().ops() if name in s.sweeps]
+        others = [s.name for s in ops() if name in s.sweeps]
         if others:
             raise ValueError(f"--sweep {name} is a sweep of {others[0]}, but --op is {spec.name}")
     raise ValueError(f"sweep: expected one of {', '.join(known)} or a .csv file, got {name!r}")
@@ -240,14 +246,14 @@ def work(args: argparse.Namespace) -> Work:
     if args.shapes and args.sweep:
         raise ValueError("give --sweep or --shapes, not both")
     if args.shapes:
-        spec = spec or registry().ops()[0]
+        spec = spec or ops()[0]
         return Work(spec, tuple(shape(s, spec) for s in args.shapes), features(args, spec), "--shapes")
     if args.sweep:
         sweep = find_sweep(args.sweep, spec)
     else:
-        spec = spec or registry().ops()[0]
+        spec = spec or ops()[0]
         if spec.default_sweep is None:
             raise ValueError(f"{spec.name} has no default sweep: give --sweep or --shapes")
         sweep = spec.sweeps[spec.default_sweep]
-    spec = registry().spec(sweep.op)
+    spec = spec_of(sweep.op)
     return Work(spec, sweep.shapes, features(args, spec, dict(sweep.features)), sweep.name)

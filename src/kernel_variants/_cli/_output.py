@@ -12,7 +12,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any, Literal, TextIO
 
-from kernel_variants._tuning.calibrate import Progress
+import kernel_variants as kv
 
 Format = Literal["text", "md", "csv"]
 
@@ -125,7 +125,7 @@ class ProgressBar:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._drawn = False
 
-    def __call__(self, p: Progress) -> None:
+    def __call__(self, p: kv.Progress) -> None:
         filled = int(self.width * p.done / p.total) if p.total else self.width
         bar = "#" * filled + "." * (self.width - filled)
         at = " ".join(f"{a}={v}" for a, v in zip(self.axes, p.shape, strict=False))

@@ -1,9 +1,10 @@
-"""Head-to-head of two variants on a sweep, or of two columns of a CSV measured elsewhere.
+"""Head-to-head of two variants, --incumbent and --candidate, on a sweep, or of two columns of a
+CSV measured elsewhere (--from-csv FILE --incumbent COL --candidate COL).
 
 Both variants are checked against the reference on every shape before they are timed; a wrong
 one is reported, not timed. Nothing is written to the table. The last line reads
-``A faster on X of N shapes, median B/A r (range lo-hi)`` (with an en dash), over the shapes
-where both ran.
+``I faster on X of N shapes, median C/I r (range lo-hi)`` (I the incumbent, C the candidate,
+with an en dash), over the shapes where both ran.
 """
 
 from __future__ import annotations
@@ -11,14 +12,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import kernel_variants as kv
 from kernel_variants._cli import _headtohead as h2h
 from kernel_variants._cli._output import print_json, ratio, render_table, us
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("a", nargs="?", metavar="A", help="variant id (with --from-csv: column of A)")
-    p.add_argument("b", nargs="?", metavar="B", help="variant id (with --from-csv: column of B)")
-    p.add_argument("--plot", metavar="FILE.png", help="draw B/A per shape (needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw candidate/incumbent per shape (needs matplotlib)")
     h2h.add_arguments(p)
 
 
@@ -29,8 +29,9 @@ def require_matplotlib() -> None:
         raise ValueError("--plot needs matplotlib: pip install 'kernel-variants[plot]'") from None
 
 
-def plot(result: h2h.HeadToHead, path: str | Path) -> None:
-    """B/A per shape as bars (above 1: A faster), with the summary line as the title."""
+def plot(result: kv.HeadToHead, path: str | Path) -> None:
+    """Candidate/incumbent per shape as bars (above 1: the incumbent is faster), with the summary
+    line as the title."""
     # The object API with an Agg canvas leaves pyplot's global state (and backend) alone.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -45,7 +46,7 @@ def plot(result: h2h.HeadToHead, path: str | Path) -> None:
     ax.set_xticks(range(len(timed)), ["x".join(map(str, p.shape)) for p in timed],
                   rotation=90, fontsize=6)
     ax.set_xlim(-0.6, len(timed) - 0.4)
-    ax.set_ylabel(f"{result.b} / {result.a} time")
+    ax.set_ylabel(f"{result.candidate} / {result.incumbent} time")
     ax.set_xlabel(f"shape ({'x'.join(result.axes)})")
     ax.set_title(result.summary(), fontsize=9)
     fig.savefig(path, dpi=120)
@@ -54,22 +55,23 @@ def plot(result: h2h.HeadToHead, path: str | Path) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.plot:
         require_matplotlib()
-    result = h2h.collect(args, args.a, args.b)
+    result = h2h.collect(args)
     if args.plot:
         plot(result, args.plot)
     if args.json:
-        print_json({"a": result.a, "b": result.b, "source": result.source, **result.stats(),
-                    "summary": result.summary(), "plot": args.plot,
-                    "pairs": [{"shape": list(p.shape), "elements": p.elements, "a_us": p.a_us, "b_us": p.b_us,
-                               "ratio": p.ratio, "a_note": p.a_note, "b_note": p.b_note} for p in result.pairs]})
+        print_json({"incumbent": result.incumbent, "candidate": result.candidate, "source": result.source,
+                    **result.stats(), "summary": result.summary(), "plot": args.plot,
+                    "pairs": [{"shape": list(p.shape), "elements": p.elements, "incumbent_us": p.incumbent_us,
+                               "candidate_us": p.candidate_us, "ratio": p.ratio, "incumbent_note": p.incumbent_note,
+                               "candidate_note": p.candidate_note} for p in result.pairs]})
         return 0
-    a, b = result.a, result.b
-    rows = [[*p.shape, p.elements, us(p.a_us) or _short(p.a_note), us(p.b_us) or _short(p.b_note), ratio(p.ratio)]
-            for p in result.pairs]
+    a, b = result.incumbent, result.candidate
+    rows = [[*p.shape, p.elements, us(p.incumbent_us) or _short(p.incumbent_note),
+             us(p.candidate_us) or _short(p.candidate_note), ratio(p.ratio)] for p in result.pairs]
     print(f"{b} vs {a}, {result.source}")
     print(render_table([*result.axes, "elements", f"{a} µs", f"{b} µs", f"{b}/{a}"], rows,
                        right=[True] * (len(result.axes) + 4)))
-    notes = [(p, v, n) for p in result.pairs for v, n in ((a, p.a_note), (b, p.b_note)) if n]
+    notes = [(p, v, n) for p in result.pairs for v, n in ((a, p.incumbent_note), (b, p.candidate_note)) if n]
     if notes:
         print()
         print(render_table([*result.axes, "variant", "not timed because"], [[*p.shape, v, n] for p, v, n in notes]))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+import kernel_variants as kv
 from kernel_variants._cli import _options as opt
 from kernel_variants._cli._output import print_json
-from kernel_variants._table.exchange import export_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     to_stdout = args.file == "-"
-    doc = export_table(sys.stdout if to_stdout else args.file, device=opt.device(args.device))
+    doc = kv.export_table(sys.stdout if to_stdout else args.file, device=opt.device(args.device))
     if to_stdout:
         pass  # stdout holds the document itself, with or without --json
     elif args.json:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+import kernel_variants as kv
 from kernel_variants._cli import _options as opt
 from kernel_variants._cli._output import print_json
-from kernel_variants._table.exchange import import_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    rep = import_table(args.file, force=args.force, device=opt.device(args.device))
+    rep = kv.import_table(args.file, force=args.force, device=opt.device(args.device))
     if args.json:
         print_json({"file": args.file, "fingerprint_id": rep.fingerprint_id, "forced": rep.forced,
                     "added": rep.added, "updated": rep.updated, "kept": rep.kept,

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import argparse
 
+import kernel_variants as kv
 from kernel_variants._cli import _options as opt
 from kernel_variants._cli._output import print_json, render_table
-from kernel_variants._runtime import callcore as _callcore
-from kernel_variants._runtime.dispatcher import dispatcher
-from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
-from kernel_variants._version import __version__
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,36 +16,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    d = dispatcher()
-    fp = fingerprint(opt.device(args.device))
-    table = d.table
+    i = kv.info(opt.device(args.device))
+    specs = opt.ops()
     facts = {
-        "kernel_variants": __version__,
-        "fingerprint_id": fingerprint_id(fp),
-        "fingerprint": fp,
-        "cache_dir": str(table.directory),
-        "in_memory": table.in_memory,
-        "read_only": table.store.read_only,
-        "table_entries": len(table),
-        "call_path": _callcore.status()[1],
-        "plugins": d.registry.plugins(),
-        "broken_plugins": d.registry.broken,
-        "variants": {spec.name: [rv.id for rv in d.registry.variants(spec.name)] for spec in d.registry.ops()},
+        "kernel_variants": i.version,
+        "fingerprint_id": i.fingerprint_id,
+        "fingerprint": i.fingerprint,
+        "cache_dir": i.cache_dir,
+        "in_memory": i.in_memory,
+        "read_only": i.read_only,
+        "table_entries": i.table_entries,
+        "call_path": i.call_path,
+        "plugins": i.plugins,
+        "broken_plugins": i.broken_plugins,
+        "variants": {spec.name: [rv.id for rv in kv.variants(spec.name)] for spec in specs},
         "ops": {spec.name: {"axes": list(spec.axes), "aliases": list(spec.aliases), "sweeps": list(spec.sweeps),
-                            "features": list(spec.features.model_fields), "plugin": d.registry.op_plugin(spec.name)}
-                for spec in d.registry.ops()},
+                            "features": list(spec.features.model_fields), "plugin": i.op_plugins[spec.name]}
+                for spec in specs},
     }
     if args.json:
         print_json(facts)
         return 0
-    rows = [["kernel_variants", __version__], ["fingerprint id", facts["fingerprint_id"]]]
-    rows += [[f"  {k}", v] for k, v in fp.items()]
-    where = facts["cache_dir"] + (" (read-only: its entries are used, new ones stay in memory)"
-                                  if facts["read_only"] else
-                                  " (unusable: in memory for this process)" if table.in_memory else "")
-    rows += [["cache", where], ["table entries", len(table)], ["call path", facts["call_path"]],
-             ["plugins", ", ".join(facts["plugins"])]]
-    rows += [[f"broken plugin {name}", why] for name, why in d.registry.broken.items()]
+    rows = [["kernel_variants", i.version], ["fingerprint id", i.fingerprint_id]]
+    rows += [[f"  {k}", v] for k, v in i.fingerprint.items()]
+    where = i.cache_dir + (" (read-only: its entries are used, new ones stay in memory)" if i.read_only else
+                           " (unusable: in memory for this process)" if i.in_memory else "")
+    rows += [["cache", where], ["table entries", i.table_entries], ["call path", i.call_path],
+             ["plugins", ", ".join(i.plugins)]]
+    rows += [[f"broken plugin {name}", why] for name, why in i.broken_plugins.items()]
     for op, ids in facts["variants"].items():
         o = facts["ops"][op]
         rows.append([op, f"axes {','.join(o['axes'])}; aliases {', '.join(o['aliases']) or '-'}; "

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 import kernel_variants as kv
 from kernel_variants._cli import _options as opt
 from kernel_variants._cli._output import print_json, render_table, terminal_width, us
-from kernel_variants._dtypes import as_dtype, short
-from kernel_variants._runtime.dispatcher import dispatcher
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _catalogue(args: argparse.Namespace) -> int:
     op = opt.op_spec(args.op).name if args.op else None
-    order = {spec.name: i for i, spec in enumerate(opt.registry().ops())}
+    order = {spec.name: i for i, spec in enumerate(opt.ops())}
     # A variant's tactics are listed with it, not as rows of their own.
     entries = sorted((rv for rv in kv.variants(op) if rv.tactic is None),
                      key=lambda rv: (order[rv.op], -rv.variant.priority, rv.id))
@@ -50,22 +50,22 @@ def _catalogue(args: argparse.Namespace) -> int:
         return 0
     status = ["yes, not built yet (kv build)" if r["needs_build"] else "yes" if r["available"]
               else f"no: {r['reason']}" for r in records]
-    qualified = [_qualified(r, rv.variant.fn is opt.registry().spec(rv.op).reference.fn, args.wide)
+    qualified = [_qualified(r, rv.variant.fn is opt.spec_of(rv.op).reference.fn, args.wide)
                  for r, rv in zip(records, entries, strict=True)]
     if args.wide:
         rows = [[r["op"], _named(r), r["plugin"], r["version"], r["priority"], ",".join(r["devices"]),
-                 ",".join(short(d) for d in r["dtypes"]), r["features"], q, st]
+                 ",".join(_short(d) for d in r["dtypes"]), r["features"], q, st]
                 for r, st, q in zip(records, status, qualified, strict=True)]
         print(render_table(["op", "variant", "plugin", "version", "prio", "devices", "dtypes", "capabilities",
                             "qualified", "available"], rows, right=[False] * 4 + [True] + [False] * 5))
     else:
         # "available" last: its reasons are the long cells, wrapped to the terminal's width.
         rows = [[r["op"], _named(r), r["priority"], ",".join(r["devices"]),
-                 ",".join(short(d) for d in r["dtypes"]), q, st]
+                 ",".join(_short(d) for d in r["dtypes"]), q, st]
                 for r, st, q in zip(records, status, qualified, strict=True)]
         print(render_table(["op", "variant", "prio", "devices", "dtypes", "qualified", "available"], rows,
                            right=[False, False, True, False, False, False, False], width=terminal_width()))
-    for name, why in dispatcher().registry.broken.items():
+    for name, why in kv.info(opt.device(args.device)).broken_plugins.items():
         print(f"broken plugin {name!r}: {why}")
     return 0
 
@@ -84,17 +84,17 @@ def _qualified(record: dict, oracle: bool, wide: bool) -> str:
     if failed:
         q = failed[0]
         more = f" (+{len(failed) - 1} classes)" if len(failed) > 1 else ""
-        return f"FAILED {short(q['dtype'])}: {q['failed_case'] or q['reason']}{more}" if wide else "FAILED"
+        return f"FAILED {_short(q['dtype'])}: {q['failed_case'] or q['reason']}{more}" if wide else "FAILED"
     if found:
         return f"{len(found)} passed"
     return "not yet" if record["available"] else "-"
 
 
 def _decision(args: argparse.Namespace) -> int:
-    spec = opt.op_spec(args.op) if args.op else opt.registry().ops()[0]
+    spec = opt.op_spec(args.op) if args.op else opt.ops()[0]
     shape = opt.shape(args.shape, spec)
     f = opt.features(args, spec)
-    case = spec.sweep_case(shape, f, dtype=as_dtype(opt.dtype(args.dtype)), device=opt.device(args.device))
+    case = spec.sweep_case(shape, f, dtype=getattr(torch, opt.dtype(args.dtype)), device=opt.device(args.device))
     decision = kv.explain(spec.name, *case.args, **case.kwargs)
     chosen = decision.chosen.id if decision.chosen is not None else None
     k = decision.key
@@ -122,3 +122,10 @@ def _decision(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     return _decision(args) if args.shape else _catalogue(args)
+
+
+def _short(dtype: str) -> str:
+    """``bfloat16`` -> ``bf16``, ``float32`` -> ``fp32`` (as users type them)."""
+    if dtype in ("bfloat16", "float16", "float32", "float64"):
+        return dtype.replace("bfloat", "bf").replace("float", "fp")
+    return dtype

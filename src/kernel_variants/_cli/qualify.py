@@ -15,7 +15,7 @@ from kernel_variants._cli._output import print_json, render_table
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", help="an op name or alias; default: every registered op")
-    p.add_argument("--dtype", default=None, help=f"{', '.join(opt.DTYPE_CHOICES)} (default: fp32, bf16 and fp16)")
+    p.add_argument("--dtype", default=None, help=f"{opt.DTYPES} (default: fp32, bf16 and fp16)")
     opt.add_device(p)
     p.add_argument("--variants", help="comma-separated variant ids (default: every available one)")
     p.add_argument("--redo", action="store_true", help="qualify again even where a current verdict is stored")

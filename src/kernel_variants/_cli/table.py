@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         by_op.setdefault(r.group.op, []).append(r)
     for i, (name, group_rows) in enumerate(by_op.items()):  # each op has its own axes
-        axes = opt.registry().spec(name).axes
+        axes = opt.spec_of(name).axes
         variants = sorted({v for r in group_rows for v in (*r.times_us, *r.rejected, *r.pruned)})
         body = []
         for r in group_rows:
@@ -75,9 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def kv_stale(op: str | None, device: str):
-    from kernel_variants._api import stale_rows
-
-    return stale_rows(op, device=device)
+    return kv.stale_rows(op, device=device)
 
 
 def _stale(op: str | None, device: str, fmt: str) -> int:
@@ -97,9 +95,7 @@ def _stale(op: str | None, device: str, fmt: str) -> int:
 
 
 def _recorded(op: str | None, fmt: str, *, full: bool) -> int:
-    from kernel_variants._api import recorded
-
-    entries = [e for e in recorded(pending_only=not full) if op is None or e.get("op") == op]
+    entries = [e for e in kv.recorded(pending_only=not full) if op is None or e.get("op") == op]
     if fmt == "json":
         print_json(entries)
         return 0

@@ -5,22 +5,17 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO
 
 import torch
 
 from kernel_variants._registry import CallKey
 from kernel_variants._registry.spec import Shape
 from kernel_variants._runtime.dispatcher import dispatcher
-from kernel_variants._table import exchange
-from kernel_variants._table.exchange import ImportReport, TableDocument
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
-from kernel_variants._table.rows import DEFAULT_PRUNE, Verdict
+from kernel_variants._table.rows import DEFAULT_PRUNE
 from kernel_variants._table.store import Recorder
 from kernel_variants._table.table import DEFAULT_MARGIN, Group, StaleRow
-from kernel_variants._tuning import distributed
 from kernel_variants._tuning.calibrate import CalibrationResult, Progress, run_calibration
-from kernel_variants._tuning.distributed import Disagreement
 from kernel_variants._tuning.timing import TimingConfig
 
 
@@ -194,110 +189,3 @@ def recorded(pending_only: bool = False) -> list[dict]:
         return r.entries(pending_only)
     finally:
         r.close()
-
-
-QUALIFY_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def qualify(
-    op: str | None = None,
-    *,
-    device: str = "cpu",
-    dtype: str | torch.dtype | None = None,
-    variants: Sequence[str] | None = None,
-    redo: bool = False,
-    **features: object,
-) -> list[Verdict]:
-    """Qualify variants on ``device`` ahead of time, so that no call pays for it: each available
-    variant (of ``op``, of ``variants``) that claims the device, for the class of ``features``
-    (default: the op's, what a calibration measures) in ``dtype`` (default: each of fp32, bf16
-    and fp16 it claims), runs the op's edge cases against the reference (see ``_qualify``). A
-    stored verdict of the variant's current version is kept unless ``redo``. Returns the
-    verdicts; a variant with a failed one is never chosen for that class here.
-    """
-    from kernel_variants._dtypes import dtype_name
-
-    d = dispatcher()
-    if features and op is None:
-        raise TypeError(f"features: expected an op to apply {', '.join(features)} to, got op=None")
-    specs = [d.registry.spec(op)] if op is not None else d.registry.ops()
-    dev = torch.device(device)
-    wanted = [dtype_name(dtype)] if dtype is not None else list(QUALIFY_DTYPES)
-    if variants is not None:
-        known = {rv.id for spec in specs for rv in d.registry.variants(spec.name)}
-        missing = [v for v in variants if v not in known]
-        if missing:
-            raise ValueError(f"variants: {', '.join(missing)} not registered (registered: {', '.join(sorted(known))})")
-    out: list[Verdict] = []
-    try:
-        for spec in specs:
-            f = spec.features(**features)
-            for rv in d.registry.variants(spec.name):
-                if (variants is not None and rv.id not in variants) or rv.variant.fn is spec.reference.fn:
-                    continue
-                caps = rv.variant.capabilities
-                shape = caps.fit(spec.axes, (1,) * len(spec.axes))
-                for dt in wanted:
-                    key = CallKey(spec, dev.type, dt, f, shape or (1,) * len(spec.axes), index=dev.index)
-                    if shape is None or rv.why_not(key) is not None:
-                        continue  # does not claim this class here, or cannot run here
-                    v = None if redo else d.qualifier.stored(rv, key)
-                    out.append(v if v is not None else d.qualifier.qualify(rv, key))
-    finally:
-        d.invalidate()
-    return out
-
-
-def clear_verdicts(op: str | None = None, variant: str | None = None) -> int:
-    """Forget the qualification verdicts (of ``op``, of ``variant``) of every device; returns how
-    many went. Each variant qualifies again before it is next chosen."""
-    d = dispatcher()
-    try:
-        return d.qualifier.clear(op, variant)
-    finally:
-        d.invalidate()
-
-
-def verdicts(device: str = "cpu") -> list[Verdict]:
-    """Every stored verdict of ``device`` whose variant is registered at that version now."""
-    from kernel_variants._table.rows import VERDICT_PREFIX, parse_verdict, verdict_fingerprint
-
-    d = dispatcher()
-    fpid = fingerprint_id(verdict_fingerprint(fingerprint(str(torch.device(device)))))
-    versions = d.versions()
-    out = []
-    for skey, raw in d.table.store.items():
-        if not skey.startswith(f"{VERDICT_PREFIX}{fpid}|"):
-            continue
-        v = parse_verdict(raw)
-        if v is not None and versions.get((v.group.op, v.variant)) == v.version:
-            out.append(v)
-    return sorted(out, key=lambda v: (v.group.slug(), v.variant))
-
-
-def export_table(path_or_file: str | os.PathLike[str] | IO[str], device: str = "cpu") -> TableDocument:
-    """Write this device's measurements, winners and verdicts to ``path_or_file`` (a path,
-    replaced atomically, or a text file) as one versioned JSON document."""
-    return exchange.export_table(dispatcher().table, path_or_file, device)
-
-
-def import_table(path: str | os.PathLike[str], *, force: bool = False, device: str = "cpu") -> ImportReport:
-    """Validate the document at ``path`` whole, then merge it into this machine's table in one
-    transaction (the newer row wins). A document from another device or software stack is
-    refused unless ``force``."""
-    d = dispatcher()
-    try:
-        return exchange.import_table(d.table, d.versions(), path, force=force, device=device)
-    finally:
-        d.invalidate()
-
-
-def check_agreement() -> list[Disagreement]:
-    """The call keys on which the ranks of the default process group decide differently.
-
-    A collective: every rank calls it. Each rank contributes the keys it has dispatched (with
-    the variant it ran); every rank then decides every key any rank met (without running or
-    measuring anything), and the keys whose variants differ are returned, the same list on every
-    rank. Without torch.distributed, or with one rank, [].
-    """
-    return distributed.check_agreement(dispatcher())
