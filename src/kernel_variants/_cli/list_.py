@@ -53,14 +53,14 @@ def _catalogue(args: argparse.Namespace) -> int:
     qualified = [_qualified(r, rv.variant.fn is opt.spec_of(rv.op).reference.fn, args.wide)
                  for r, rv in zip(records, entries, strict=True)]
     if args.wide:
-        rows = [[r["op"], _named(r), r["plugin"], r["version"], r["priority"], ",".join(r["devices"]),
+        rows = [[r["op"], _named(r, True), r["plugin"], r["version"], r["priority"], ",".join(r["devices"]),
                  ",".join(_short(d) for d in r["dtypes"]), r["features"], q, st]
                 for r, st, q in zip(records, status, qualified, strict=True)]
         print(render_table(["op", "variant", "plugin", "version", "prio", "devices", "dtypes", "capabilities",
                             "qualified", "available"], rows, right=[False] * 4 + [True] + [False] * 5))
     else:
         # "available" last: its reasons are the long cells, wrapped to the terminal's width.
-        rows = [[r["op"], _named(r), r["priority"], ",".join(r["devices"]),
+        rows = [[r["op"], _named(r, False), r["priority"], ",".join(r["devices"]),
                  ",".join(_short(d) for d in r["dtypes"]), q, st]
                 for r, st, q in zip(records, status, qualified, strict=True)]
         print(render_table(["op", "variant", "prio", "devices", "dtypes", "qualified", "available"], rows,
@@ -70,9 +70,13 @@ def _catalogue(args: argparse.Namespace) -> int:
     return 0
 
 
-def _named(record: dict) -> str:
-    """The variant's id, with its tactics (``triton [d32,d64]``)."""
-    return f"{record['id']} [{','.join(record['tactics'])}]" if record["tactics"] else record["id"]
+def _named(record: dict, wide: bool) -> str:
+    """The variant's id with its tactics: named with ``--wide`` (``triton [d32,d64]``), else
+    counted (``triton +2 tactics``), so the table fits the terminal."""
+    tactics = record["tactics"]
+    if not tactics:
+        return record["id"]
+    return f"{record['id']} [{','.join(tactics)}]" if wide else f"{record['id']} +{len(tactics)} tactics"
 
 
 def _qualified(record: dict, oracle: bool, wide: bool) -> str:

@@ -343,6 +343,9 @@ class Registry:
             if parent is not None:
                 raise UnknownTacticError(f"variant {base!r} of op {op!r} has no tactic {tactic!r} (its tactics: "
                                          f"{', '.join(parent.tactics) or 'none'})") from None
+            renamed = self.renames().get((op, variant_id))
+            if renamed is not None:
+                raise KeyError(f"variant {variant_id!r} of op {op!r} is now the tactic {renamed!r}") from None
             known = ", ".join(sorted(i for (o, i) in self._by_key if o == op)) or "none"
             raise KeyError(
                 f"no variant {variant_id!r} registered for op {op!r} (registered: {known})"
