@@ -339,7 +339,7 @@ def test_kv_record_notes_each_unmeasured_key_once_and_calibrate_recorded_measure
         kv.causal_conv1d_fn(*args, **kw)
     args, kw = conv_call(1, 16, 4)
     kv.causal_conv1d_fn(args[0].contiguous(), args[1], None, **kw)  # another group: no bias
-    from kernel_variants._api import recorded
+    from kernel_variants._api.calibration import recorded
 
     got = recorded()
     assert sorted((tuple(e["shape"]), e["features"]["bias"]) for e in got) == [
@@ -562,7 +562,7 @@ def test_graph_mode_records_the_method_of_each_row(reference_only, with_variants
 def test_a_key_recorded_with_another_thread_count_is_measured_with_it(capsys):
     """Serving processes often run with another intra-op thread count than `kv calibrate`: the
     key is measured with the recorded count (the only fingerprint difference allowed)."""
-    from kernel_variants._api import recorded, recorder
+    from kernel_variants._api.calibration import recorded, recorder
 
     before = torch.get_num_threads()
     theirs = {**fingerprint("cpu"), "threads": str(before + 1)}

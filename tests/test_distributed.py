@@ -13,7 +13,8 @@ import pytest
 from helpers.calibration import quick_argv
 from helpers.processes import free_port, rank_env, two_ranks
 
-from kernel_variants._table.table import CalibrationTable, Measurement, Winner
+from kernel_variants._table.rows import Measurement, Winner
+from kernel_variants._table.table import CalibrationTable
 from kernel_variants._tuning.distributed import mismatches, rank_device, shard
 
 WRAPPER = """

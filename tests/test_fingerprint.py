@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants._registry.spec import device_index
+from kernel_variants._registry.keys import device_index
 from kernel_variants._runtime import dispatcher as _dispatcher
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._table import fingerprint as _fingerprint

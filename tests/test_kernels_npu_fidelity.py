@@ -32,7 +32,8 @@ import kernel_variants
 from kernel_variants._cli import main
 from kernel_variants._tuning.verify import verify
 from kernel_variants.kernels import _adapters, asc, pto
-from kernel_variants.kernels._adapters import COMPACT_PAD, FirstDevice, OpRef
+from kernel_variants.kernels._adapters import FirstDevice, OpRef
+from kernel_variants.kernels._slots import COMPACT_PAD
 from kernel_variants.ops.causal_conv1d import _reference as reference
 from kernel_variants.ops.causal_conv1d._cases import make_case
 

@@ -189,7 +189,7 @@ def test_a_row_naming_a_file_never_makes_the_table_delete_it(tmp_path):
 
 
 def test_a_busy_table_is_not_called_corrupt(tmp_path):
-    from kernel_variants._table.table import is_corrupt
+    from kernel_variants._table.store import is_corrupt
 
     assert not is_corrupt(sqlite3.OperationalError("database is locked"))
     assert not is_corrupt(sqlite3.OperationalError("attempt to write a readonly database"))
@@ -480,8 +480,9 @@ _THREADS_WARNING = ("calibration table: ignoring entries: {n} measured on this C
 @needs_fork
 def test_rows_of_this_cpu_at_another_thread_count_are_named_as_such(tmp_path):
     from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+    from kernel_variants._table.rows import Group, Measurement
     from kernel_variants._table.store import CalibrationWarning
-    from kernel_variants._table.table import CalibrationTable, Group, Measurement
+    from kernel_variants._table.table import CalibrationTable
 
     here = fingerprint("cpu")
     elsewhere = {**here, "threads": str(int(here["threads"]) + 1)}

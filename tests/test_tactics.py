@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import kernel_variants as kv
-from kernel_variants._registry import Variant
+from kernel_variants._registry.models import Variant
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._runtime.pins import check_tactics, parse_force
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.rows import Group, Measurement, Winner
 from kernel_variants._table.store import CalibrationWarning
-from kernel_variants._table.table import CalibrationTable, Group, Measurement, Winner
+from kernel_variants._table.table import CalibrationTable
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d import _reference as reference
 

@@ -510,7 +510,7 @@ def _graph_replay(ctx: Ctx) -> dict[str, Any]:
     import torch
 
     import kernel_variants as kv
-    from kernel_variants._registry.spec import CAPTURE
+    from kernel_variants._registry.keys import CAPTURE
     from kernel_variants._runtime.dispatcher import dispatcher
     from kernel_variants._tolerances import mismatch
 

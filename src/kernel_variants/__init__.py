@@ -28,34 +28,31 @@ from kernel_variants._version import __version__
 
 if TYPE_CHECKING:
     from kernel_variants._api import (
-        BuildResult,
-        CalibrationJob,
-        CalibrationPlan,
-        HeadToHead,
-        JobResult,
-        ShapeComparison,
-        SystemInfo,
-        TableRow,
         build,
-        calibrate,
         calibrate_distributed,
         check_agreement,
-        clear_table,
-        clear_verdicts,
         compare,
         dtype_name,
         export_table,
         import_table,
-        info,
-        op_specs,
-        plan_calibration,
-        qualify,
-        read_sweep,
+    )
+    from kernel_variants._api.calibration import (
+        TableRow,
+        calibrate,
+        clear_table,
         recorded,
         stale_rows,
         table,
-        verdicts,
     )
+    from kernel_variants._api.compare import HeadToHead, ShapeComparison
+    from kernel_variants._api.plan import (
+        CalibrationJob,
+        CalibrationPlan,
+        JobResult,
+        plan_calibration,
+    )
+    from kernel_variants._api.qualification import clear_verdicts, qualify, verdicts
+    from kernel_variants._api.system import BuildResult, SystemInfo, info, op_specs, read_sweep
     from kernel_variants._policy import Decision, NoVariantError
     from kernel_variants._registry.registry import RegisteredVariant
     from kernel_variants._runtime.bind import BoundOp, bind, explain

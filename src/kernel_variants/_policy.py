@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from kernel_variants._registry import CallKey
+from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.registry import RegisteredVariant
 from kernel_variants._registry.spec import Shape
 

@@ -42,10 +42,12 @@ plugins by name. The conformance suite tests every registered variant against it
 reference, so a new variant is tested by registering it.
 """
 
+from kernel_variants._registry.case import Case, Sweep
 from kernel_variants._registry.hookspecs import PROJECT_NAME, hookimpl
+from kernel_variants._registry.keys import CallKey, Features
 from kernel_variants._registry.models import Capabilities, Variant
 from kernel_variants._registry.registry import DuplicateVariantError, RegisteredVariant
-from kernel_variants._registry.spec import CallKey, Case, Features, OpSpec, Sweep
+from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime.ops import make_op
 from kernel_variants._runtime.values import Bounded, Offsets, SlotIds
 from kernel_variants.ops.causal_conv1d import ConvCapabilities, ConvFeatures

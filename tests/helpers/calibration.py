@@ -12,7 +12,7 @@ import torch
 import kernel_variants as kv
 from kernel_variants._cli import main
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
-from kernel_variants._table.table import Group, Measurement
+from kernel_variants._table.rows import Group, Measurement
 
 FN = "causal_conv1d_fn"
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernel_variants._registry import CallKey
+from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.spec import Shape
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
-from kernel_variants._table.rows import DEFAULT_PRUNE
+from kernel_variants._table.rows import DEFAULT_PRUNE, Group, StaleRow
 from kernel_variants._table.store import Recorder
-from kernel_variants._table.table import DEFAULT_MARGIN, Group, StaleRow
+from kernel_variants._table.table import DEFAULT_MARGIN
 from kernel_variants._tuning.calibrate import CalibrationResult, Progress, run_calibration
 from kernel_variants._tuning.timing import TimingConfig
 

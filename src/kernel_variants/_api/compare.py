@@ -14,11 +14,11 @@ import torch
 
 from kernel_variants._api.calibration import check_shapes
 from kernel_variants._dtypes import as_dtype, dtype_name
-from kernel_variants._registry import CallKey
 from kernel_variants._registry.case import read_csv_rows, read_shapes
+from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.spec import Shape
 from kernel_variants._runtime.dispatcher import dispatcher
-from kernel_variants._table.table import Measurement
+from kernel_variants._table.rows import Measurement
 from kernel_variants._tuning.calibrate import Progress, measure_shape
 from kernel_variants._tuning.timing import TimingConfig, check_mode
 

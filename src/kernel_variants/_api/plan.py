@@ -23,8 +23,8 @@ from kernel_variants._api.calibration import (
 from kernel_variants._registry.spec import Shape
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
-from kernel_variants._table.rows import DEFAULT_PRUNE, check_margin, check_prune
-from kernel_variants._table.table import DEFAULT_MARGIN, Group
+from kernel_variants._table.rows import DEFAULT_PRUNE, Group, check_margin, check_prune
+from kernel_variants._table.table import DEFAULT_MARGIN
 from kernel_variants._tuning.calibrate import CalibrationResult, Progress
 from kernel_variants._tuning.timing import TimingConfig, check_mode
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernel_variants._registry import CallKey
+from kernel_variants._registry.keys import CallKey
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
 from kernel_variants._table.rows import Verdict

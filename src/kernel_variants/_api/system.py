@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 
-from kernel_variants._registry import OpSpec
-from kernel_variants._registry.case import load_sweep_csv
-from kernel_variants._registry.spec import Sweep
+from kernel_variants._registry.case import Sweep, load_sweep_csv
+from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime.dispatcher import dispatcher
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 if TYPE_CHECKING:
-    from kernel_variants._registry.spec import CallKey
+    from kernel_variants._registry.keys import CallKey
 
 DeviceType = Literal["cpu", "cuda", "npu"]
 DTypeName = Literal["float32", "bfloat16", "float16", "float64"]

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import pluggy
 
 from kernel_variants._registry.hookspecs import PROJECT_NAME, HookSpecs
+from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.models import Variant
-from kernel_variants._registry.spec import CallKey, OpSpec
+from kernel_variants._registry.spec import OpSpec
 from kernel_variants._registry.versions import full_version, resolve_depends, source_version
 
 

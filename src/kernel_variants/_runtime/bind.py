@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from kernel_variants._codegen import define
 from kernel_variants._policy import Decision
-from kernel_variants._registry import OpSpec
+from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime import call as _call
 from kernel_variants._runtime import callcore
 from kernel_variants._runtime.call import finish, out_runner, with_subs

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from kernel_variants._registry import OpSpec
+from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime import callcore
 from kernel_variants._runtime.dispatcher import Hit, dispatcher
 from kernel_variants._runtime.errors import variant_failed

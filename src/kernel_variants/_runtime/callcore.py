@@ -32,7 +32,7 @@ from kernel_variants._runtime.values import ValuePlan
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from kernel_variants._registry import OpSpec
+    from kernel_variants._registry.spec import OpSpec
     from kernel_variants._runtime.dispatcher import Hit
 
 ENV = "KV_CALL_CORE"

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from kernel_variants._codegen import define
-from kernel_variants._registry import OpSpec
+from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime.call import MADE, ON_MADE, call
 
 NAMESPACE = "kernel_variants"

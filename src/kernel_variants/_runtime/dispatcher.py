@@ -34,7 +34,7 @@ from kernel_variants._policy import (
     select,
     with_note,
 )
-from kernel_variants._registry import CallKey
+from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.registry import RegisteredVariant, Registry, make_plugin_manager
 from kernel_variants._runtime import callcore
 from kernel_variants._runtime.pins import _pins, check_tactics, parse_force

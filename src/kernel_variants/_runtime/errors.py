@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernel_variants._registry import OpSpec
+from kernel_variants._registry.spec import OpSpec
 
 
 class VariantFailed(RuntimeError):

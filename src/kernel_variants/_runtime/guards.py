@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kernel_variants._registry import OpSpec
+from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime.errors import inference_error, overlap_error
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kernel_variants._registry import OpSpec
+from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime import callcore
 from kernel_variants._runtime.call import MADE, ON_MADE, call
 

@@ -30,7 +30,7 @@ from kernel_variants._registry.spec import Shape
 from kernel_variants._table.store import TOKEN_KEY
 
 if TYPE_CHECKING:
-    from kernel_variants._table.table import Measurement, Winner
+    from kernel_variants._table.rows import Measurement, Winner
 
 __all__ = ["SNAPSHOT_PREFIX", "TOKEN_KEY", "FastIndex", "GroupIndex", "document", "index_from"]
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kernel_variants._registry import CallKey
+from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.models import DTypeName
 from kernel_variants._registry.spec import Shape
 from kernel_variants._table.fingerprint import is_legacy

@@ -21,13 +21,12 @@ from pydantic import ValidationError
 
 from kernel_variants._paths import table_dir
 from kernel_variants._policy import Found, winner_of
-from kernel_variants._registry import CallKey
+from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.spec import Shape
 from kernel_variants._table.fingerprint import device_part, is_legacy
 from kernel_variants._table.fingerprint import fingerprint_id as identify
 from kernel_variants._table.index import (
     SNAPSHOT_PREFIX,
-    TOKEN_KEY,
     FastIndex,
     decode,
     document,
@@ -47,7 +46,7 @@ from kernel_variants._table.rows import (
     stale_reason,
     wkey,
 )
-from kernel_variants._table.store import CalibrationWarning, Store, is_corrupt
+from kernel_variants._table.store import TOKEN_KEY, CalibrationWarning, Store, is_corrupt
 
 
 def _other_threads(fp: dict[str, str], fingerprint_id: str) -> bool:

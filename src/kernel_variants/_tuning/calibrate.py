@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from kernel_variants._dtypes import as_dtype, dtype_name
-from kernel_variants._registry import CallKey, Case, Features, OpSpec
+from kernel_variants._registry.case import Case
+from kernel_variants._registry.keys import CallKey, Features
 from kernel_variants._registry.registry import RegisteredVariant
-from kernel_variants._registry.spec import Shape
+from kernel_variants._registry.spec import OpSpec, Shape
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
-from kernel_variants._table.rows import check_margin, check_prune
-from kernel_variants._table.table import CalibrationTable, Group, Measurement, Winner
+from kernel_variants._table.rows import Group, Measurement, Winner, check_margin, check_prune
+from kernel_variants._table.table import CalibrationTable
 from kernel_variants._tuning import timing as _timing
 from kernel_variants._tuning.qualify import Qualifier
 from kernel_variants._tuning.timing import (

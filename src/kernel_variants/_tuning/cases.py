@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from kernel_variants._registry import Case, Features, OpSpec
+from kernel_variants._registry.case import Case
+from kernel_variants._registry.keys import Features
 from kernel_variants._registry.registry import RegisteredVariant
-from kernel_variants._registry.spec import Shape
+from kernel_variants._registry.spec import OpSpec, Shape
 from kernel_variants._tuning.verify import copy_case, out_forms, reference_result, verify
 
 

@@ -27,7 +27,7 @@ import torch
 
 from kernel_variants._dtypes import as_dtype, dtype_name
 from kernel_variants._policy import Decision
-from kernel_variants._registry import CallKey, Features
+from kernel_variants._registry.keys import CallKey, Features
 from kernel_variants._registry.spec import Shape
 from kernel_variants._table.exchange import (
     ImportReport,

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kernel_variants._registry import Features, OpSpec
+from kernel_variants._registry.keys import Features
 from kernel_variants._registry.registry import RegisteredVariant, Registry, make_plugin_manager
+from kernel_variants._registry.spec import OpSpec
 from kernel_variants._tuning.cases import error, failed, run_cases
 
 CHILD_TIMEOUT_S = 300.0  # a class's cases take well under a second; minutes mean a hung kernel

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kernel_variants._policy import Policy, admit
-from kernel_variants._registry import CallKey
+from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.registry import RegisteredVariant
 from kernel_variants._registry.spec import Shape
 from kernel_variants._table.rows import (

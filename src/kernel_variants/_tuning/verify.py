@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from kernel_variants._registry import Case, OpSpec
+from kernel_variants._registry.case import Case
+from kernel_variants._registry.spec import OpSpec
 from kernel_variants._tolerances import TOLERANCES, mismatch
 
 

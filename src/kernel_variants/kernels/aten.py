@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernel_variants._registry import Variant, hookimpl
+from kernel_variants._registry.hookspecs import hookimpl
+from kernel_variants._registry.models import Variant
 from kernel_variants.kernels._slots import Slots, initial
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 

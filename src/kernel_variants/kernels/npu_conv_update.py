@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from kernel_variants._registry import Variant, hookimpl
+from kernel_variants._registry.hookspecs import hookimpl
+from kernel_variants._registry.models import Variant
 from kernel_variants.kernels._adapters import (
     ADAPTER_SOURCES,
     SGL_NPU_DEPENDS,

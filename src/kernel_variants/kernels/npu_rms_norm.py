@@ -59,7 +59,8 @@ from types import ModuleType
 
 import torch
 
-from kernel_variants._registry import Capabilities, Variant, hookimpl
+from kernel_variants._registry.hookspecs import hookimpl
+from kernel_variants._registry.models import Capabilities, Variant
 
 __all__ = [
     "device_family",

@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from kernel_variants._registry import Variant, hookimpl
+from kernel_variants._registry.hookspecs import hookimpl
+from kernel_variants._registry.models import Variant
 from kernel_variants.kernels._adapters import (
     ADAPTER_SOURCES,
     SGL_NPU_DEPENDS,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernel_variants._registry import Capabilities, Variant, hookimpl
+from kernel_variants._registry.hookspecs import hookimpl
+from kernel_variants._registry.models import Capabilities, Variant
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

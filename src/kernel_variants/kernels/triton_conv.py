@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernel_variants._registry import Variant, hookimpl
+from kernel_variants._registry.hookspecs import hookimpl
+from kernel_variants._registry.models import Variant
 from kernel_variants.kernels._adapters import mark_written
 from kernel_variants.kernels._triton import DEPENDS, device_guard, interpreting, pow2, probe
 from kernel_variants.kernels._triton_conv_kernels import MAX_WIDTH, kernels

@@ -34,7 +34,8 @@ from types import SimpleNamespace
 
 import torch
 
-from kernel_variants._registry import Capabilities, Variant, hookimpl
+from kernel_variants._registry.hookspecs import hookimpl
+from kernel_variants._registry.models import Capabilities, Variant
 from kernel_variants.kernels._adapters import mark_written
 from kernel_variants.kernels._triton import DEPENDS, device_guard, interpreting, pow2, probe
 

@@ -1,2 +1,2 @@
 """The built-in ops, one package each: everything specific to an op family lives in its own
-package, which registers an :class:`~kernel_variants._registry.OpSpec` per public op."""
+package, which registers an :class:`~kernel_variants.plugin.OpSpec` per public op."""

@@ -15,8 +15,10 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from kernel_variants._registry import CallKey, Capabilities, Features, OpSpec, Variant, hookimpl
-from kernel_variants._registry.models import Range, format_range, in_range
+from kernel_variants._registry.hookspecs import hookimpl
+from kernel_variants._registry.keys import CallKey, Features
+from kernel_variants._registry.models import Capabilities, Range, Variant, format_range, in_range
+from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime.ops import make_op
 from kernel_variants.ops.causal_conv1d import _cases, _checks, _reference, _sweeps
 

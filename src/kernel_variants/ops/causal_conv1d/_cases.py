@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from kernel_variants._registry import Capabilities, Case
+from kernel_variants._registry.case import Case
+from kernel_variants._registry.models import Capabilities
 
 PAD_SLOT_ID = -1
 

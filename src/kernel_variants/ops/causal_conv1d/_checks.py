@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from kernel_variants._dtypes import dtype_name
-from kernel_variants._registry import Features
-from kernel_variants._registry.spec import KeyParts
+from kernel_variants._registry.keys import Features, KeyParts
 from kernel_variants._runtime import device_errors as errors
 from kernel_variants._runtime.values import Bounded, Offsets, SlotIds, plan
 from kernel_variants._validate import floating, like_x, shape_str, tensor

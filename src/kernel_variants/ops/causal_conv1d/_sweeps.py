@@ -10,8 +10,7 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
-from kernel_variants._registry import Sweep
-from kernel_variants._registry.case import read_csv_rows, read_shapes
+from kernel_variants._registry.case import Sweep, read_csv_rows, read_shapes
 from kernel_variants._registry.spec import Shape
 
 FN, UPDATE = "causal_conv1d_fn", "causal_conv1d_update"

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from kernel_variants._dtypes import acc_dtype, dtype_name
-from kernel_variants._registry import Capabilities, Case, Features, Sweep
-from kernel_variants._registry.spec import KeyParts
+from kernel_variants._registry.case import Case, Sweep
+from kernel_variants._registry.keys import Features, KeyParts
+from kernel_variants._registry.models import Capabilities
 from kernel_variants._validate import like_x, shape_str, tensor
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
