@@ -2,7 +2,7 @@
 //
 // This header is compiled once per ISA: the including TU defines KV_ISA_NS
 // (and, for SIMD builds, CPU_CAPABILITY / CPU_CAPABILITY_<ISA> plus a
-// matching `#pragma GCC target`) before including it. ATen's Vectorized<>
+// matching `#pragma GCC target`, from isa_<isa>.h) before including it. ATen's Vectorized<>
 // resolves to the ISA's implementation inside the inline namespace
 // at::vec::CPU_CAPABILITY, so the copies never collide at link time.
 //

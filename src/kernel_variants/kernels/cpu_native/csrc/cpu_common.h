@@ -17,11 +17,7 @@
 #include <sys/mman.h>
 #endif
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define KV_X86_BUILDS 1
-#else
-#define KV_X86_BUILDS 0
-#endif
+#include "isa.h"  // KV_X86_BUILDS
 
 namespace kv_cpu {
 

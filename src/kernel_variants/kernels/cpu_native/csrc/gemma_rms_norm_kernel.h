@@ -4,7 +4,8 @@
 //
 // Compiled once per ISA, like causal_conv1d_kernel.h: the including TU
 // defines KV_GRMS_ISA_NS (and, for SIMD builds, CPU_CAPABILITY /
-// CPU_CAPABILITY_<ISA> plus a matching `#pragma GCC target`) first. ATen's
+// CPU_CAPABILITY_<ISA> plus a matching `#pragma GCC target`, from
+// isa_<isa>.h) first. ATen's
 // Vectorized<> then resolves to that ISA inside at::vec::CPU_CAPABILITY and
 // everything else here lives in kv_grms::<isa>::(anonymous), so the copies
 // never collide at link time.
