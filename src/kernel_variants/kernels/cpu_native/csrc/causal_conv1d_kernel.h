@@ -379,9 +379,10 @@ KV_INLINE void load_group(const T* p, fVec& a, fVec& b, int n) {
   }
 }
 
-// A group's outputs: through SiLU if SILU, then stored like load_group reads.
+// A group's outputs a, b: through SiLU if SILU (in place: a copy changes the
+// register allocation of the callers' loops), then stored like load_group reads.
 template <typename T, bool SILU, bool FULL>
-KV_INLINE void store_group(T* p, fVec a, fVec b, int n) {
+KV_INLINE void store_group(T* p, fVec& a, fVec& b, int n) {
   if constexpr (SILU) {
     a = silu<T>(a);
     b = silu<T>(b);
