@@ -22,6 +22,10 @@ from types import ModuleType
 _CSRC = Path(__file__).resolve().parent / "csrc"
 
 
+# The ISA files' target pragmas and ATen CPU_CAPABILITY macros (each a kernel's to include first).
+_ISA_HEADERS = ("isa.h", "isa_avx2.h", "isa_avx512.h", "isa_avx512bf16.h")
+
+
 @dataclass(frozen=True)
 class Extension:
     """One extension. A kernel's: ``{name}_cpu.cpp`` first (its copies of shared inline
@@ -47,7 +51,7 @@ class Extension:
     def headers(self) -> tuple[str, ...]:
         if self.own_sources:
             return self.own_headers
-        return (f"{self.name}_kernel.h", f"{self.name}_params.h", "cpu_common.h")
+        return (f"{self.name}_kernel.h", f"{self.name}_params.h", "cpu_common.h", *_ISA_HEADERS)
 
 
 CONV = Extension("causal_conv1d")

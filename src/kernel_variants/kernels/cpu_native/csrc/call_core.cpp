@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <memory>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -384,14 +385,15 @@ PyObject* call_py_checks(State* st, const Entry& e, PyObject* const* args) {
   return r;
 }
 
-// The variant's exception becomes VariantFailed, raised by the Python side's one message.
-PyObject* variant_failed(State* st, PyObject* vid) {
+// The variant's exception becomes VariantFailed, raised by the Python side's one message
+// (`fail`, called with the variant id and the exception).
+PyObject* variant_failed(PyObject* fail, PyObject* vid) {
   if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;  // KeyboardInterrupt and kin pass
   PyObject *type, *value, *tb;
   PyErr_Fetch(&type, &value, &tb);
   PyErr_NormalizeException(&type, &value, &tb);
   if (tb != nullptr) PyException_SetTraceback(value, tb);
-  PyObject* r = PyObject_CallFunctionObjArgs(st->fail, vid, value, nullptr);
+  PyObject* r = PyObject_CallFunctionObjArgs(fail, vid, value, nullptr);
   Py_XDECREF(r);  // fail raises; a return would be a bug there, reported as the original error
   if (r != nullptr) {
     PyErr_Restore(type, value, tb);
@@ -403,16 +405,19 @@ PyObject* variant_failed(State* st, PyObject* vid) {
   return nullptr;
 }
 
+// Whether the device rule counted something on this device (its gate is in counters): the
+// call then goes to the Python path, so that this is reported before a host check passes.
+bool gate_counted(PyObject* counters, PyObject* gate) {
+  if (gate == nullptr || PyDict_GET_SIZE(counters) == 0) return false;
+  const int has = PyDict_Contains(counters, gate);
+  if (has < 0) PyErr_Clear();
+  return has != 0;
+}
+
 PyObject* run(State* st, Entry* e, PyObject* const* args, const at::Tensor* const* ts) {
   if (!e->checks.empty() || e->py_checks != nullptr) {
     // What the device rule counted on this device is reported before a host check passes.
-    if (e->gate != nullptr && PyDict_GET_SIZE(st->counters) > 0) {
-      int has = PyDict_Contains(st->counters, e->gate);
-      if (has != 0) {
-        if (has < 0) PyErr_Clear();
-        return Py_NewRef(st->miss);
-      }
-    }
+    if (gate_counted(st->counters, e->gate)) return Py_NewRef(st->miss);
     if (!values_pass(e->checks, ts)) return Py_NewRef(st->miss);
   }
   if (!writes_safe(*e, ts)) return Py_NewRef(st->miss);
@@ -428,7 +433,7 @@ PyObject* run(State* st, Entry* e, PyObject* const* args, const at::Tensor* cons
     stack[i + 1] = s != nullptr ? s : args[i];
   }
   PyObject* r = PyObject_Vectorcall(e->fn, stack + 1, st->npos | PY_VECTORCALL_ARGUMENTS_OFFSET, st->kwnames);
-  if (r == nullptr) return variant_failed(st, e->vid);
+  if (r == nullptr) return variant_failed(st->fail, e->vid);
   return r;
 }
 
@@ -484,6 +489,29 @@ int64_t as_int64(PyObject* o, bool* ok) {
   }
   *ok = overflow == 0;
   return v;
+}
+
+// A new object of `type` (a CallCore or a BoundCore, Obj) that owns st and is called through vc;
+// nullptr with the error set if it cannot be allocated. tp_alloc zeroes the object.
+template <class Obj, class St>
+PyObject* new_core(PyTypeObject* type, vectorcallfunc vc, std::unique_ptr<St> st) {
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  auto* o = reinterpret_cast<Obj*>(self);
+  o->vectorcall = vc;
+  o->st = st.release();
+  return self;
+}
+
+// A parameter's kind (kValue, kTensor or kOptionalTensor); -1 with a ValueError set that `who`
+// (the constructor) raises.
+int parse_kind(PyObject* o, const char* who) {
+  const long k = PyLong_AsLong(o);
+  if (k < kValue || k > kOptionalTensor) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: each kind is 0, 1 or 2", who);
+    return -1;
+  }
+  return static_cast<int>(k);
 }
 
 bool parse_checks(int n, const std::vector<int8_t>& kind, PyObject* seq, std::vector<Check>& out) {
@@ -725,11 +753,8 @@ PyObject* core_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   auto st = std::make_unique<State>();
   st->n = static_cast<int>(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    long k = PyLong_AsLong(PyTuple_GET_ITEM(kinds, i));
-    if (k < kValue || k > kOptionalTensor) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "CallCore: each kind is 0, 1 or 2");
-      return nullptr;
-    }
+    const int k = parse_kind(PyTuple_GET_ITEM(kinds, i), "CallCore");
+    if (k < 0) return nullptr;
     st->kind.push_back(static_cast<int8_t>(k));
     int m = PyObject_IsTrue(PyTuple_GET_ITEM(mutated, i));
     if (m < 0) return nullptr;
@@ -741,12 +766,7 @@ PyObject* core_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   st->counters = Py_NewRef(counters);
   st->fail = Py_NewRef(fail);
   st->miss = Py_NewRef(miss);
-  PyObject* self = type->tp_alloc(type, 0);
-  if (self == nullptr) return nullptr;
-  auto* core = reinterpret_cast<CallCore*>(self);
-  core->vectorcall = core_vectorcall;
-  core->st = st.release();
-  return self;
+  return new_core<CallCore>(type, core_vectorcall, std::move(st));
 }
 
 void core_dealloc(PyObject* self) {
@@ -896,13 +916,7 @@ PyObject* bound_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf,
     }
   }
   if (!st->checks.empty()) {
-    if (st->gate != nullptr && PyDict_GET_SIZE(st->counters) > 0) {
-      int has = PyDict_Contains(st->counters, st->gate);
-      if (has != 0) {
-        if (has < 0) PyErr_Clear();
-        return bound_fallback(st, args, nargsf, kwnames);
-      }
-    }
+    if (gate_counted(st->counters, st->gate)) return bound_fallback(st, args, nargsf, kwnames);
     const at::Tensor* ts[kMaxParams] = {};
     for (const Check& c : st->checks) {
       PyObject* a = slot[c.index];
@@ -933,22 +947,8 @@ PyObject* bound_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf,
   stack[0] = nullptr;
   for (int i = 0; i < st->n; ++i) stack[i + 1] = st->subs[i] != nullptr ? st->subs[i] : slot[i];
   PyObject* r = PyObject_Vectorcall(st->fn, stack + 1, st->npos | PY_VECTORCALL_ARGUMENTS_OFFSET, st->kwnames);
-  if (r != nullptr) return r;
-  if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
-  PyObject *type, *value, *tb;
-  PyErr_Fetch(&type, &value, &tb);
-  PyErr_NormalizeException(&type, &value, &tb);
-  if (tb != nullptr) PyException_SetTraceback(value, tb);
-  PyObject* f = PyObject_CallFunctionObjArgs(st->fail, st->vid, value, nullptr);
-  if (f != nullptr) {  // fail raises; a return would be a bug there, reported as the original error
-    Py_DECREF(f);
-    PyErr_Restore(type, value, tb);
-    return nullptr;
-  }
-  Py_XDECREF(type);
-  Py_XDECREF(value);
-  Py_XDECREF(tb);
-  return nullptr;
+  if (r == nullptr) return variant_failed(st->fail, st->vid);
+  return r;
 }
 
 bool owned_tuple(PyObject* t, std::vector<PyObject*>& out, PyObject* required) {
@@ -988,11 +988,8 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   st->npos = npos;
   std::vector<int8_t> kind;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    long k = PyLong_AsLong(PyTuple_GET_ITEM(kinds, i));
-    if (k < kValue || k > kOptionalTensor) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "BoundCore: each kind is 0, 1 or 2");
-      return nullptr;
-    }
+    const int k = parse_kind(PyTuple_GET_ITEM(kinds, i), "BoundCore");
+    if (k < 0) return nullptr;
     kind.push_back(static_cast<int8_t>(k));
   }
   for (Py_ssize_t k = 0; k < total; ++k) {
@@ -1035,13 +1032,7 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   st->kwnames = Py_NewRef(kwnames);
   st->fail = Py_NewRef(fail);
   st->fallback = Py_NewRef(fallback);
-  PyObject* self = type->tp_alloc(type, 0);
-  if (self == nullptr) return nullptr;
-  auto* b = reinterpret_cast<BoundCore*>(self);
-  b->vectorcall = bound_vectorcall;
-  b->dict = nullptr;
-  b->st = st.release();
-  return self;
+  return new_core<BoundCore>(type, bound_vectorcall, std::move(st));  // dict: nullptr
 }
 
 int bound_traverse(PyObject* self, visitproc visit, void* arg) {
@@ -1102,6 +1093,23 @@ PyTypeObject CallCoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT};
 
+// The slots CallCore and BoundCore share: GC-tracked objects called through vectorcall.
+void init_type(PyTypeObject& t, const char* name, Py_ssize_t size, const char* doc, newfunc make,
+               destructor dealloc, traverseproc traverse, inquiry clear, Py_ssize_t vectorcall_offset,
+               ternaryfunc call) {
+  t.tp_name = name;
+  t.tp_basicsize = size;
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC;
+  t.tp_doc = doc;
+  t.tp_new = make;
+  t.tp_dealloc = dealloc;
+  t.tp_traverse = traverse;
+  t.tp_clear = clear;
+  t.tp_free = PyObject_GC_Del;
+  t.tp_vectorcall_offset = vectorcall_offset;
+  t.tp_call = call;
+}
+
 }  // namespace
 
 #define KV_CONCAT2(a, b) a##b
@@ -1110,31 +1118,16 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT};
 #define KV_STR(a) KV_STR2(a)
 
 PyMODINIT_FUNC KV_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
-  CallCoreType.tp_name = KV_STR(TORCH_EXTENSION_NAME) ".CallCore";
-  CallCoreType.tp_basicsize = sizeof(CallCore);
-  CallCoreType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC;
-  CallCoreType.tp_doc = "The compiled per-call path of one op (see call_core.cpp).";
-  CallCoreType.tp_new = core_new;
-  CallCoreType.tp_dealloc = core_dealloc;
-  CallCoreType.tp_traverse = core_traverse;
-  CallCoreType.tp_clear = core_clear_refs;
-  CallCoreType.tp_free = PyObject_GC_Del;
-  CallCoreType.tp_vectorcall_offset = offsetof(CallCore, vectorcall);
-  CallCoreType.tp_call = PyVectorcall_Call;
+  init_type(CallCoreType, KV_STR(TORCH_EXTENSION_NAME) ".CallCore", sizeof(CallCore),
+            "The compiled per-call path of one op (see call_core.cpp).", core_new, core_dealloc,
+            core_traverse, core_clear_refs, offsetof(CallCore, vectorcall), PyVectorcall_Call);
   CallCoreType.tp_methods = core_methods;
   CallCoreType.tp_as_sequence = &core_sequence;
   if (PyType_Ready(&CallCoreType) < 0) return nullptr;
-  BoundCoreType.tp_name = KV_STR(TORCH_EXTENSION_NAME) ".BoundCore";
-  BoundCoreType.tp_basicsize = sizeof(BoundCore);
-  BoundCoreType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC;
-  BoundCoreType.tp_doc = "An op bound to one variant by kernel_variants.bind, called in C (see call_core.cpp).";
-  BoundCoreType.tp_new = bound_new;
-  BoundCoreType.tp_dealloc = bound_dealloc;
-  BoundCoreType.tp_traverse = bound_traverse;
-  BoundCoreType.tp_clear = bound_clear;
-  BoundCoreType.tp_free = PyObject_GC_Del;
-  BoundCoreType.tp_vectorcall_offset = offsetof(BoundCore, vectorcall);
-  BoundCoreType.tp_call = bound_call;
+  init_type(BoundCoreType, KV_STR(TORCH_EXTENSION_NAME) ".BoundCore", sizeof(BoundCore),
+            "An op bound to one variant by kernel_variants.bind, called in C (see call_core.cpp).",
+            bound_new, bound_dealloc, bound_traverse, bound_clear, offsetof(BoundCore, vectorcall),
+            bound_call);
   BoundCoreType.tp_dictoffset = offsetof(BoundCore, dict);
   if (PyType_Ready(&BoundCoreType) < 0) return nullptr;
   module_def.m_name = KV_STR(TORCH_EXTENSION_NAME);

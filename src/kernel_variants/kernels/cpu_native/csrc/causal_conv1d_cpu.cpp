@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cstdlib>
 #include <string>
@@ -63,53 +64,29 @@ constexpr int64_t kMinChunkT = 32;
 // the call streams from DRAM, where the window path's row-wise sweep and prefetch do better.
 constexpr int64_t kBlockPathBytes = int64_t{8} << 20;
 
-// Kernel entry points per data dtype (indexed by DType).
-struct Impl {
-  RangeFn fwd[3];
-  RangeFn upd[3];
+// One build's kernel entry points.
+struct Fns {
+  RangeFn fwd;
+  RangeFn upd;
 };
 
-Impl select_impl() {
-  const int level = kv_cpu::isa_level();
-  Impl k{};
-  auto set_all = [&k](RangeFn f, RangeFn u) {
-    for (int i = 0; i < 3; ++i) {
-      k.fwd[i] = f;
-      k.upd[i] = u;
-    }
-  };
-  set_all(generic::fwd_range, generic::update_range);
+// Per data dtype (indexed by DType), chosen once.
+const std::array<Fns, 3>& impl() {
+  static const std::array<Fns, 3> k = kv_cpu::per_dtype_builds<Fns>(
+      {
+          {generic::fwd_range, generic::update_range},
 #if KV_X86_BUILDS
-  if (level >= 1) set_all(avx2::fwd_range, avx2::update_range);
-  if (level >= 2) set_all(avx512::fwd_range, avx512::update_range);
-  if (level >= 3) {
-    const int i = static_cast<int>(DType::BF16);
-    k.fwd[i] = avx512bf16::fwd_range;
-    k.upd[i] = avx512bf16::update_range;
-  }
-#else
-  (void)level;
+          {avx2::fwd_range, avx2::update_range},
+          {avx512::fwd_range, avx512::update_range},
+          {avx512bf16::fwd_range, avx512bf16::update_range},
 #endif
-  return k;
-}
-
-const Impl& impl() {
-  static const Impl k = select_impl();
+      },
+      static_cast<int>(DType::BF16));
   return k;
 }
 
 DType to_dtype(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return DType::F32;
-    case at::kBFloat16:
-      return DType::BF16;
-    case at::kHalf:
-      return DType::F16;
-    default:
-      TORCH_CHECK(false, name, ": unsupported dtype ", t.scalar_type(),
-                  " (expected float32, bfloat16 or float16)");
-  }
+  return kv_cpu::kernel_dtype<DType>(t.scalar_type(), name);
 }
 
 // Read-only view of a small 1-D index / flag tensor of any integer or bool
@@ -234,7 +211,7 @@ at::Tensor output_for(const at::Tensor& x, const c10::optional<at::Tensor>& out)
 
 void run(const Params& p, int64_t n_items, int64_t work, bool upd) {
   const int di = static_cast<int>(p.dtype);
-  const RangeFn fn = upd ? impl().upd[di] : impl().fwd[di];
+  const RangeFn fn = upd ? impl()[di].upd : impl()[di].fwd;
   if (n_items <= 0) return;
   if (work < kSerialWork || n_items == 1 || at::get_num_threads() == 1) {
     fn(p, 0, n_items);

@@ -2,7 +2,7 @@
 //
 // This header is compiled once per ISA: the including TU defines KV_ISA_NS
 // (and, for SIMD builds, CPU_CAPABILITY / CPU_CAPABILITY_<ISA> plus a
-// matching `#pragma GCC target`) before including it. ATen's Vectorized<>
+// matching `#pragma GCC target`, from isa_<isa>.h) before including it. ATen's Vectorized<>
 // resolves to the ISA's implementation inside the inline namespace
 // at::vec::CPU_CAPABILITY, so the copies never collide at link time.
 //
@@ -225,11 +225,11 @@ KV_INLINE fVec silu(const fVec& x) {
 // ---------------------------------------------------------------- I/O
 // Load/store 2*VF channels of T as two fp32 vectors (natural channel order);
 // the `n` overloads handle the ragged last group (n < VW). The generic
-// versions use ATen's conversions; the SIMD builds use the cheapest direct
+// versions (AtenIO) use ATen's conversions; the SIMD builds use the cheapest direct
 // instruction sequences (zero-extend+shift for bf16 loads, F16C for fp16,
 // AVX512-BF16 vcvtne2ps2bf16 for bf16 stores where the build has it).
 template <typename T>
-struct IO {  // bf16 / fp16, ATen conversions
+struct AtenIO {  // bf16 / fp16, ATen conversions
   using V = at::vec::Vectorized<T>;
   static_assert(V::size() == VW, "16-bit vector must hold 2*VF lanes");
   static KV_INLINE void load(const T* p, fVec& a, fVec& b) {
@@ -245,6 +245,9 @@ struct IO {  // bf16 / fp16, ATen conversions
     at::vec::convert_from_float<T>(a, b).store(p, n);
   }
 };
+
+template <typename T>
+struct IO : AtenIO<T> {};
 
 template <>
 struct IO<float> {
@@ -330,10 +333,11 @@ struct IO<c10::Half> {
   }
 };
 #elif defined(CPU_CAPABILITY_AVX2)
+// The full groups directly; the ragged last group (n < VW) through ATen's conversions.
 template <>
-struct IO<c10::BFloat16> {
+struct IO<c10::BFloat16> : AtenIO<c10::BFloat16> {
   using T = c10::BFloat16;
-  using V = at::vec::Vectorized<T>;
+  using AtenIO<T>::load;
   static KV_INLINE __m256 widen(const T* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(
@@ -344,28 +348,17 @@ struct IO<c10::BFloat16> {
     a = widen(p);
     b = widen(p + 8);
   }
-  static KV_INLINE void load(const T* p, fVec& a, fVec& b, int n) {
-    std::tie(a, b) = at::vec::convert_to_float<T>(V::loadu(p, n));
-  }
-  static KV_INLINE void store(T* p, const fVec& a, const fVec& b) {
-    at::vec::convert_from_float<T>(a, b).store(p);
-  }
-  static KV_INLINE void store(T* p, const fVec& a, const fVec& b, int n) {
-    at::vec::convert_from_float<T>(a, b).store(p, n);
-  }
 };
 
 template <>
-struct IO<c10::Half> {
+struct IO<c10::Half> : AtenIO<c10::Half> {
   using T = c10::Half;
-  using V = at::vec::Vectorized<T>;
+  using AtenIO<T>::load;
+  using AtenIO<T>::store;
   static KV_INLINE void load(const T* p, fVec& a, fVec& b) {
     a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     b = _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  }
-  static KV_INLINE void load(const T* p, fVec& a, fVec& b, int n) {
-    std::tie(a, b) = at::vec::convert_to_float<T>(V::loadu(p, n));
   }
   static KV_INLINE void store(T* p, const fVec& a, const fVec& b) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
@@ -373,11 +366,33 @@ struct IO<c10::Half> {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8),
                      _mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT));
   }
-  static KV_INLINE void store(T* p, const fVec& a, const fVec& b, int n) {
-    at::vec::convert_from_float<T>(a, b).store(p, n);
-  }
 };
 #endif
+
+// A channel group of T: whole (FULL) or its first n < VW channels (the ragged last group).
+template <typename T, bool FULL>
+KV_INLINE void load_group(const T* p, fVec& a, fVec& b, int n) {
+  if constexpr (FULL) {
+    IO<T>::load(p, a, b);
+  } else {
+    IO<T>::load(p, a, b, n);
+  }
+}
+
+// A group's outputs a, b: through SiLU if SILU (in place: a copy changes the
+// register allocation of the callers' loops), then stored like load_group reads.
+template <typename T, bool SILU, bool FULL>
+KV_INLINE void store_group(T* p, fVec& a, fVec& b, int n) {
+  if constexpr (SILU) {
+    a = silu<T>(a);
+    b = silu<T>(b);
+  }
+  if constexpr (FULL) {
+    IO<T>::store(p, a, b);
+  } else {
+    IO<T>::store(p, a, b, n);
+  }
+}
 
 template <typename T>
 inline float to_f(T v) {
@@ -520,11 +535,7 @@ KV_INLINE void run_group(const T* xp, int64_t x_rs, T* op, int64_t o_rs,
       }
     }
     fVec xa, xb;
-    if constexpr (FULL) {
-      IO<T>::load(xp, xa, xb);
-    } else {
-      IO<T>::load(xp, xa, xb, n);
-    }
+    load_group<T, FULL>(xp, xa, xb, n);
     fVec a0 = at::vec::fmadd(w[H][0], xa, b0);
     fVec a1 = at::vec::fmadd(w[H][1], xb, b1);
 #pragma GCC unroll 8
@@ -539,15 +550,7 @@ KV_INLINE void run_group(const T* xp, int64_t x_rs, T* op, int64_t o_rs,
     }
     h[H - 1][0] = xa;
     h[H - 1][1] = xb;
-    if constexpr (SILU) {
-      a0 = silu<T>(a0);
-      a1 = silu<T>(a1);
-    }
-    if constexpr (FULL) {
-      IO<T>::store(op, a0, a1);
-    } else {
-      IO<T>::store(op, a0, a1, n);
-    }
+    store_group<T, SILU, FULL>(op, a0, a1, n);
   }
 #pragma GCC unroll 8
   for (int j = 0; j < H; ++j) {
@@ -826,11 +829,7 @@ KV_INLINE void decode_group(const T* x, T* out, T* st, int64_t st_ss,
   for (int k = 0; k < W; ++k) {
     const T* src = k < H ? st + (hist_row + k) * st_ss : x;
     fVec v0, v1;
-    if constexpr (FULL) {
-      IO<T>::load(src, v0, v1);
-    } else {
-      IO<T>::load(src, v0, v1, n);
-    }
+    load_group<T, FULL>(src, v0, v1, n);
     a0 = at::vec::fmadd(fVec::loadu(wt + k * kTileC), v0, a0);
     a1 = at::vec::fmadd(fVec::loadu(wt + k * kTileC + VF), v1, a1);
   }
@@ -839,15 +838,7 @@ KV_INLINE void decode_group(const T* x, T* out, T* st, int64_t st_ss,
   for (int64_t r = 0; r + 1 < S; ++r)
     copy_group<T, FULL>(st + (r + 1) * st_ss, st + r * st_ss, n);
   copy_group<T, FULL>(x, st + (S - 1) * st_ss, n);
-  if constexpr (SILU) {
-    a0 = silu<T>(a0);
-    a1 = silu<T>(a1);
-  }
-  if constexpr (FULL) {
-    IO<T>::store(out, a0, a1);
-  } else {
-    IO<T>::store(out, a0, a1, n);
-  }
+  store_group<T, SILU, FULL>(out, a0, a1, n);
 }
 
 template <typename T, int W, bool SILU>

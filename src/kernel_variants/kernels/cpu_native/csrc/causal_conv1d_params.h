@@ -1,7 +1,7 @@
 // Plain-data interface between the torch-facing binding TU and the per-ISA
 // kernel TUs. Deliberately free of torch headers: the ISA TUs are compiled
 // with wider target flags and should pull in as little shared inline code as
-// possible (see causal_conv1d_avx2.cpp for why).
+// possible (see isa.h for why).
 #pragma once
 #include <cstdint>
 

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cstdint>
 #include <cstdlib>
@@ -17,11 +18,7 @@
 #include <sys/mman.h>
 #endif
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define KV_X86_BUILDS 1
-#else
-#define KV_X86_BUILDS 0
-#endif
+#include "isa.h"  // KV_X86_BUILDS
 
 namespace kv_cpu {
 
@@ -48,6 +45,36 @@ inline int isa_level() {
   (void)cap;
   return 0;
 #endif
+}
+
+// Which build's entry points serve each dtype (indexed by an op's DType: F32, BF16, F16; bf16
+// at index `bf16`), chosen from `builds`: {portable, AVX2, AVX-512, AVX-512 + BF16} where the ISA
+// builds are compiled (KV_X86_BUILDS), the portable one alone elsewhere. The widest build
+// isa_level() allows serves every dtype, but the AVX512-BF16 build serves bf16 data only.
+// Fns: one build's entry points (a function pointer, or a struct of them).
+template <class Fns, size_t N>
+std::array<Fns, 3> per_dtype_builds(const Fns (&builds)[N], int bf16) {
+  static_assert(N == (KV_X86_BUILDS ? 4 : 1), "one entry per ISA build");
+  const int level = std::min(isa_level(), static_cast<int>(N) - 1);
+  std::array<Fns, 3> k;
+  k.fill(builds[std::min(level, 2)]);
+  if (level >= 3) k[bf16] = builds[level];
+  return k;
+}
+
+// The kernels' element type (an op's DType) of a float32 / bfloat16 / float16 tensor `name`.
+template <class DType>
+DType kernel_dtype(at::ScalarType t, const char* name) {
+  switch (t) {
+    case at::kFloat:
+      return DType::F32;
+    case at::kBFloat16:
+      return DType::BF16;
+    case at::kHalf:
+      return DType::F16;
+    default:
+      TORCH_CHECK(false, name, ": unsupported dtype ", t, " (expected float32, bfloat16 or float16)");
+  }
 }
 
 // Whether a and b may share a byte: their spans [first byte, last byte] intersect (strides are

@@ -28,6 +28,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cstdlib>
 #include <string>
@@ -72,29 +73,18 @@ namespace {
 #endif
 constexpr int64_t kMinWork = KV_GRMS_MIN_WORK;
 
-struct Impl {
-  RangeFn fn[3];  // indexed by DType
-};
-
-Impl select_impl() {
-  const int level = kv_cpu::isa_level();
-  Impl k{};
-  auto set_all = [&k](RangeFn f) {
-    for (auto& s : k.fn) s = f;
-  };
-  set_all(generic::norm_range);
+// Per data dtype (indexed by DType), chosen once.
+const std::array<RangeFn, 3>& impl() {
+  static const std::array<RangeFn, 3> k = kv_cpu::per_dtype_builds<RangeFn>(
+      {
+          generic::norm_range,
 #if KV_X86_BUILDS
-  if (level >= 1) set_all(avx2::norm_range);
-  if (level >= 2) set_all(avx512::norm_range);
-  if (level >= 3) k.fn[static_cast<int>(DType::BF16)] = avx512bf16::norm_range;
-#else
-  (void)level;
+          avx2::norm_range,
+          avx512::norm_range,
+          avx512bf16::norm_range,
 #endif
-  return k;
-}
-
-const Impl& impl() {
-  static const Impl k = select_impl();
+      },
+      static_cast<int>(DType::BF16));
   return k;
 }
 
@@ -106,20 +96,6 @@ std::string isa_name(RangeFn f) {
   if (f == avx512bf16::norm_range) return "avx512bf16";
 #endif
   return "default";
-}
-
-
-DType to_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return DType::F32;
-    case at::kBFloat16:
-      return DType::BF16;
-    case at::kHalf:
-      return DType::F16;
-    default:
-      TORCH_CHECK(false, "x: unsupported dtype ", t, " (expected float32, bfloat16 or float16)");
-  }
 }
 
 at::Tensor rows_view(const at::Tensor& t, const char* name) {
@@ -143,7 +119,7 @@ at::Tensor weight_view(const at::Tensor& w, const at::Tensor& x) {
 }
 
 void run(const Params& p, int64_t T) {
-  const RangeFn fn = impl().fn[static_cast<int>(p.dtype)];
+  const RangeFn fn = impl()[static_cast<int>(p.dtype)];
   const int64_t row_work = std::max<int64_t>(p.dim, 1) * (p.res ? 2 : 1);
   const int64_t grain = std::max<int64_t>(1, kMinWork / row_work);
   if (T <= grain || at::get_num_threads() == 1 || at::in_parallel_region()) {
@@ -180,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::T
                                              const c10::optional<at::Tensor>& out_arg,
                                              const c10::optional<at::Tensor>& sum_arg) {
   const at::Tensor x = rows_view(x_in, "x");
-  const DType dt = to_dtype(x.scalar_type());
+  const DType dt = kv_cpu::kernel_dtype<DType>(x.scalar_type(), "x");
   at::Tensor residual;
   if (residual_in) {
     residual = rows_view(*residual_in, "residual");
@@ -235,8 +211,8 @@ std::tuple<at::Tensor, at::Tensor> add_gemma_rms_norm(const at::Tensor& x,
 
 // {dtype name: build} actually used, e.g. {"bfloat16": "avx512bf16", ...}.
 std::tuple<std::string, std::string, std::string> isa() {
-  const Impl& k = impl();
-  return {isa_name(k.fn[0]), isa_name(k.fn[1]), isa_name(k.fn[2])};
+  const std::array<RangeFn, 3>& k = impl();
+  return {isa_name(k[0]), isa_name(k[1]), isa_name(k[2])};
 }
 
 void bind(pybind11::module_& m) {

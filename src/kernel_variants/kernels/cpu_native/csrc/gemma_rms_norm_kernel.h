@@ -4,7 +4,8 @@
 //
 // Compiled once per ISA, like causal_conv1d_kernel.h: the including TU
 // defines KV_GRMS_ISA_NS (and, for SIMD builds, CPU_CAPABILITY /
-// CPU_CAPABILITY_<ISA> plus a matching `#pragma GCC target`) first. ATen's
+// CPU_CAPABILITY_<ISA> plus a matching `#pragma GCC target`, from
+// isa_<isa>.h) first. ATen's
 // Vectorized<> then resolves to that ISA inside at::vec::CPU_CAPABILITY and
 // everything else here lives in kv_grms::<isa>::(anonymous), so the copies
 // never collide at link time.
@@ -169,7 +170,34 @@ struct IO<c10::BFloat16> {
         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     return _mm512_permutexvar_epi16(idx, c);
   }
-#else
+#endif
+#else   // natural channel order
+  static KV_GRMS_INLINE __m512 widen(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  }
+  static KV_GRMS_INLINE void load(const T* p, fVec& a, fVec& b) {
+    a = widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    b = widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+  }
+  static KV_GRMS_INLINE void load_f32(const float* p, fVec& a, fVec& b) {
+    a = fVec::loadu(p);
+    b = fVec::loadu(p + VF);
+  }
+  // Rounded fp32 bits -> the 32 bf16 in channel order: the high halves of
+  // the 32 fp32 lanes of (lo, hi), in order: one vpermt2w.
+  static KV_GRMS_INLINE __m512i join(__m512i lo, __m512i hi) {
+    const __m512i idx = _mm512_set_epi16(
+        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+        31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_permutex2var_epi16(lo, idx, hi);
+  }
+#if defined(KV_GRMS_AVX512_BF16)
+  static KV_GRMS_INLINE __m512i narrow(const fVec& a, const fVec& b) {
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+  }
+#endif
+#endif  // KV_GRMS_BF16_EO
+#if !defined(KV_GRMS_AVX512_BF16)
   static KV_GRMS_INLINE __m512i narrow(const fVec& a, const fVec& b) {
     return join(rne(a), rne(b));
   }
@@ -183,44 +211,6 @@ struct IO<c10::BFloat16> {
     a = _mm512_castsi512_ps(ra);
     b = _mm512_castsi512_ps(rb);
   }
-#else   // natural channel order
-  static KV_GRMS_INLINE __m512 widen(__m256i v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-  }
-  static KV_GRMS_INLINE void load(const T* p, fVec& a, fVec& b) {
-    a = widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    b = widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
-  }
-  static KV_GRMS_INLINE void load_f32(const float* p, fVec& a, fVec& b) {
-    a = fVec::loadu(p);
-    b = fVec::loadu(p + VF);
-  }
-  // High halves of the 32 fp32 lanes of (lo, hi), in order: one vpermt2w.
-  static KV_GRMS_INLINE __m512i pack_hi(__m512i lo, __m512i hi) {
-    const __m512i idx = _mm512_set_epi16(
-        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
-        31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-    return _mm512_permutex2var_epi16(lo, idx, hi);
-  }
-#if defined(KV_GRMS_AVX512_BF16)
-  static KV_GRMS_INLINE __m512i narrow(const fVec& a, const fVec& b) {
-    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
-  }
-#else
-  static KV_GRMS_INLINE __m512i narrow(const fVec& a, const fVec& b) {
-    return pack_hi(rne(a), rne(b));
-  }
-#endif
-  static KV_GRMS_INLINE void store(T* p, const fVec& a, const fVec& b) {
-    _mm512_storeu_si512(p, narrow(a, b));
-  }
-  static KV_GRMS_INLINE void round_store(T* p, fVec& a, fVec& b) {
-    const __m512i ra = rne(a), rb = rne(b);
-    _mm512_storeu_si512(p, pack_hi(ra, rb));
-    a = _mm512_castsi512_ps(ra);
-    b = _mm512_castsi512_ps(rb);
-  }
-#endif  // KV_GRMS_BF16_EO
 };
 
 template <>
