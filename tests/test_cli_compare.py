@@ -12,6 +12,7 @@ from helpers.calibration import assert_one_line_error, quick_argv, run
 from helpers.variants import off_by_one, slow, variant
 
 import kernel_variants as kv
+from kernel_variants import types
 
 FN = "causal_conv1d_fn"
 QUICK = [*quick_argv(), "-q"]
@@ -248,5 +249,5 @@ def test_the_head_to_head_is_public(contenders, tmp_path):
     assert pair.ratio is not None and pair.ratio > 1 and got.stats()["incumbent_faster"] == 1
     assert kv.table() == []
     path = _csv(tmp_path, "B,dim,seq,old_us,new_us\n1,64,16,100,150\n")
-    csv = kv.HeadToHead.from_csv(path, "old_us", "new_us")
+    csv = types.HeadToHead.from_csv(path, "old_us", "new_us")
     assert (csv.incumbent, csv.candidate, csv.pairs[0].ratio) == ("old", "new", 1.5)

@@ -29,43 +29,36 @@ from kernel_variants._version import __version__
 if TYPE_CHECKING:
     from kernel_variants._api import (
         build,
+        calibrate,
         calibrate_distributed,
         check_agreement,
+        clear_table,
+        clear_verdicts,
         compare,
         dtype_name,
         export_table,
         import_table,
-    )
-    from kernel_variants._api.calibration import (
-        TableRow,
-        calibrate,
-        clear_table,
+        info,
+        op_specs,
+        plan_calibration,
+        qualify,
+        read_sweep,
         recorded,
         stale_rows,
         table,
+        verdicts,
     )
-    from kernel_variants._api.compare import HeadToHead, ShapeComparison
-    from kernel_variants._api.plan import (
-        CalibrationJob,
-        CalibrationPlan,
-        JobResult,
-        plan_calibration,
-    )
-    from kernel_variants._api.qualification import clear_verdicts, qualify, verdicts
-    from kernel_variants._api.system import BuildResult, SystemInfo, info, op_specs, read_sweep
-    from kernel_variants._policy import Decision, NoVariantError
-    from kernel_variants._registry.registry import RegisteredVariant
-    from kernel_variants._runtime.bind import BoundOp, bind, explain
+    from kernel_variants._policy import NoVariantError
+    from kernel_variants._runtime.bind import bind, explain
     from kernel_variants._runtime.device_errors import check_errors
     from kernel_variants._runtime.dispatcher import force
     from kernel_variants._runtime.errors import VariantFailed
-    from kernel_variants._table.rows import Verdict
     from kernel_variants._table.store import CalibrationWarning
-    from kernel_variants._tuning.calibrate import CalibrationResult, Progress
-    from kernel_variants._tuning.distributed import DistributedResult
     from kernel_variants._tuning.timing import TimingConfig
     from kernel_variants.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
     from kernel_variants.ops.gemma_rms_norm import add_gemma_rms_norm, gemma_rms_norm
+    from kernel_variants.types import RegisteredVariant
+
 
 def _one_thread_after_fork() -> None:
     """In a forked child: GNU OpenMP's thread pool does not survive fork(), so a child whose
@@ -119,35 +112,35 @@ _LAZY = {
     "read_sweep": "kernel_variants._api",
     "check_errors": "kernel_variants._runtime.device_errors",
     "TimingConfig": "kernel_variants._tuning.timing",
-    # What the functions above return or raise, for annotations and except clauses.
-    "BoundOp": "kernel_variants._runtime.bind",
-    "BuildResult": "kernel_variants._api",
-    "CalibrationJob": "kernel_variants._api",
-    "CalibrationPlan": "kernel_variants._api",
-    "DistributedResult": "kernel_variants._tuning.distributed",
-    "HeadToHead": "kernel_variants._api",
-    "JobResult": "kernel_variants._api",
-    "ShapeComparison": "kernel_variants._api",
-    "SystemInfo": "kernel_variants._api",
-    "CalibrationResult": "kernel_variants._tuning.calibrate",
+    # What the functions above raise or warn (what they return: kernel_variants.types).
     "CalibrationWarning": "kernel_variants._table.store",
-    "Decision": "kernel_variants._policy",
     "NoVariantError": "kernel_variants._policy",
-    "Progress": "kernel_variants._tuning.calibrate",
-    "RegisteredVariant": "kernel_variants._registry.registry",
-    "TableRow": "kernel_variants._api",
     "VariantFailed": "kernel_variants._runtime.errors",
-    "Verdict": "kernel_variants._table.rows",
 }
 
 # Names this package no longer has, with what replaced each (docs/changes.md lists them all).
 MOVED = {
+    "BoundOp": "kernel_variants.types.BoundOp",
+    "BuildResult": "kernel_variants.types.BuildResult",
+    "CalibrationJob": "kernel_variants.types.CalibrationJob",
+    "CalibrationPlan": "kernel_variants.types.CalibrationPlan",
+    "DistributedResult": "kernel_variants.types.DistributedResult",
+    "HeadToHead": "kernel_variants.types.HeadToHead",
+    "JobResult": "kernel_variants.types.JobResult",
+    "ShapeComparison": "kernel_variants.types.ShapeComparison",
+    "SystemInfo": "kernel_variants.types.SystemInfo",
+    "CalibrationResult": "kernel_variants.types.CalibrationResult",
+    "Decision": "kernel_variants.types.Decision",
+    "Progress": "kernel_variants.types.Progress",
+    "RegisteredVariant": "kernel_variants.types.RegisteredVariant",
+    "TableRow": "kernel_variants.types.TableRow",
+    "Verdict": "kernel_variants.types.Verdict",
     "Capabilities": "kernel_variants.plugin.Capabilities",
     "OpSpec": "kernel_variants.plugin.OpSpec",
     "Variant": "kernel_variants.plugin.Variant",
     "hookimpl": "kernel_variants.plugin.hookimpl",
     "DuplicateVariantError": "kernel_variants.plugin.DuplicateVariantError",
-    "Measurement": "the rows of kernel_variants.table() (TableRow.times_us)",
+    "Measurement": "the rows of kernel_variants.table() (kernel_variants.types.TableRow)",
 }
 
 
@@ -182,25 +175,10 @@ def reload() -> None:
 
 
 __all__ = [
-    "BoundOp",
-    "BuildResult",
-    "CalibrationJob",
-    "CalibrationPlan",
-    "CalibrationResult",
     "CalibrationWarning",
-    "Decision",
-    "DistributedResult",
-    "HeadToHead",
-    "JobResult",
     "NoVariantError",
-    "Progress",
-    "RegisteredVariant",
-    "ShapeComparison",
-    "SystemInfo",
-    "TableRow",
     "TimingConfig",
     "VariantFailed",
-    "Verdict",
     "__version__",
     "add_gemma_rms_norm",
     "bind",

@@ -7,9 +7,12 @@ and measurement options; the head-to-head itself is :func:`kernel_variants.compa
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kernel_variants as kv
+
+if TYPE_CHECKING:
+    from kernel_variants import types
 from kernel_variants._cli import _options as opt
 from kernel_variants._cli._output import ProgressBar
 
@@ -59,12 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_features(p)
 
 
-def collect(args: argparse.Namespace) -> kv.HeadToHead:
+def collect(args: argparse.Namespace) -> types.HeadToHead:
     """Read the CSV given with ``--from-csv``, or measure the two variants on the shapes asked."""
     if args.from_csv:
         if args.sweep or args.shapes:
             raise ValueError("--from-csv brings its own shapes: drop --sweep/--shapes")
-        return kv.HeadToHead.from_csv(args.from_csv, args.incumbent, args.candidate,
+        from kernel_variants.types import HeadToHead  # (imports torch: not at kv --help)
+
+        return HeadToHead.from_csv(args.from_csv, args.incumbent, args.candidate,
                                       opt.op_spec(args.op).name if args.op else None)
     if args.incumbent == args.candidate:
         raise ValueError(f"expected two different variants, got {args.incumbent!r} twice")

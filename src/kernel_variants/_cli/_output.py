@@ -10,9 +10,10 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Sequence
-from typing import Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
-import kernel_variants as kv
+if TYPE_CHECKING:
+    from kernel_variants import types
 
 Format = Literal["text", "md", "csv"]
 
@@ -125,7 +126,7 @@ class ProgressBar:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._drawn = False
 
-    def __call__(self, p: kv.Progress) -> None:
+    def __call__(self, p: types.Progress) -> None:
         filled = int(self.width * p.done / p.total) if p.total else self.width
         bar = "#" * filled + "." * (self.width - filled)
         at = " ".join(f"{a}={v}" for a, v in zip(self.axes, p.shape, strict=False))

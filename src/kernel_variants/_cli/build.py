@@ -9,8 +9,12 @@ when building a container image or in CI; it reports where each build went and e
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 import kernel_variants as kv
+
+if TYPE_CHECKING:
+    from kernel_variants import types
 from kernel_variants._cli._output import print_json, render_table
 
 
@@ -31,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.ok and not r.failed for r in records) else 1
 
 
-def _qualified(r: kv.BuildResult) -> str:
+def _qualified(r: types.BuildResult) -> str:
     if r.failed:
         return f"FAILED {r.failed[0]}" + (f" (+{len(r.failed) - 1})" if len(r.failed) > 1 else "")
     return f"{r.qualified} classes" if r.qualified else "-"

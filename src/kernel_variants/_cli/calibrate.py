@@ -21,8 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import kernel_variants as kv
+
+if TYPE_CHECKING:
+    from kernel_variants import types
 from kernel_variants._cli import _options as opt
 from kernel_variants._cli._output import ProgressBar, percent, print_json, render_table, us
 
@@ -62,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_features(p)
 
 
-def summary(done: kv.JobResult) -> list[dict]:
+def summary(done: types.JobResult) -> list[dict]:
     """Per shape: the winner, its time, the runner-up and the winner's lead, from the table."""
     result = done.result
     out = []
@@ -141,10 +145,12 @@ def _distributed(args, timing, dtype: str, device: str, chosen: list[str] | None
     job.device = dres.result.device
     groups = {m.shape: m.group for m in dres.result.measurements}
     rows = {r.shape: r for r in kv.table(job.op, device=job.device) if groups.get(r.shape) == r.group}
-    return _report(args, [kv.JobResult(job, dres.result, rows)], work.source, None, [])
+    from kernel_variants.types import JobResult
+
+    return _report(args, [JobResult(job, dres.result, rows)], work.source, None, [])
 
 
-def _group_dict(done: kv.JobResult) -> dict:
+def _group_dict(done: types.JobResult) -> dict:
     result = done.result
     return {"op": result.op, "device": result.device, "dtype": result.dtype, "features": done.job.features,
             "shapes": summary(done),
@@ -155,7 +161,7 @@ def _group_dict(done: kv.JobResult) -> dict:
             "measurements": [m.model_dump(mode="json") for m in result.measurements]}
 
 
-def _report(args, results: list[kv.JobResult], source: str, budget: float | None, skipped_keys: list[dict]) -> int:
+def _report(args, results: list[types.JobResult], source: str, budget: float | None, skipped_keys: list[dict]) -> int:
     elapsed = sum(d.result.elapsed_s for d in results)
     skipped = [s for d in results for s in d.result.skipped]
     if args.json:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import kernel_variants as kv
 from kernel_variants._cli import _headtohead as h2h
 from kernel_variants._cli._output import print_json, ratio, render_table, us
+
+if TYPE_CHECKING:
+    from kernel_variants import types
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,7 +32,7 @@ def require_matplotlib() -> None:
         raise ValueError("--plot needs matplotlib: pip install 'kernel-variants[plot]'") from None
 
 
-def plot(result: kv.HeadToHead, path: str | Path) -> None:
+def plot(result: types.HeadToHead, path: str | Path) -> None:
     """Candidate/incumbent per shape as bars (above 1: the incumbent is faster), with the summary
     line as the title."""
     # The object API with an Agg canvas leaves pyplot's global state (and backend) alone.

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TYPE_CHECKING
 
-import kernel_variants as kv
 from kernel_variants._cli import _headtohead as h2h
 from kernel_variants._cli._output import percent, print_json, ratio, render_table, us
+
+if TYPE_CHECKING:
+    from kernel_variants import types
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h2h.add_arguments(p)
 
 
-def failures(result: kv.HeadToHead, tolerance: float) -> list[dict]:
+def failures(result: types.HeadToHead, tolerance: float) -> list[dict]:
     """Each shape where the candidate is not shown to be within ``tolerance`` of the incumbent:
     slower, rejected, unable to run it, or with no incumbent time to compare against."""
     out = []
