@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in todo:
             inputs = case.inputs()
             case.fn(public, *case.inputs())
-            chosen[case.name] = ", ".join(sorted({vid for vid, *_ in dispatcher().memo.values()}))
+            chosen[case.name] = ", ".join(sorted({hit.vid for hit in dispatcher().memo.values()}))
             dispatcher().invalidate()
             for mode in MODES:
                 fn = _step(case.fn, MODE_OPS[mode], f"{case.name} {mode}")

@@ -172,7 +172,8 @@ def _decode_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str
     op = kv.causal_conv1d_update
     with torch.inference_mode():
         op(x, state, w, b, activation="silu", conv_state_indices=idx)
-        vid, fn, *_ = next(iter(dispatcher().memo.values()))
+        hit = next(iter(dispatcher().memo.values()))
+        vid, fn = hit.vid, hit.fn
         bound_c, bound_py = _bound_pair(op, x, state, w, b, activation="silu", conv_state_indices=idx)
 
         def direct():
