@@ -76,24 +76,19 @@ class TableDocument(BaseModel):
             raise ValueError("fingerprint: keys or values too long")
         _check_time("created_at", self.created_at, now)
         seen: set[str] = set()
-        for i, m in enumerate(self.measurements):
-            problem = measurement_problem(m, now)
-            if problem is None and (m.fingerprint_id != self.fingerprint_id or m.fingerprint != self.fingerprint):
-                problem = "measured on another fingerprint than the document's"
-            if problem is None and m.storage_key() in seen:
-                problem = "a second entry for the same variant and shape"
-            if problem is not None:
-                raise ValueError(f"measurements[{i}] ({m.variant} at {_shape(m.shape)}): {problem}")
-            seen.add(m.storage_key())
-        for i, w in enumerate(self.winners):
-            problem = winner_problem(w, now)
-            if problem is None and w.fingerprint_id != self.fingerprint_id:
-                problem = "decided on another fingerprint than the document's"
-            if problem is None and w.storage_key() in seen:
-                problem = "a second winner for the same shape"
-            if problem is not None:
-                raise ValueError(f"winners[{i}] ({w.variant} at {_shape(w.shape)}): {problem}")
-            seen.add(w.storage_key())
+        rows = (("measurements", self.measurements, measurement_problem, "measured",
+                 lambda m: m.fingerprint != self.fingerprint, "a second entry for the same variant and shape"),
+                ("winners", self.winners, winner_problem, "decided", lambda w: False, "a second winner for the same shape"))
+        for field_name, entries, problem_of, done, other_fp, twice in rows:
+            for i, row in enumerate(entries):
+                problem = problem_of(row, now)
+                if problem is None and (row.fingerprint_id != self.fingerprint_id or other_fp(row)):
+                    problem = f"{done} on another fingerprint than the document's"
+                if problem is None and row.storage_key() in seen:
+                    problem = twice
+                if problem is not None:
+                    raise ValueError(f"{field_name}[{i}] ({row.variant} at {_shape(row.shape)}): {problem}")
+                seen.add(row.storage_key())
         mine = verdict_fingerprint(self.fingerprint)
         for i, v in enumerate(self.verdicts):
             problem = None

@@ -98,6 +98,19 @@ class Slots:
         return torch.where(self.live, self.kernel, marker).to(torch.int32)
 
 
+def finish_decode(out: torch.Tensor, conv_state: torch.Tensor, slots: Slots, new_state: torch.Tensor,
+                  x: torch.Tensor) -> torch.Tensor:
+    """The end of a plain-torch decode: pad sequences get a zero output and no state write, the
+    live ones their new state ``[B, S, D]`` (detached: states never join a graph); the output
+    ``[B, L, D]`` in x's layout (``[B, D]`` for one token)."""
+    ids, live = slots.ids, slots.live
+    if live is not None:
+        out[~live] = 0
+        ids, new_state = ids[live], new_state[live]
+    conv_state[ids] = new_state.detach()
+    return out.squeeze(1) if x.ndim == 2 else out
+
+
 def initial(has_initial_state: torch.Tensor | None, slots: Slots) -> torch.Tensor:
     """[B] bool: whether sequence b starts from its slot's history (never for padding)."""
     init = has_initial_state

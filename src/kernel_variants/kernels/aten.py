@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kernel_variants._registry.hookspecs import hookimpl
 from kernel_variants._registry.models import Variant
-from kernel_variants.kernels._slots import Slots, initial
+from kernel_variants.kernels._slots import Slots, finish_decode, initial
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 
 
@@ -83,16 +83,10 @@ def causal_conv1d_update(
     keep = weight.shape[1] - 1
     rows = conv_state.shape[1]
     s = Slots(conv_state_indices, batch, pad_slot_id, x.device)
-    slots, live = s.ids, s.live
     stream = torch.cat([conv_state[s.safe], x3], dim=1)  # [B, S+L, D]
     h = stream[:, rows - keep :].transpose(1, 2)
     out = _depthwise(h, weight, bias, activation is not None)
-    new_state = stream[:, stream.shape[1] - rows :]
-    if live is not None:
-        out[~live] = 0
-        slots, new_state = slots[live], new_state[live]
-    conv_state[slots] = new_state.detach()  # states never join a graph
-    return out.squeeze(1) if x.ndim == 2 else out
+    return finish_decode(out, conv_state, s, stream[:, stream.shape[1] - rows :], x)
 
 
 _CAPS = dict(

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kernel_variants._dtypes import acc_dtype
 from kernel_variants._registry.hookspecs import hookimpl
 from kernel_variants._registry.models import Variant
-from kernel_variants.kernels._slots import Slots, initial
+from kernel_variants.kernels._slots import Slots, finish_decode, initial
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 
 
@@ -90,7 +90,6 @@ def causal_conv1d_update(
     rows = conv_state.shape[1]
     acc = acc_dtype(x.dtype)
     s = Slots(conv_state_indices, batch, pad_slot_id, x.device)
-    slots, live = s.ids, s.live
     state = conv_state[s.safe].to(acc)  # [B, S, D]
     xa = x3.to(acc)
     if num_accepted_tokens is None:
@@ -106,12 +105,7 @@ def causal_conv1d_update(
         stream = torch.cat([state.gather(1, pick[:, :, None].expand(batch, kept, dim)), xa], dim=1)
         new_state = stream[:, stream.shape[1] - rows :]
     out = _taps(torch.cat([hist, xa], dim=1), weight, bias, activation in ("silu", "swish")).to(x.dtype)
-    new_state = new_state.to(conv_state.dtype)
-    if live is not None:
-        out[~live] = 0
-        slots, new_state = slots[live], new_state[live]
-    conv_state[slots] = new_state.detach()  # states never join a graph
-    return out.squeeze(1) if x.ndim == 2 else out
+    return finish_decode(out, conv_state, s, new_state.to(conv_state.dtype), x)
 
 
 _CAPS = dict(

@@ -49,14 +49,16 @@ SOURCES = ("_triton_conv_kernels.py",)
 
 
 @dataclass(frozen=True)
-class FnBlocks:
-    d: int  # channels per program
-    t: int  # tokens per program
+class Blocks:
+    """A block configuration: channels per program, and (prefill) tokens per program."""
+
+    d: int
+    t: int | None = None
 
     @property
     def name(self) -> str:
         """The tactic's name."""
-        return f"d{self.d}_t{self.t}"
+        return f"d{self.d}" if self.t is None else f"d{self.d}_t{self.t}"
 
     @property
     def id(self) -> str:
@@ -64,38 +66,25 @@ class FnBlocks:
         return f"triton:{self.name}"
 
 
-@dataclass(frozen=True)
-class UpdateBlocks:
-    d: int
-
-    @property
-    def name(self) -> str:
-        return f"d{self.d}"
-
-    @property
-    def id(self) -> str:
-        return f"triton:{self.name}"
-
-
-FN_CONFIGS = (FnBlocks(32, 64), FnBlocks(64, 32), FnBlocks(128, 16), FnBlocks(256, 8))
-UPDATE_CONFIGS = (UpdateBlocks(32), UpdateBlocks(64), UpdateBlocks(128), UpdateBlocks(256))
+FN_CONFIGS = (Blocks(32, 64), Blocks(64, 32), Blocks(128, 16), Blocks(256, 8))
+UPDATE_CONFIGS = (Blocks(32), Blocks(64), Blocks(128), Blocks(256))
 
 
 
-def fn_heuristic(tokens: int, dim: int) -> FnBlocks:
+def fn_heuristic(tokens: int, dim: int) -> Blocks:
     """Fill the GPU with programs first, then widen the channel block."""
     d = min(128, max(16, pow2(dim)))
     t = 32 if tokens >= 4096 else 16
-    return FnBlocks(d, t)
+    return Blocks(d, t)
 
 
-def update_heuristic(batch: int, dim: int) -> UpdateBlocks:
-    return UpdateBlocks(min(256 if batch <= 16 else 128, max(16, pow2(dim))))
+def update_heuristic(batch: int, dim: int) -> Blocks:
+    return Blocks(min(256 if batch <= 16 else 128, max(16, pow2(dim))))
 
 
 
 def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=None, has_initial_state=None,
-                     query_start_loc=None, activation=None, pad_slot_id=-1, blocks: FnBlocks | None = None,
+                     query_start_loc=None, activation=None, pad_slot_id=-1, blocks: Blocks | None = None,
                      out=None):
     """x: [B, L, D], or [T, D] with query_start_loc; weight: [D, W]; conv_states: [N, S, D]
     updated in place; returns x's shape and dtype (contiguous), or writes ``out`` (contiguous,
@@ -145,7 +134,7 @@ def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=No
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, conv_state_indices=None,
-                         num_accepted_tokens=None, pad_slot_id=-1, blocks: UpdateBlocks | None = None, out=None):
+                         num_accepted_tokens=None, pad_slot_id=-1, blocks: Blocks | None = None, out=None):
     """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place; weight: [D, W]. Returns
     x's shape and dtype, or writes ``out`` (x's shape and dtype, not x; any strides)."""
     k = kernels(interpreting())
