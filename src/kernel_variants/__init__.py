@@ -6,7 +6,7 @@ For callers: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`,
 (:func:`explain`, :func:`variants`); pinning (:func:`force`) and a fixed choice for a loop
 (:func:`bind`); qualification (:func:`qualify`, :func:`verdicts`, :func:`clear_verdicts`);
 calibration (:func:`calibrate` with a :class:`TimingConfig`, :func:`plan_calibration` for the
-figures a table lacks, :func:`calibrate_distributed`, :func:`table`, :func:`stale_rows`,
+figures a table lacks, :func:`table`, :func:`stale_rows`,
 :func:`recorded`, :func:`clear_table`, :func:`export_table`, :func:`import_table`); head-to-heads
 (:func:`compare`, :class:`HeadToHead`); this installation (:func:`op_specs`, :func:`info`,
 :func:`build`, :func:`dtype_name`, :func:`read_sweep`); checks (:func:`check_errors`,
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from kernel_variants._api import (
         build,
         calibrate,
-        calibrate_distributed,
         check_agreement,
         clear_table,
         clear_verdicts,
@@ -101,7 +100,6 @@ _LAZY = {
     "import_table": "kernel_variants._api",
     "check_agreement": "kernel_variants._api",
     "plan_calibration": "kernel_variants._api",
-    "calibrate_distributed": "kernel_variants._api",
     "stale_rows": "kernel_variants._api",
     "recorded": "kernel_variants._api",
     "compare": "kernel_variants._api",
@@ -124,7 +122,8 @@ MOVED = {
     "BuildResult": "kernel_variants.types.BuildResult",
     "CalibrationJob": "kernel_variants.types.CalibrationJob",
     "CalibrationPlan": "kernel_variants.types.CalibrationPlan",
-    "DistributedResult": "kernel_variants.types.DistributedResult",
+    "DistributedResult": "kernel_variants.types.CalibrationResult (its rank, world_size and imported)",
+    "calibrate_distributed": "kernel_variants.calibrate(..., distributed=True)",
     "HeadToHead": "kernel_variants.types.HeadToHead",
     "JobResult": "kernel_variants.types.JobResult",
     "ShapeComparison": "kernel_variants.types.ShapeComparison",
@@ -184,7 +183,6 @@ __all__ = [
     "bind",
     "build",
     "calibrate",
-    "calibrate_distributed",
     "causal_conv1d_fn",
     "causal_conv1d_update",
     "check_agreement",

@@ -18,7 +18,6 @@ from kernel_variants._registry.registry import RegisteredVariant
 from kernel_variants._runtime.bind import BoundOp
 from kernel_variants._table.rows import Verdict
 from kernel_variants._tuning.calibrate import CalibrationResult, Progress
-from kernel_variants._tuning.distributed import DistributedResult
 
 __all__ = [
     "BoundOp",
@@ -27,7 +26,6 @@ __all__ = [
     "CalibrationPlan",
     "CalibrationResult",
     "Decision",
-    "DistributedResult",
     "HeadToHead",
     "JobResult",
     "Progress",

@@ -16,7 +16,6 @@ from kernel_variants._api.calibration import (
 )
 from kernel_variants._api.compare import HeadToHead, ShapeComparison, compare
 from kernel_variants._api.exchange import (
-    calibrate_distributed,
     check_agreement,
     export_table,
     import_table,
@@ -45,7 +44,6 @@ __all__ = [
     "TableRow",
     "build",
     "calibrate",
-    "calibrate_distributed",
     "check_agreement",
     "check_shapes",
     "clear_table",

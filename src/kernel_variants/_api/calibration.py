@@ -16,6 +16,7 @@ from kernel_variants._table.rows import DEFAULT_PRUNE, Group, StaleRow
 from kernel_variants._table.store import Recorder
 from kernel_variants._table.table import DEFAULT_MARGIN
 from kernel_variants._tuning.calibrate import CalibrationResult, Progress, run_calibration
+from kernel_variants._tuning.distributed import calibrate_distributed
 from kernel_variants._tuning.timing import TimingConfig
 
 
@@ -48,6 +49,7 @@ def calibrate(
     progress: Callable[[Progress], None] | None = None,
     prune: float | None = DEFAULT_PRUNE,
     budget_s: float | None = None,
+    distributed: bool = False,
     **features: object,
 ) -> CalibrationResult:
     """Measure ``variants`` (default: every available one) of ``op`` on each shape (a tuple over
@@ -70,6 +72,16 @@ def calibrate(
     make twice the device's L2. ``with_out`` times each call writing into a preallocated
     ``out=``, as the dispatcher runs it: for callers that always pass ``out``. Each
     measurement's ``method`` says how it was taken.
+
+    ``distributed=True``: across the ranks of this ``torchrun`` job, leaving every rank with the
+    same table. A collective: every rank calls it with the same arguments; ``device`` is a device
+    type (each rank measures on ``TYPE:LOCAL_RANK``). Each rank measures a share of the (shape,
+    variant) pairs; rank 0 records them all and decides the winners, every other rank imports
+    rank 0's table (the result's ``imported`` says what that changed; ``rank`` and
+    ``world_size`` say where it ran). Nothing is pruned and no budget applies (the ranks would
+    stop at different shapes). Ranks must have one device fingerprint and one set of variant
+    versions (a ``ValueError`` names the ranks that differ). It joins the default process group,
+    or creates it from the torchrun environment for the call.
     """
     moved = [k for k in _TIMING_KEYWORDS if k in features]
     if moved:
@@ -80,6 +92,17 @@ def calibrate(
     if timing is not None and not isinstance(timing, TimingConfig):
         raise TypeError(f"timing: expected a kernel_variants.TimingConfig, got {type(timing).__name__}")
     timing = timing if timing is not None else TimingConfig()
+    if distributed:
+        if budget_s is not None:
+            raise ValueError("budget_s: a distributed calibration takes none (the ranks would stop at different shapes)")
+        if prune not in (None, DEFAULT_PRUNE):
+            raise ValueError(f"prune: a distributed calibration prunes nothing (each rank times its share), got {prune}")
+        try:
+            return calibrate_distributed(d, spec.name, check_shapes(shapes, spec.axes), dtype=dtype, device=device,
+                                         features=spec.features(**features), timing=timing, variants=variants,
+                                         rotate=rotate, margin=margin, progress=progress)
+        finally:
+            d.invalidate()
     try:
         return run_calibration(d.registry.variants(spec.name), d.table, spec, check_shapes(shapes, spec.axes),
                                dtype=dtype, device=str(torch.device(device)), features=spec.features(**features),

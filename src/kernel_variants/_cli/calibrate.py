@@ -131,9 +131,9 @@ def _distributed(args, timing, dtype: str, device: str, chosen: list[str] | None
     rank = os.environ.get("RANK", "0")
     bar = None if args.quiet or rank != "0" else ProgressBar("rank 0 share ", axes=work.spec.axes)
     try:
-        dres = kv.calibrate_distributed(work.op, work.shapes, device=device, progress=bar, dtype=dtype,
-                                        timing=timing, variants=list(job.variants[job.shapes[0]]),
-                                        rotate=args.rotate, margin=args.margin, **job.features)
+        dres = kv.calibrate(work.op, work.shapes, device=device, progress=bar, dtype=dtype, timing=timing,
+                            variants=list(job.variants[job.shapes[0]]), rotate=args.rotate, margin=args.margin,
+                            prune=None, distributed=True, **job.features)
     finally:
         if bar is not None:
             bar.close()
@@ -142,12 +142,12 @@ def _distributed(args, timing, dtype: str, device: str, chosen: list[str] | None
         print(f"kv calibrate: rank {dres.rank}: imported rank 0's table ({rep.added} added, {rep.updated} updated)",
               file=sys.stderr)
         return 0
-    job.device = dres.result.device
-    groups = {m.shape: m.group for m in dres.result.measurements}
+    job.device = dres.device
+    groups = {m.shape: m.group for m in dres.measurements}
     rows = {r.shape: r for r in kv.table(job.op, device=job.device) if groups.get(r.shape) == r.group}
     from kernel_variants.types import JobResult
 
-    return _report(args, [JobResult(job, dres.result, rows)], work.source, None, [])
+    return _report(args, [JobResult(job, dres, rows)], work.source, None, [])
 
 
 def _group_dict(done: types.JobResult) -> dict:

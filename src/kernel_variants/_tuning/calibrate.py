@@ -16,6 +16,7 @@ from kernel_variants._registry.case import Case
 from kernel_variants._registry.keys import CallKey, Features
 from kernel_variants._registry.registry import RegisteredVariant
 from kernel_variants._registry.spec import OpSpec, Shape
+from kernel_variants._table.exchange import ImportReport
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
 from kernel_variants._table.rows import Group, Measurement, Winner, check_margin, check_prune
 from kernel_variants._table.table import CalibrationTable
@@ -56,6 +57,11 @@ class CalibrationResult:
     winners: dict[Shape, Winner | None] = field(default_factory=dict)
     skipped: list[Shape] = field(default_factory=list)  # not started: the time budget was spent
     elapsed_s: float = 0.0
+    # Under torchrun (calibrate(distributed=True)): this rank, the ranks, and on ranks other than
+    # 0 what importing rank 0's table changed here.
+    rank: int = 0
+    world_size: int = 1
+    imported: ImportReport | None = None
 
     def rejected(self) -> list[Measurement]:
         return [m for m in self.measurements if m.status == "rejected"]

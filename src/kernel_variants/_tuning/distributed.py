@@ -30,7 +30,6 @@ from kernel_variants._policy import Decision
 from kernel_variants._registry.keys import CallKey, Features
 from kernel_variants._registry.spec import Shape
 from kernel_variants._table.exchange import (
-    ImportReport,
     build_document,
     import_document,
     parse_document,
@@ -59,13 +58,6 @@ _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 class RankMismatch(ValueError):
     """Ranks of one job differ in device fingerprint or variant versions."""
 
-
-@dataclass
-class DistributedResult:
-    rank: int
-    world_size: int
-    result: CalibrationResult  # every rank's measurements, and the winners of the shared table
-    imported: ImportReport | None  # on ranks other than 0: what importing rank 0's table changed
 
 
 def torchrun_env() -> tuple[int, int, int]:
@@ -128,7 +120,7 @@ def calibrate_distributed(
     rotate: int = 0,
     margin: float = DEFAULT_MARGIN,
     progress: Callable[[Progress], None] | None = None,
-) -> DistributedResult:
+) -> CalibrationResult:
     """Calibrate ``shapes`` across the ranks of this torchrun job (see the module docstring).
 
     Joins the default process group, or creates it from the torchrun environment (gloo on CPU,
@@ -154,7 +146,7 @@ def calibrate_distributed(
             dist.destroy_process_group()
 
 
-def _run(d, dist, op, shapes, dt, dev, features, timing, variants, rotate, margin, progress) -> DistributedResult:
+def _run(d, dist, op, shapes, dt, dev, features, timing, variants, rotate, margin, progress) -> CalibrationResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = d.registry.spec(op)
     entries = d.registry.variants(spec.name)
@@ -232,7 +224,8 @@ def _run(d, dist, op, shapes, dt, dev, features, timing, variants, rotate, margi
             if w.group in groups and w.shape in order:
                 result.winners[w.shape] = w
     dist.barrier()
-    return DistributedResult(rank, world, result, imported)
+    result.rank, result.world_size, result.imported = rank, world, imported
+    return result
 
 
 # Agreement at run time: online tuning (KV_TUNE=1) under torch.distributed, and checking it.

@@ -37,6 +37,7 @@ from kernel_variants.kernels._slots import (
     trimmed,
     zero_fresh_history,
 )
+from kernel_variants.plugin import ConvCapabilities, Variant
 
 # --------------------------------------------------------------------------------------------
 # Finding kernels
@@ -69,6 +70,20 @@ SGL_NPU_DEPENDS = ("sgl-kernel-npu", "torch_npu", "cann", "torch")
 #: The shared code every adapter runs, as ``Variant(sources=...)``: a change to it makes the
 #: adapters' timings stale.
 ADAPTER_SOURCES = tuple(str(Path(__file__).with_name(name)) for name in ("_adapters.py", "_slots.py"))
+
+
+def sgl_npu_update_variant(adapter: Any, *, vid: str, devices: frozenset[str], priority: int, width: tuple[int, int],
+                           description: str) -> Variant:
+    """One of sgl-kernel-npu's decode kernels, through ``adapter``, as the variant ``vid`` of
+    causal_conv1d_update: bf16/fp16, speculative verify, any pool strides, safe in a graph
+    capture; ``width`` is the range its kernel takes. (Tests build it on a CPU double with
+    ``devices={"cpu"}``.)"""
+    caps = ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=width, num_accepted_tokens=True,
+                            noncontiguous_states=True, graph_safe=True)
+    # version "1": what the kernel's speed depends on is declared in depends.
+    return Variant(id=vid, op="causal_conv1d_update", version="1", depends=SGL_NPU_DEPENDS,
+                   fn=adapter.causal_conv1d_update, probe=adapter.probe, priority=priority, sources=ADAPTER_SOURCES,
+                   capabilities=caps, description=description)
 
 
 def dist_version(*dists: str) -> str:

@@ -51,8 +51,6 @@ from typing import Any
 
 import torch
 
-from kernel_variants._registry.hookspecs import hookimpl
-from kernel_variants._registry.models import Variant
 from kernel_variants.kernels._adapters import (
     ADAPTER_SOURCES,
     SGL_NPU_DEPENDS,
@@ -74,7 +72,7 @@ from kernel_variants.kernels._slots import (
     spec_shift,
     trimmed,
 )
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.plugin import ConvCapabilities, Variant, hookimpl
 
 SCHEMA = (
     Param("x", "Tensor"),

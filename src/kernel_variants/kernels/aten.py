@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernel_variants._registry.hookspecs import hookimpl
-from kernel_variants._registry.models import Variant
 from kernel_variants.kernels._slots import Slots, finish_decode, initial
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.ops.causal_conv1d import TORCH_CAPS
+from kernel_variants.plugin import ConvCapabilities, Variant, hookimpl
 
 
 def _depthwise(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
@@ -89,13 +88,7 @@ def causal_conv1d_update(
     return finish_decode(out, conv_state, s, stream[:, stream.shape[1] - rows :], x)
 
 
-_CAPS = dict(
-    autograd=True,  # plain torch ops; the state writes are detached
-    devices={"cpu", "cuda"},
-    dtypes={"float32", "bfloat16", "float16", "float64"},
-    width=(1, None),
-    noncontiguous_states=True,
-)
+_CAPS = dict(devices={"cpu", "cuda"}, **TORCH_CAPS)
 
 
 @hookimpl

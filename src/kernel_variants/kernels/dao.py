@@ -28,8 +28,6 @@ from typing import Any
 
 import torch
 
-from kernel_variants._registry.hookspecs import hookimpl
-from kernel_variants._registry.models import Variant
 from kernel_variants.kernels._adapters import (
     ADAPTER_SOURCES,
     FunctionRef,
@@ -45,7 +43,7 @@ from kernel_variants.kernels._slots import (
     scatter_rows,
     zero_dead_rows,
 )
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.plugin import ConvCapabilities, Variant, hookimpl
 
 # What the kernel's speed depends on besides its source: its rows go stale when one changes.
 DEPENDS = ("causal-conv1d", "torch")

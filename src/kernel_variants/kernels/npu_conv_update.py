@@ -44,15 +44,12 @@ from __future__ import annotations
 
 import torch
 
-from kernel_variants._registry.hookspecs import hookimpl
-from kernel_variants._registry.models import Variant
 from kernel_variants.kernels._adapters import (
-    ADAPTER_SOURCES,
-    SGL_NPU_DEPENDS,
     FirstDevice,
     OpAdapter,
     OpRef,
     Param,
+    sgl_npu_update_variant,
 )
 from kernel_variants.kernels._slots import (
     COMPACT_PAD,
@@ -64,7 +61,7 @@ from kernel_variants.kernels._slots import (
     spec_shift,
     trimmed,
 )
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.plugin import Variant, hookimpl
 
 SCHEMA = (
     Param("x", "Tensor"),
@@ -124,15 +121,10 @@ class NpuConvUpdateAdapter(OpAdapter):
 
 def variants(adapter: NpuConvUpdateAdapter, *, vid: str = "npu_conv_update", devices=frozenset({"npu"}),
              priority: int = 10) -> list[Variant]:
-    """The decode variant of ``adapter``; tests build it on a CPU double with ``devices={"cpu"}``."""
-    version = "1"  # what the kernel's speed depends on is declared below (depends=...)
-    return [
-        Variant(id=vid, op="causal_conv1d_update", version=version, depends=SGL_NPU_DEPENDS, fn=adapter.causal_conv1d_update,
-                probe=adapter.probe, priority=priority, sources=ADAPTER_SOURCES,
-                capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 4),
-                                              num_accepted_tokens=True, noncontiguous_states=True, graph_safe=True),
-                description="sgl-kernel-npu Ascend C npu::causal_conv1d_update, history re-laid for its pre-shift"),
-    ]
+    """The decode variant of ``adapter``."""
+    return [sgl_npu_update_variant(adapter, vid=vid, devices=devices, priority=priority, width=(2, 4),
+                                   description="sgl-kernel-npu Ascend C npu::causal_conv1d_update, history re-laid "
+                                               "for its pre-shift")]
 
 
 @hookimpl

@@ -59,8 +59,7 @@ from types import ModuleType
 
 import torch
 
-from kernel_variants._registry.hookspecs import hookimpl
-from kernel_variants._registry.models import Capabilities, Variant
+from kernel_variants.plugin import Capabilities, Variant, hookimpl
 
 __all__ = [
     "device_family",
@@ -256,17 +255,23 @@ _CAPS = Capabilities(devices={"npu"}, dtypes={"float32", "bfloat16", "float16"})
 _DEPENDS = ("torch_npu", "cann", "torch")  # the ops are torch_npu's, their kernels CANN's
 
 
+# (id, op, function, probe, priority, what it runs): two torch_npu paths per op, as sgl-kernel-npu
+# picks them by device (the Gemma kernel on A2/A3, npu_rms_norm on 310P and unknown devices).
+_VARIANTS = (
+    ("npu_gemma_rms_norm", "gemma_rms_norm", npu_gemma_rms_norm_fn, probe_npu_gemma_rms_norm, 20,
+     "torch_npu.npu_gemma_rms_norm(x, w, eps)[0] (A2/A3)"),
+    ("npu_gemma_rms_norm", "add_gemma_rms_norm", npu_gemma_add_fn, probe_npu_gemma_add, 20,
+     "torch_npu.npu_add_rms_norm(residual, x, 1 + w, eps)"),
+    ("npu_rms_norm", "gemma_rms_norm", npu_rms_norm_fn, probe_npu_rms_norm, 15,
+     "torch_npu.npu_rms_norm(x, 1 + w, eps)[0] (310P and unknown devices)"),
+    ("npu_rms_norm", "add_gemma_rms_norm", npu_rms_add_fn, probe_npu_rms_norm, 15,
+     "x + residual in torch, then torch_npu.npu_rms_norm(s, 1 + w, eps)[0]"),
+)
+
+
 @hookimpl
 def kv_register_variants(register) -> None:
-    register(Variant(id="npu_gemma_rms_norm", op="gemma_rms_norm", version="1", depends=_DEPENDS, fn=npu_gemma_rms_norm_fn,
-                     probe=probe_npu_gemma_rms_norm, priority=20, capabilities=_CAPS,
-                     description="torch_npu.npu_gemma_rms_norm(x, w, eps)[0] (A2/A3)"))
-    register(Variant(id="npu_gemma_rms_norm", op="add_gemma_rms_norm", version="1", depends=_DEPENDS, fn=npu_gemma_add_fn,
-                     probe=probe_npu_gemma_add, priority=20, capabilities=_CAPS,
-                     description="torch_npu.npu_add_rms_norm(residual, x, 1 + w, eps)"))
-    register(Variant(id="npu_rms_norm", op="gemma_rms_norm", version="1", depends=_DEPENDS, fn=npu_rms_norm_fn,
-                     probe=probe_npu_rms_norm, priority=15, capabilities=_CAPS,
-                     description="torch_npu.npu_rms_norm(x, 1 + w, eps)[0] (310P and unknown devices)"))
-    register(Variant(id="npu_rms_norm", op="add_gemma_rms_norm", version="1", depends=_DEPENDS, fn=npu_rms_add_fn,
-                     probe=probe_npu_rms_norm, priority=15, capabilities=_CAPS,
-                     description="x + residual in torch, then torch_npu.npu_rms_norm(s, 1 + w, eps)[0]"))
+    for vid, op, fn, probe, priority, what in _VARIANTS:
+        register(Variant(id=vid, op=op, version="1", depends=_DEPENDS, fn=fn, probe=probe, priority=priority,
+                         capabilities=_CAPS, description=what))
+

@@ -32,14 +32,11 @@ from typing import Any
 
 import torch
 
-from kernel_variants._registry.hookspecs import hookimpl
-from kernel_variants._registry.models import Variant
 from kernel_variants.kernels._adapters import (
-    ADAPTER_SOURCES,
-    SGL_NPU_DEPENDS,
     FunctionRef,
     LazyKernel,
     mark_written,
+    sgl_npu_update_variant,
     signature_mismatch,
 )
 from kernel_variants.kernels._slots import (
@@ -51,7 +48,7 @@ from kernel_variants.kernels._slots import (
     spec_shift,
     zero_dead_rows,
 )
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.plugin import Variant, hookimpl
 
 LEADING = ("x", "conv_state", "weight", "bias", "activation", "conv_state_indices", "num_accepted_tokens")
 ALSO = ("pad_slot_id",)
@@ -106,14 +103,9 @@ class NpuTritonAdapter(LazyKernel):
 
 def variants(adapter: NpuTritonAdapter, *, vid: str = "npu_triton_update", devices=frozenset({"npu"}),
              priority: int = 10) -> list[Variant]:
-    version = "1"  # what the kernel's speed depends on is declared below (depends=...)
-    return [
-        Variant(id=vid, op="causal_conv1d_update", version=version, depends=SGL_NPU_DEPENDS, fn=adapter.causal_conv1d_update,
-                probe=adapter.probe, priority=priority, sources=ADAPTER_SOURCES,
-                capabilities=ConvCapabilities(devices=devices, dtypes={"bfloat16", "float16"}, width=(2, 6),
-                                              num_accepted_tokens=True, noncontiguous_states=True, graph_safe=True),
-                description="sgl_kernel_npu causal_conv1d_update_v2 (Triton on Ascend)"),
-    ]
+    """The decode variant of ``adapter``."""
+    return [sgl_npu_update_variant(adapter, vid=vid, devices=devices, priority=priority, width=(2, 6),
+                                   description="sgl_kernel_npu causal_conv1d_update_v2 (Triton on Ascend)")]
 
 
 @hookimpl

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernel_variants._registry.hookspecs import hookimpl
-from kernel_variants._registry.models import Capabilities, Variant
+from kernel_variants.plugin import Capabilities, Variant, hookimpl
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -33,3 +32,4 @@ def kv_register_variants(register) -> None:
                      capabilities=_CAPS, description=_WHAT))
     register(Variant(id="aten", op="add_gemma_rms_norm", version="1", fn=add_gemma_rms_norm, priority=10, isolate=False,
                      capabilities=_CAPS, description=f"x + residual, then {_WHAT}"))
+

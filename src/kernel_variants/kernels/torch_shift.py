@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from kernel_variants._dtypes import acc_dtype
-from kernel_variants._registry.hookspecs import hookimpl
-from kernel_variants._registry.models import Variant
 from kernel_variants.kernels._slots import Slots, finish_decode, initial
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.ops.causal_conv1d import TORCH_CAPS
+from kernel_variants.plugin import ConvCapabilities, Variant, hookimpl
 
 
 def _taps(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
@@ -108,13 +107,7 @@ def causal_conv1d_update(
     return finish_decode(out, conv_state, s, new_state.to(conv_state.dtype), x)
 
 
-_CAPS = dict(
-    autograd=True,  # plain torch ops; the state writes are detached
-    devices={"cpu", "cuda", "npu"},
-    dtypes={"float32", "bfloat16", "float16", "float64"},
-    width=(1, None),
-    noncontiguous_states=True,
-)
+_CAPS = dict(devices={"cpu", "cuda", "npu"}, **TORCH_CAPS)
 
 
 @hookimpl

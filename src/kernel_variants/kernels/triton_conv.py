@@ -37,12 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernel_variants._registry.hookspecs import hookimpl
-from kernel_variants._registry.models import Variant
 from kernel_variants.kernels._adapters import mark_written
 from kernel_variants.kernels._triton import DEPENDS, device_guard, interpreting, pow2, probe
 from kernel_variants.kernels._triton_conv_kernels import MAX_WIDTH, kernels
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.plugin import ConvCapabilities, Variant, hookimpl
 
 # The jitted bodies live beside this module: its timings go stale when they change too.
 SOURCES = ("_triton_conv_kernels.py",)

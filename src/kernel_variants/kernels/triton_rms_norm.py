@@ -34,10 +34,9 @@ from types import SimpleNamespace
 
 import torch
 
-from kernel_variants._registry.hookspecs import hookimpl
-from kernel_variants._registry.models import Capabilities, Variant
 from kernel_variants.kernels._adapters import mark_written
 from kernel_variants.kernels._triton import DEPENDS, device_guard, interpreting, pow2, probe
+from kernel_variants.plugin import Capabilities, Variant, hookimpl
 
 MAX_BLOCK_D = 8192  # widest row kept in registers in one pass; longer rows go in chunks of this
 ROW_TILE = 2048  # elements per program that short rows are packed up to

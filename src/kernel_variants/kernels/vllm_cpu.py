@@ -43,11 +43,9 @@ from typing import Any
 
 import torch
 
-from kernel_variants._registry.hookspecs import hookimpl
-from kernel_variants._registry.models import Variant
 from kernel_variants.kernels._adapters import LazyKernel, Param, mark_written, schema_mismatch
 from kernel_variants.kernels._slots import int32
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.plugin import ConvCapabilities, Variant, hookimpl
 
 WIDTH = 4
 CHANNEL_STEP = 32

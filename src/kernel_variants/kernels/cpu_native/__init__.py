@@ -18,10 +18,8 @@ import functools
 
 import torch
 
-from kernel_variants._registry.hookspecs import hookimpl
-from kernel_variants._registry.models import Capabilities, Variant
 from kernel_variants.kernels.cpu_native import _build
-from kernel_variants.ops.causal_conv1d import ConvCapabilities
+from kernel_variants.plugin import Capabilities, ConvCapabilities, Variant, hookimpl
 
 
 def causal_conv1d_fn(

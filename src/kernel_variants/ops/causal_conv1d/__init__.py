@@ -189,8 +189,11 @@ def causal_conv1d_update(
                    out)
 
 
-_REFERENCE_CAPS = dict(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16", "float64"},
-                       width=(1, None), noncontiguous_states=True, autograd=True, takes_out=True)
+# What a conv written in plain torch ops can run: any float dtype and width, any state pool
+# strides (index_put_ writes through a view), autograd (the state writes are detached).
+TORCH_CAPS = dict(dtypes={"float32", "bfloat16", "float16", "float64"}, width=(1, None), noncontiguous_states=True,
+                  autograd=True)
+_REFERENCE_CAPS = dict(devices={"cpu", "cuda", "npu"}, takes_out=True, **TORCH_CAPS)
 _ORACLE = "the contract in plain torch, per sequence; the oracle for every other variant"
 _SWEEPS = _sweeps.sweeps()
 
@@ -260,4 +263,4 @@ def kv_register_ops(register) -> None:
         register(spec)
 
 
-__all__ = ["ConvCapabilities", "ConvFeatures", "causal_conv1d_fn", "causal_conv1d_update"]
+__all__ = ["TORCH_CAPS", "ConvCapabilities", "ConvFeatures", "causal_conv1d_fn", "causal_conv1d_update"]
