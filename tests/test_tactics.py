@@ -211,3 +211,24 @@ def test_the_triton_block_configurations_are_tactics_of_one_variant():
         assert all(renames[(op, f"triton_{c.name}")] == c.id for c in configs)
     assert "triton:d32_t64" in {rv.id for rv in kv.variants("causal_conv1d_fn")}
     assert dispatcher().registry.renames()[("causal_conv1d_fn", "triton_d32_t64")] == "triton:d32_t64"
+
+
+
+def test_an_unmeasured_tactic_of_a_measured_variant_does_not_outrank_the_measured_winner(reference_only, with_variants):
+    """An incomplete row lets a higher-priority variant without a figure run instead of the
+    measured winner; a variant counts as measured when any of its tactics (or its default) has a
+    figure there, so its other tactics do not override a faster rival."""
+    rival = Variant(id="rival", op=FN, version="1", priority=50, fn=reference.causal_conv1d_fn, isolate=False,
+                    capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, width=(2, 4)))
+    with_variants(_tactical(quick=_tracked("quick")), rival)
+    kv.calibrate(FN, [SHAPE], variants=["tac", "rival"], **QUICK)  # the default sleeps: rival wins
+    args, kw = _call()
+    decision = kv.explain(FN, *args, **kw)
+    assert (decision.chosen.id, decision.source) == ("rival", "table"), str(decision)
+
+
+def test_a_retired_id_in_kv_force_names_the_tactic_that_replaced_it(monkeypatch):
+    monkeypatch.setenv("KV_FORCE", "causal_conv1d_update=triton_d32")
+    kv.reload()
+    with pytest.raises(ValueError, match="'triton_d32' of causal_conv1d_update is now the tactic 'triton:d32'"):
+        dispatcher().pinned("causal_conv1d_update")

@@ -9,7 +9,7 @@ each):
 - ``device rule``: the accelerator default, run here on CPU tensors: the host-side cost of the
   device ops it queues (on CUDA/NPU they run asynchronously, with no sync).
 
-The call path is made to believe it is off the CPU for the last two (``_op.on_cpu``).
+The call path is made to believe it is off the CPU for the last two (``_runtime/call.py: on_cpu``).
 
     python tools/bench_value_checks.py [--number 20000] [--repeat 7]
 """

@@ -227,8 +227,11 @@ def select(
         # An incomplete row (a partial calibration, one killed mid-shape, a variant added later)
         # must not make things worse than no row: a runnable variant without a figure here that
         # the priorities rank above the measured winner is not beaten by that winner's figure.
+        # A variant with a figure for any of its tactics (or its default) counts as measured: its
+        # other tactics are alternatives already weighed, not a newcomer the row lacks.
+        families = {vid.partition(":")[0] for vid in timed}
         unmeasured = [rv for rv in ok if rv.id not in timed and rv.id not in rejected
-                      and rv.variant.priority > measured.variant.priority]
+                      and rv.id.partition(":")[0] not in families and rv.variant.priority > measured.variant.priority]
         chosen = max(unmeasured, key=lambda rv: rv.variant.priority) if unmeasured else measured
         for rv in ok:
             t = timed.get(rv.id)

@@ -26,7 +26,7 @@ def qualify(
     """Qualify variants on ``device`` ahead of time, so that no call pays for it: each available
     variant (of ``op``, of ``variants``) that claims the device, for the class of ``features``
     (default: the op's, what a calibration measures) in ``dtype`` (default: each of fp32, bf16
-    and fp16 it claims), runs the op's edge cases against the reference (see ``_qualify``). A
+    and fp16 it claims), runs the op's edge cases against the reference (see ``_tuning/qualify.py``). A
     stored verdict of the variant's current version is kept unless ``redo``. Returns the
     verdicts; a variant with a failed one is never chosen for that class here.
     """

@@ -102,7 +102,7 @@ _NAMED: dict[str, Callable[[], str]] = {
 
 @functools.cache
 def dependency_version(name: str) -> str:
-    """The installed version of one declared dependency (see ``DEPENDS_HELP`` in _models), read
+    """The installed version of one declared dependency (see ``DEPENDS_HELP`` in _registry/models.py), read
     once per process."""
     resolve = _NAMED.get(name)
     return resolve() if resolve is not None else _dist(name)

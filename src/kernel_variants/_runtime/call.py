@@ -16,7 +16,7 @@ from typing import Any
 from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime import callcore
 from kernel_variants._runtime.dispatcher import Hit, dispatcher
-from kernel_variants._runtime.errors import variant_failed
+from kernel_variants._runtime.errors import entry_error, variant_failed
 from kernel_variants._runtime.guards import write_plan
 from kernel_variants._runtime.pins import pins_in_context
 
@@ -76,6 +76,8 @@ def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None, core: Any = None)
     """Validate, decide (memoised) and run one call of ``spec``; ``args`` in signature order,
     ``out`` as the public function takes it (None, a tensor, or one per output). ``core``: the
     compiled call core that handed this call over, taught the memoised entry before it runs."""
+    if len(args) != len(spec.params):  # the core checks the same before it hands a call over
+        raise entry_error(spec, len(args))
     d = dispatcher()
     try:
         sig = spec.memo_key(args, pins_in_context())

@@ -70,8 +70,6 @@ class Memo(dict):
         callcore.clear_all()
 
 
-
-
 def record_dir(raw: str, table_dir: Path) -> Path | None:
     """Where ``KV_RECORD`` sends records: off (None), the table directory, or a directory named."""
     raw = raw.strip()
@@ -80,7 +78,6 @@ def record_dir(raw: str, table_dir: Path) -> Path | None:
     if raw.lower() in ("1", "true", "yes", "on"):
         return table_dir
     return Path(raw).expanduser()
-
 
 
 class Dispatcher:

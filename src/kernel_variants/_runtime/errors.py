@@ -27,6 +27,25 @@ def overlap_error(spec: OpSpec, i: int, written: str) -> ValueError:
                       f"that overlaps it; pass a copy")
 
 
+def self_overlap_error(name: str, stride: tuple[int, ...]) -> ValueError:
+    return ValueError(f"{name}: expected a tensor whose elements are apart in memory, got one whose strides "
+                      f"{list(stride)} make elements share memory (an expand()?)")
+
+
+def out_overlap_error(name: str, param: str, *, in_place_allowed: bool) -> ValueError:
+    """``out`` (or one of its tensors, ``name``) overlapping the argument ``param``; where ``out``
+    may be exactly that argument, the overlap is a partial one."""
+    if not in_place_allowed:
+        return ValueError(f"{name}: expected memory apart from {param}, got a view that overlaps it; pass another tensor")
+    return ValueError(f"{name}: expected exactly (in place) or memory apart from {param}, got a view that overlaps "
+                      "it partially; pass another tensor")
+
+
+def outs_overlap_error(name: str, other: str) -> ValueError:
+    """Two of ``out``'s tensors overlapping each other."""
+    return ValueError(f"{name}: expected memory apart from {other}, got a view that overlaps it")
+
+
 def changed_error(names: list[str], expected: tuple[Any, ...], got: tuple[Any, ...]) -> ValueError:
     """A bound op called with other values than its example's."""
     which = [n for n, e, g in zip(names, expected, got, strict=True) if e != g]
@@ -34,3 +53,11 @@ def changed_error(names: list[str], expected: tuple[Any, ...], got: tuple[Any, .
                       f"{ {n: e for n, e in zip(names, expected, strict=True) if n in which} }, got "
                       f"{ {n: g for n, g in zip(names, got, strict=True) if n in which} }; "
                       "call kernel_variants.bind again for other values")
+
+
+def entry_error(spec: OpSpec, got: int) -> TypeError:
+    """An op's entry called as the op: ``make_op`` returns the entry, which the op's public
+    function calls with every parameter in signature order, then ``out``."""
+    return TypeError(f"{spec.name}: its entry (what make_op returns) takes the op's {len(spec.params)} parameters "
+                     f"in signature order, then out; got {got} before out. The op's public function calls it: "
+                     "see docs/changes.md")

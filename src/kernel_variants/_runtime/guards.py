@@ -10,7 +10,13 @@ from typing import Any
 import torch
 
 from kernel_variants._registry.spec import OpSpec
-from kernel_variants._runtime.errors import inference_error, overlap_error
+from kernel_variants._runtime.errors import (
+    inference_error,
+    out_overlap_error,
+    outs_overlap_error,
+    overlap_error,
+    self_overlap_error,
+)
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -48,8 +54,7 @@ def _guard_out(spec: OpSpec, args: tuple[Any, ...], outs: tuple[torch.Tensor, ..
         if o.is_inference() and not torch.is_inference_mode_enabled():
             raise inference_error(name)
         if not o.is_contiguous() and torch._debug_has_internal_overlap(o) == 1:  # 1: certainly overlaps
-            raise ValueError(f"{name}: expected a tensor whose elements are apart in memory, got one whose "
-                             f"strides {list(o.stride())} make elements share memory (an expand()?)")
+            raise self_overlap_error(name, o.stride())
         lo, hi = _extent(o)
         allowed = spec.out_alias_indices[k]
         for i in spec.tensor_indices:
@@ -62,12 +67,10 @@ def _guard_out(spec: OpSpec, args: tuple[Any, ...], outs: tuple[torch.Tensor, ..
             if i == allowed and a_lo == lo and a.shape == o.shape and a.stride() == o.stride():
                 aliased = True
                 continue
-            what = "memory apart from" if i != allowed else "exactly (in place) or memory apart from"
-            raise ValueError(f"{name}: expected {what} {spec.params[i]}, got a view that overlaps it "
-                             f"{'partially' if i == allowed else ''}".rstrip() + "; pass another tensor")
+            raise out_overlap_error(name, spec.params[i], in_place_allowed=i == allowed)
         for other, o_lo, o_hi in done:
             if o_lo < hi and lo < o_hi:
-                raise ValueError(f"{name}: expected memory apart from {other}, got a view that overlaps it")
+                raise outs_overlap_error(name, other)
         done.append((name, lo, hi))
     return aliased
 

@@ -36,8 +36,13 @@ def parse_force(raw: str, ops: Iterable[str]) -> dict[str, str]:
 
 def check_tactics(pins: dict[str, str], registry: Registry) -> dict[str, str]:
     """``pins``, once every ``variant:tactic`` among them names a tactic that one of the ops it
-    pins registers; else a ValueError naming the variant's tactics. (An unknown variant is the
+    pins registers (else a ValueError naming the variant's tactics) and none is a retired id
+    (else a ValueError naming its tactic). (An unknown variant is the
     call's error, as before: its decision says what is registered.)"""
+    renames = registry.renames()
+    for op, vid in pins.items():
+        if (op, vid) in renames:
+            raise ValueError(f"KV_FORCE: variant {vid!r} of {op} is now the tactic {renames[(op, vid)]!r}")
     for name in {vid for vid in pins.values() if ":" in vid}:
         ops = [op for op, vid in pins.items() if vid == name]
         base = name.partition(":")[0]

@@ -195,7 +195,6 @@ def stale_reason(m: Measurement, deps_now: dict[str, str], source_now: str = "")
     return "; ".join(changed) if changed else "its source or declared version changed"
 
 
-
 class Verdict(BaseModel):
     """Whether one variant qualified for one class of calls on one device, and on what."""
 
@@ -241,7 +240,6 @@ def parse_verdict(raw: str | None) -> Verdict | None:
         return None
 
 
-
 def verdict_fingerprint(fp: dict[str, str]) -> dict[str, str]:
     """The part of a device fingerprint a verdict is valid for: not the CPU's thread count, which
     changes timings but not whether a kernel is right (a verdict holds for every process)."""
@@ -254,12 +252,10 @@ def key_text(key: CallKey) -> str:
             f"|{','.join(sorted(key.extra)) or '-'}")
 
 
-
 def key_parts(key: CallKey) -> dict[str, Any]:
     """A call key as plain data (JSON, picklable), from which ``key_from_parts`` rebuilds it."""
     return {"op": key.op, "device": key.device, "dtype": key.dtype, "features": key.features.model_dump(),
             "shape": list(key.shape), "extra": sorted(key.extra)}
-
 
 
 def key_from_parts(registry: Registry, parts: Mapping[str, Any]) -> CallKey:

@@ -188,7 +188,7 @@ class Store:
 
     def _touched(self, key: str) -> None:
         """A measurement or winner changed: renew the write token, which makes every snapshot
-        of the table's rows out of date (see _fastindex)."""
+        of the table's rows out of date (see _table/index.py)."""
         if key.startswith(("m|", "w|")):
             token = json.dumps({"token": uuid.uuid4().hex})  # JSON, as every value in the table
             if self.cache is None:
@@ -227,8 +227,6 @@ class Store:
                     if isinstance(k, str) and k.startswith(_BOOKKEEPING)]
         finally:
             con.close()
-
-
 
 
 # Keys that serving processes met without a measurement (KV_RECORD=1), for calibrating offline.

@@ -103,7 +103,7 @@ class CalibrationTable:
     def _scan(self, fingerprint_id: str) -> tuple[list[Measurement], list[Winner], dict[str, int], list[Measurement]]:
         """Every readable measurement and winner of ``fingerprint_id`` (any version), how many
         rows were of other fingerprints, unreadable, or legacy, and the legacy measurements of
-        this device (written before per-variant versions: see ``_fingerprint.is_legacy``)."""
+        this device (written before per-variant versions: see ``_table/fingerprint.py: is_legacy``)."""
         ms: list[Measurement] = []
         ws: list[Winner] = []
         legacy: list[Measurement] = []

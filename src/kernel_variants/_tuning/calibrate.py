@@ -242,10 +242,6 @@ def _seed(shape: Shape) -> int:
     return seed
 
 
-def _finite(v: float) -> bool:
-    return v == v and v not in (float("inf"), float("-inf"))
-
-
 def _without_failed(table: CalibrationTable, entries: Sequence[RegisteredVariant], spec: OpSpec,
                     result: CalibrationResult, features: Features, device: str, qualifier: Qualifier,
                     versions: dict[tuple[str, str], str], margin: float) -> None:

@@ -59,7 +59,6 @@ class RankMismatch(ValueError):
     """Ranks of one job differ in device fingerprint or variant versions."""
 
 
-
 def torchrun_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) from the variables torchrun sets; ValueError without them."""
     missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]

@@ -39,7 +39,6 @@ from kernel_variants._tuning.isolate import run_qualification
 SLOW_S = 1.0  # a qualification that takes longer is announced on stderr
 
 
-
 def verdict_from(outcome: Mapping[str, Any], *, key: CallKey, rv: RegisteredVariant, fingerprint: dict[str, str],
                  fingerprint_id: str, where: str, seconds: float) -> Verdict:
     passed = not outcome.get("reason") and outcome.get("cases", 0) > 0
@@ -48,8 +47,6 @@ def verdict_from(outcome: Mapping[str, Any], *, key: CallKey, rv: RegisteredVari
                    failed_case=str(outcome.get("failed_case", "")), reason=str(outcome.get("reason", "")),
                    where=where, seconds=round(seconds, 4),  # type: ignore[arg-type]
                    largest=tuple(outcome.get("largest") or ()), qualified_at=time.time())
-
-
 
 
 class Qualifier:

@@ -68,7 +68,6 @@ FN_CONFIGS = (Blocks(32, 64), Blocks(64, 32), Blocks(128, 16), Blocks(256, 8))
 UPDATE_CONFIGS = (Blocks(32), Blocks(64), Blocks(128), Blocks(256))
 
 
-
 def fn_heuristic(tokens: int, dim: int) -> Blocks:
     """Fill the GPU with programs first, then widen the channel block."""
     d = min(128, max(16, pow2(dim)))
@@ -78,7 +77,6 @@ def fn_heuristic(tokens: int, dim: int) -> Blocks:
 
 def update_heuristic(batch: int, dim: int) -> Blocks:
     return Blocks(min(256 if batch <= 16 else 128, max(16, pow2(dim))))
-
 
 
 def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=None, has_initial_state=None,

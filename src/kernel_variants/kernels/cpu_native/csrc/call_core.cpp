@@ -12,7 +12,7 @@
 // tensor subclass, a tensor off the CPU or with another dispatch key, a torch function mode)
 // and on any problem it detects (a bad index value, an overlap with a written tensor, an
 // inference tensor written outside inference mode) it returns the MISS sentinel, and the
-// Python path (_op.call) decides, raises with its own message, or fills the memo and then
+// Python path (_runtime/call.py: call) decides, raises with its own message, or fills the memo and then
 // teaches this core the entry (learn). So each error message is written in one place.
 // A variant's own exception goes to a Python function that raises VariantFailed from it.
 //
@@ -308,7 +308,7 @@ bool distinct_slots(const Index& v, const Check& c) {
 }
 
 // Whether every declared index value check passes (the same conditions as the Python checks
-// of dispatch/_values.py, which say what is wrong when one does not).
+// of _runtime/values.py, which say what is wrong when one does not).
 bool values_pass(const std::vector<Check>& checks, const at::Tensor* const* ts) {
   for (const Check& c : checks) {
     const at::Tensor* t = ts[c.index];
@@ -351,7 +351,7 @@ inline int64_t span_bytes(const at::Tensor& t) {
   return (last + 1) * static_cast<int64_t>(impl->itemsize());
 }
 
-// The write guard of _op._write_plan: no argument of a written tensor's dtype may start
+// The write guard of _runtime/guards.py: write_plan: no argument of a written tensor's dtype may start
 // inside it or reach into it; an inference tensor is written only in inference mode.
 bool writes_safe(const Entry& e, const at::Tensor* const* ts) {
   if (e.guards.empty()) return true;
