@@ -136,3 +136,28 @@ def test_cli_uses_only_the_public_api():
                          and not d.startswith(PUBLIC[3]) and d not in PUBLIC[:3])
                for m in cli}
     assert {m: d for m, d in private.items() if d} == {}
+
+
+@pytest.mark.parametrize(("old", "new"), [("kernel_variants.dispatch", "kernel_variants (explain, force"),
+                                          ("kernel_variants.registry", "kernel_variants.plugin")])
+def test_an_old_package_fails_naming_its_replacement(old, new):
+    import importlib
+    import re
+    import sys
+
+    sys.modules.pop(old, None)
+    with pytest.raises(ImportError, match=rf"{re.escape(old)} is gone: .*{re.escape(new)}.*docs/changes.md"):
+        importlib.import_module(old)
+
+
+def test_an_old_name_fails_naming_its_replacement():
+    import kernel_variants as kv
+
+    with pytest.raises(AttributeError, match=r"kernel_variants.Variant is gone: use kernel_variants.plugin.Variant"):
+        kv.Variant  # noqa: B018
+    with pytest.raises(AttributeError, match=r"use kernel_variants.types.Decision"):
+        kv.Decision  # noqa: B018
+    with pytest.raises(AttributeError, match=r"use kernel_variants.calibrate\(..., distributed=True\)"):
+        kv.calibrate_distributed  # noqa: B018
+    with pytest.raises(TypeError, match=r"warmup, iters moved into timing=kernel_variants.TimingConfig"):
+        kv.calibrate("causal_conv1d_fn", [(1, 16, 8)], warmup=1, iters=2)
