@@ -522,3 +522,37 @@ def test_a_served_call_runs_no_python_of_the_call_path(reference_only, path):
     path(False)
     kv.causal_conv1d_fn(**call)
     assert {"call", "memo_key", "run_one"} <= _python_frames(lambda: kv.causal_conv1d_fn(**call))
+
+
+def test_a_compiled_graph_takes_the_core_as_an_eager_call_does(reference_only, path, python_calls):
+    """The custom op's kernel enters the core directly: the Python path serves a signature once."""
+    def step(x, conv_state, weight, conv_state_indices):
+        return kv.causal_conv1d_update(x, conv_state, weight, conv_state_indices=conv_state_indices) * 2
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    call = _decode_call()
+    with torch.no_grad():
+        expected = step(**{k: v.clone() for k, v in call.items()})
+        for on, python in ((True, 1), (False, 3)):
+            path(on)
+            python_calls[0] = 0
+            for _ in range(3):
+                got = compiled(**{k: v.clone() for k, v in call.items()})
+            torch.testing.assert_close(got, expected)
+            assert python_calls[0] == python, f"core {'on' if on else 'off'}"
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_an_output_sharing_an_inputs_storage_is_copied_on_both_paths(path, on):
+    """A torch.library op's output may not alias an input: the compiled graph's kernel copies it."""
+    path(on)
+    x, other = torch.randn(4, 3), torch.randn(2)
+    fresh = _callcore.UNALIASED
+    view = x[1:]
+    got = fresh.fn(view, x, other, None)
+    assert torch.equal(got, view) and got.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    mine = torch.randn(3)
+    assert fresh.fn(mine, x, None) is mine
+    pair = fresh.fn((mine, other), x, other)
+    assert pair[0] is mine and torch.equal(pair[1], other) and pair[1] is not other
+    assert (fresh.fn.__module__ or "").startswith("kernel_variants") != on, "the C function serves where the core does"

@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from kernel_variants._runtime.device_errors import _counters
 from kernel_variants._runtime.errors import variant_failed
 from kernel_variants._runtime.pins import _pins
@@ -184,13 +186,49 @@ class Slot:
 
 
 _slots: list[Slot] = []
+_by_name: dict[str, Slot] = {}  # op name -> the latest slot made for it
+
+
+def _unaliased_py(res: Any, *args: Any) -> Any:
+    """The Python path of the core's ``unaliased``."""
+    ptrs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+
+    def fresh(o: torch.Tensor) -> torch.Tensor:
+        return o.clone() if o.untyped_storage().data_ptr() in ptrs else o
+
+    return tuple(fresh(o) for o in res) if isinstance(res, tuple) else fresh(res)
+
+
+class Unaliased:
+    """``fn(result, *args)``: ``result`` (a tensor or a tuple of them), each output that shares
+    storage with a tensor argument replaced by a clone (a ``torch.library`` op's output may not
+    alias an input). In C where the core serves, else in Python; found at its first call after
+    each :func:`rearm`."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self) -> None:
+        self.fn: Callable[..., Any] = self._resolve
+
+    def _resolve(self, res: Any, *args: Any) -> Any:
+        module = None if _off(os.environ.get(ENV, "")) else _library()[0]
+        self.fn = getattr(module, "unaliased", None) or _unaliased_py
+        return self.fn(res, *args)
+
+
+UNALIASED = Unaliased()
 
 
 def arm(spec: OpSpec) -> Slot:
     """The slot through which ``spec``'s entry finds its core, from its next call on."""
-    slot = Slot(spec)
+    slot = _by_name[spec.name] = Slot(spec)
     _slots.append(slot)
     return slot
+
+
+def slot_of(spec: OpSpec) -> Slot:
+    """The slot :func:`arm` made for ``spec``."""
+    return _by_name[spec.name]
 
 
 def rearm() -> None:
@@ -199,6 +237,7 @@ def rearm() -> None:
     clear_all()
     for slot in _slots:
         slot.core = slot._resolve
+    UNALIASED.fn = UNALIASED._resolve
 
 
 def clear_all() -> None:

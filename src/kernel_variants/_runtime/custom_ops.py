@@ -43,6 +43,7 @@ import torch
 
 from kernel_variants._codegen import define
 from kernel_variants._registry.spec import OpSpec
+from kernel_variants._runtime import callcore
 from kernel_variants._runtime.call import MADE, ON_MADE, call
 
 NAMESPACE = "kernel_variants"
@@ -133,18 +134,6 @@ def unwritten_overloads(spec: OpSpec) -> list[tuple[frozenset[str], str]]:
     return [(u, "no_" + "_".join(n for n in optional if n in u)) for u in sets]
 
 
-def _fresh_source(spec: OpSpec, out: str) -> str:
-    """An expression: ``out`` itself, or a copy where it shares memory with a tensor argument (an
-    op's output may not alias an input; no built-in variant's does, a plugin's might)."""
-    hints = typing.get_type_hints(spec.signature)
-    ptrs = []
-    for i in spec.tensor_indices:
-        name = spec.params[i]
-        ptr = f"{name}.untyped_storage().data_ptr()"
-        ptrs.append(ptr if hints[name] is torch.Tensor else f"({ptr} if {name} is not None else -1)")
-    return f"({out}.clone() if {out}.untyped_storage().data_ptr() in ({', '.join(ptrs)},) else {out})"
-
-
 def into_name(spec: OpSpec) -> str:
     """The op of the ``out=`` form: its own name, not an overload of the op's. With both forms as
     overloads of one name, torch 2.13 aborts at exit (TorchScript's deregistration reads the
@@ -167,13 +156,12 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
     outs = ", ".join(out_params(spec))
     n_out = len(spec.outputs)
     # Generated from the spec's parameter names (the same source make_op generates from).
-    namespace: dict[str, Any] = {"_call": call, "_spec": spec, "_torch": torch, "_eager": _eager(spec)}
+    namespace: dict[str, Any] = {"_slot": callcore.slot_of(spec), "_miss": callcore.MISS, "_call": call,
+                                 "_spec": spec, "_fresh": callcore.UNALIASED, "_torch": torch, "_eager": _eager(spec)}
+    tensors = ", ".join(spec.params[i] for i in spec.tensor_indices)
     if n_out == 1:
-        ret = f"    return {_fresh_source(spec, 'res')}\n"
         out_arg, pass_out = "out", "out"
     else:
-        ret = (f"    outs = tuple(res)\n"
-               f"    return ({', '.join(_fresh_source(spec, f'outs[{k}]') for k in range(n_out))},)\n")
         out_arg, pass_out = f"({outs},)", ", ".join(f"out[{k}]" for k in range(n_out))
     empty = "_torch.empty_like(like, memory_format=_torch.contiguous_format)"
     first = spec.params[spec.tensor_indices[0]]
@@ -188,9 +176,15 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
                             f"            return out\n")
     namespace["_op_default"] = op_overload(spec.name)
     namespace["_into_default"] = op_overload(into)
+    # The kernel takes the compiled call core, as an eager call does, but without a Python call
+    # on the way (the entry's, or is_compiling's): while a compiled graph runs, Dynamo's frame
+    # hook makes each Python frame entered cost about a microsecond. Then no output may alias an input.
     src = (f"def kernel({names}):\n"
-           f"    res = _call(_spec, ({names},))\n"
-           f"{ret}"
+           f"    core = _slot.core\n"
+           f"    res = _miss if core is None else core({names}, None)\n"
+           f"    if res is _miss:\n"
+           f"        res = _call(_spec, ({names},), None, _slot.core)\n"
+           f"    return _fresh.fn(res, {tensors})\n"
            f"def kernel_out({names}, {outs}):\n"
            f"    _call(_spec, ({names},), {out_arg})\n"
            f"def fake({names}):\n"

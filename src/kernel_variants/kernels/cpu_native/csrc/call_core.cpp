@@ -1074,6 +1074,59 @@ PyObject* bound_call(PyObject* self, PyObject* args, PyObject* kwargs) {
 
 PyTypeObject BoundCoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+// unaliased(result, *args): `result` (a tensor or a tuple of tensors), each output that shares
+// storage with a tensor among `args` replaced by a clone. A torch.library op's output may not
+// alias an input; a compiled graph's kernel runs this after the dispatched call (no built-in
+// variant's output aliases an input, a plugin's might), in place of one storage read per tensor
+// argument in Python.
+bool shares_storage(const at::Tensor& o, PyObject* const* args, Py_ssize_t n) {
+  if (!o.has_storage()) return false;
+  const void* mine = o.storage().data();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_Check(args[i])) continue;
+    const at::Tensor& t = THPVariable_Unpack(args[i]);
+    if (t.has_storage() && t.storage().data() == mine) return true;
+  }
+  return false;
+}
+
+PyObject* fresh(PyObject* o, PyObject* const* args, Py_ssize_t n) {
+  if (!THPVariable_Check(o)) {
+    PyErr_Format(PyExc_TypeError, "unaliased: expected tensors as the result, got %s", Py_TYPE(o)->tp_name);
+    return nullptr;
+  }
+  const at::Tensor& t = THPVariable_Unpack(o);
+  if (!shares_storage(t, args, n)) return Py_NewRef(o);
+  return THPVariable_Wrap(t.clone());
+}
+
+PyObject* unaliased(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 1) {
+    PyErr_SetString(PyExc_TypeError, "unaliased(result, *args): expected the result");
+    return nullptr;
+  }
+  PyObject* res = args[0];
+  if (!PyTuple_Check(res)) return fresh(res, args + 1, nargs - 1);
+  Py_ssize_t k = PyTuple_GET_SIZE(res);
+  PyObject* out = PyTuple_New(k);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < k; ++i) {
+    PyObject* f = fresh(PyTuple_GET_ITEM(res, i), args + 1, nargs - 1);
+    if (f == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, i, f);
+  }
+  return out;
+}
+
+PyMethodDef module_methods[] = {
+    {"unaliased", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unaliased)), METH_FASTCALL,
+     "unaliased(result, *args) -> result, each output sharing storage with a tensor argument cloned"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
 PyMethodDef core_methods[] = {
     {"learn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_learn)), METH_FASTCALL,
      "learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only) -> bool"},
@@ -1133,6 +1186,7 @@ PyMODINIT_FUNC KV_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
   module_def.m_name = KV_STR(TORCH_EXTENSION_NAME);
   module_def.m_doc = "kernel_variants' compiled call core";
   module_def.m_size = -1;
+  module_def.m_methods = module_methods;
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
   if (PyModule_AddObjectRef(m, "CallCore", reinterpret_cast<PyObject*>(&CallCoreType)) < 0 ||
