@@ -547,12 +547,12 @@ def test_an_output_sharing_an_inputs_storage_is_copied_on_both_paths(path, on):
     """A torch.library op's output may not alias an input: the compiled graph's kernel copies it."""
     path(on)
     x, other = torch.randn(4, 3), torch.randn(2)
-    fresh = _callcore.UNALIASED
+    fresh = _callcore.FUNCTIONS
     view = x[1:]
-    got = fresh.fn(view, x, other, None)
+    got = fresh.unaliased(view, x, other, None)
     assert torch.equal(got, view) and got.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     mine = torch.randn(3)
-    assert fresh.fn(mine, x, None) is mine
-    pair = fresh.fn((mine, other), x, other)
+    assert fresh.unaliased(mine, x, None) is mine
+    pair = fresh.unaliased((mine, other), x, other)
     assert pair[0] is mine and torch.equal(pair[1], other) and pair[1] is not other
-    assert (fresh.fn.__module__ or "").startswith("kernel_variants") != on, "the C function serves where the core does"
+    assert (fresh.unaliased.__module__ or "").startswith("kernel_variants") != on, "the C function serves where the core does"

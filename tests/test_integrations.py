@@ -11,6 +11,7 @@ ops receive the engine's own storage.
 from __future__ import annotations
 
 import ast
+import contextlib
 import sys
 import types
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import kernel_variants
-from kernel_variants.integrations import _common
+from kernel_variants.integrations import _common, _fast
 from kernel_variants.integrations import sglang as kv_sglang
 from kernel_variants.integrations import vllm as kv_vllm
 
@@ -80,6 +81,19 @@ class Spy:
 
         monkeypatch.setattr(kernel_variants, "causal_conv1d_fn", fn)
         monkeypatch.setattr(kernel_variants, "causal_conv1d_update", update)
+        # The fast steps enter the ops below their public functions, arguments in signature order.
+        entry_fn, entry_update = _fast._FN, _fast._UPDATE
+
+        def fn_entry(x, weight, bias, conv_states, *rest):
+            self.calls.append({"op": "fn", "x": x, "weight": weight, "pool": conv_states})
+            return entry_fn(x, weight, bias, conv_states, *rest)
+
+        def update_entry(x, conv_state, weight, *rest):
+            self.calls.append({"op": "update", "x": x, "weight": weight, "pool": conv_state})
+            return entry_update(x, conv_state, weight, *rest)
+
+        monkeypatch.setattr(_fast, "_FN", fn_entry)
+        monkeypatch.setattr(_fast, "_UPDATE", update_entry)
 
     def assert_views(self, x: torch.Tensor, pool: torch.Tensor, weight: torch.Tensor) -> None:
         assert self.calls, "the adapter never called the op"
@@ -982,3 +996,137 @@ def test_forked_child_runs_one_thread_under_vllm_cpus_thread_binding(monkeypatch
     os.close(write)
     torch._C.set_num_threads(before)
     assert got == b"1"
+
+
+# --- the fast steps: the everyday engine calls on fewer Python steps, the same results
+
+
+def _fast_cases() -> dict[str, Any]:
+    """name -> (adapter, make the call's (args, kwargs) afresh, the pool's index in args, whether
+    the fast step serves it)."""
+    from kernel_variants.integrations import _sglang_adapters as sg
+    from kernel_variants.integrations import _vllm_adapters as vl
+    from kernel_variants.integrations import _vllm_cpu as vc
+
+    def decode(B=3, table=False, qsl=False, rows=W - 1):
+        def make():
+            g = torch.Generator().manual_seed(B)
+            pool = torch.randn(N_SLOTS, rows, D, generator=g).transpose(1, 2)  # (N, dim, S) view
+            idx = _ints([4, 0, 2][:B])
+            kw = {"conv_state_indices": idx[:, None] if table else idx}
+            if qsl:
+                kw |= {"query_start_loc": _ints(list(range(B + 1))), "max_query_len": 1}
+            return [torch.randn(B, D, generator=g), pool, torch.randn(D, W, generator=g),
+                    torch.randn(D, generator=g), "silu"], kw
+        return make
+
+    def prefill(lengths=(3, 5, 2), table=False):
+        def make():
+            g = torch.Generator().manual_seed(len(lengths))
+            T = sum(lengths)
+            pool = torch.randn(N_SLOTS, W - 1, D, generator=g).transpose(1, 2)
+            idx = _ints([4, 0, 2][: len(lengths)])
+            return [torch.randn(T, D, generator=g).t(), torch.randn(D, W, generator=g), torch.randn(D, generator=g),
+                    pool, _qsl(list(lengths)), idx[:, None] if table else idx,
+                    torch.tensor([True, False, True][: len(lengths)])], {}
+        return make
+
+    def sg_prefill(lengths=(3, 5, 2)):
+        def make():
+            args, kw = prefill(lengths)()
+            return [*args[:5], list(lengths), *args[5:]], kw
+        return make
+
+    def gdn_decode():
+        (x, pool, w, b, _), kw = decode()()
+        idx = kw["conv_state_indices"]
+        return [], {"x": x, "conv_states": pool, "weight": w, "bias": b, "silu_activation": True,
+                    "conv_state_indices": idx, "is_weight_packed": False}
+
+    def gdn_prefill():
+        args, _ = prefill()()
+        x, w, b, pool, qsl, idx, init = args
+        return [], {"x": x, "weight": w, "bias": b, "conv_states": pool, "query_start_loc": qsl,
+                    "cache_indices": idx, "has_initial_state": init, "silu_activation": True,
+                    "is_weight_packed": False}
+
+    return {
+        "vllm decode": (vl.causal_conv1d_update, decode(), 1, True),
+        "vllm decode, slot table": (vl.causal_conv1d_update, decode(table=True), 1, True),
+        "vllm decode, packed, max_query_len 1": (vl.causal_conv1d_update, decode(qsl=True), 1, True),
+        "vllm decode, more state rows": (vl.causal_conv1d_update, decode(rows=W + 1), 1, False),
+        "vllm prefill": (vl.causal_conv1d_fn, prefill(), 3, True),
+        "vllm prefill, slot table": (vl.causal_conv1d_fn, prefill(table=True), 3, True),
+        "vllm prefill, an empty sequence": (vl.causal_conv1d_fn, prefill((3, 0, 2)), 3, False),
+        "vllm-cpu decode": (vc.causal_conv1d_update_cpu, decode(), 1, True),
+        "vllm-cpu gdn decode": (vc.gdn_causal_conv1d_update_cpu, gdn_decode, "conv_states", True),
+        "vllm-cpu gdn prefill": (vc.gdn_causal_conv1d_fwd_cpu, gdn_prefill, "conv_states", True),
+        "sglang decode": (sg.causal_conv1d_update, decode(), 1, True),
+        "sglang decode, 2-D slots": (sg.causal_conv1d_update, decode(table=True), 1, False),
+        "sglang prefill": (sg.causal_conv1d_fn, sg_prefill(), 3, True),
+        "sglang prefill, an empty sequence": (sg.causal_conv1d_fn, sg_prefill((3, 0, 2)), 3, False),
+    }
+
+
+@pytest.mark.parametrize("name", list(_fast_cases()))
+def test_the_fast_steps_give_what_the_general_path_gives(name, monkeypatch):
+    """Each adapter's fast step (where it serves) against the adapter with it refusing: the same
+    result and layout, the same pool afterwards, or the same error."""
+    from kernel_variants.integrations import _sglang_adapters, _vllm_adapters, _vllm_cpu
+
+    adapter, make, pool_at, fast = _fast_cases()[name]
+
+    def run():
+        args, kw = make()
+        pool = args[pool_at] if isinstance(pool_at, int) else kw[pool_at]
+        try:
+            return adapter(*args, **kw), pool
+        except (ValueError, NotImplementedError) as exc:
+            return f"{type(exc).__name__}: {exc}", pool
+
+    spy = Spy(monkeypatch)
+    got, got_pool = run()
+    assert bool(spy.calls) and (spy.calls[0]["op"] == "fn") == ("prefill" in name)
+    with monkeypatch.context() as m:
+        for module in (_vllm_adapters, _vllm_cpu, _sglang_adapters):
+            for step in ("decode_step", "prefill_step"):
+                if hasattr(module, step):
+                    m.setattr(module, step, lambda *a, **k: None)
+        entries = len(spy.calls)
+        want, want_pool = run()
+        general = len(spy.calls) > entries
+    assert general
+    if isinstance(want, str):
+        assert got == want
+    else:
+        assert got.shape == want.shape and got.stride() == want.stride()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_pool, want_pool, rtol=0, atol=0)
+    served = _fast_served(monkeypatch, adapter, make)
+    assert served == fast, f"{name}: the fast step {'did not serve' if fast else 'served'}"
+
+
+def _fast_served(monkeypatch, adapter, make) -> bool:
+    calls = []
+    for entry in ("_FN", "_UPDATE"):
+        real = getattr(_fast, entry)
+        monkeypatch.setattr(_fast, entry, lambda *a, _real=real: calls.append(1) or _real(*a))
+    args, kw = make()
+    with contextlib.suppress(ValueError, NotImplementedError):
+        adapter(*args, **kw)
+    return bool(calls)
+
+
+def test_the_layout_aliases_share_storage_and_version_with_the_engines_tensor():
+    from kernel_variants._runtime.callcore import FUNCTIONS
+
+    pool = torch.zeros(N_SLOTS, D, W - 1)
+    view = FUNCTIONS.channel_last(pool)
+    assert view.shape == (N_SLOTS, W - 1, D) and view.stride() == (D * (W - 1), 1, W - 1)
+    before = pool._version
+    view[1, 2, 3] = 5.0
+    assert pool[1, 3, 2] == 5.0 and pool._version > before
+    table = _ints([[4, 1], [0, 2]])
+    assert FUNCTIONS.first_column(table).tolist() == [4, 0]
+    w = torch.zeros(D, W, requires_grad=True)
+    assert FUNCTIONS.channel_last(w).grad_fn is not None, "a tensor that requires grad gets the autograd view"

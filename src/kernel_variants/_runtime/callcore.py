@@ -16,6 +16,7 @@ decides, raises with its message, or memoises the decision and hands the core th
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -190,7 +191,6 @@ _by_name: dict[str, Slot] = {}  # op name -> the latest slot made for it
 
 
 def _unaliased_py(res: Any, *args: Any) -> Any:
-    """The Python path of the core's ``unaliased``."""
     ptrs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
 
     def fresh(o: torch.Tensor) -> torch.Tensor:
@@ -199,24 +199,46 @@ def _unaliased_py(res: Any, *args: Any) -> Any:
     return tuple(fresh(o) for o in res) if isinstance(res, tuple) else fresh(res)
 
 
-class Unaliased:
-    """``fn(result, *args)``: ``result`` (a tensor or a tuple of them), each output that shares
-    storage with a tensor argument replaced by a clone (a ``torch.library`` op's output may not
-    alias an input). In C where the core serves, else in Python; found at its first call after
-    each :func:`rearm`."""
+# Each of the core's module functions in Python, for where the core is off or not built.
+_PYTHON: dict[str, Callable[..., Any]] = {
+    "unaliased": _unaliased_py,
+    "channel_last": lambda t: t.transpose(-1, -2),
+    "first_column": lambda t: t[:, 0],
+    "no_empty": lambda qsl: bool((qsl.diff() != 0).all()) if qsl.is_cpu and qsl.ndim == 1 else None,
+}
 
-    __slots__ = ("fn",)
+
+class Functions:
+    """The core's module functions, in C where the core serves, else in Python; found at first use
+    after each :func:`rearm`.
+
+    - ``unaliased(result, *args)``: ``result`` (a tensor or a tuple of them), each output that
+      shares storage with a tensor argument replaced by a clone (a ``torch.library`` op's output
+      may not alias an input);
+    - ``channel_last(t)``: ``t.transpose(-1, -2)``; ``first_column(t)``: ``t[:, 0]`` (in C a plain
+      alias sharing storage and version counter, ~0.2 us against ~0.8 us for a view from Python;
+      the ordinary view for a subclass, a functional tensor, or one that requires grad in grad mode);
+    - ``no_empty(query_start_loc)``: whether no sequence of a CPU ``[B+1]`` integer tensor is empty;
+      None where that is not read on the host (off the CPU).
+    """
+
+    __slots__ = tuple(_PYTHON)
 
     def __init__(self) -> None:
-        self.fn: Callable[..., Any] = self._resolve
+        self.reset()
 
-    def _resolve(self, res: Any, *args: Any) -> Any:
+    def reset(self) -> None:
+        for name in _PYTHON:
+            setattr(self, name, functools.partial(self._resolve, name))
+
+    def _resolve(self, name: str, *args: Any) -> Any:
         module = None if _off(os.environ.get(ENV, "")) else _library()[0]
-        self.fn = getattr(module, "unaliased", None) or _unaliased_py
-        return self.fn(res, *args)
+        for n, python in _PYTHON.items():
+            setattr(self, n, getattr(module, n, None) or python)
+        return getattr(self, name)(*args)
 
 
-UNALIASED = Unaliased()
+FUNCTIONS = Functions()
 
 
 def arm(spec: OpSpec) -> Slot:
@@ -237,7 +259,7 @@ def rearm() -> None:
     clear_all()
     for slot in _slots:
         slot.core = slot._resolve
-    UNALIASED.fn = UNALIASED._resolve
+    FUNCTIONS.reset()
 
 
 def clear_all() -> None:

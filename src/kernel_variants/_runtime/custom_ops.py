@@ -157,7 +157,7 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
     n_out = len(spec.outputs)
     # Generated from the spec's parameter names (the same source make_op generates from).
     namespace: dict[str, Any] = {"_slot": callcore.slot_of(spec), "_miss": callcore.MISS, "_call": call,
-                                 "_spec": spec, "_fresh": callcore.UNALIASED, "_torch": torch, "_eager": _eager(spec)}
+                                 "_spec": spec, "_c": callcore.FUNCTIONS, "_torch": torch, "_eager": _eager(spec)}
     tensors = ", ".join(spec.params[i] for i in spec.tensor_indices)
     if n_out == 1:
         out_arg, pass_out = "out", "out"
@@ -184,7 +184,7 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
            f"    res = _miss if core is None else core({names}, None)\n"
            f"    if res is _miss:\n"
            f"        res = _call(_spec, ({names},), None, _slot.core)\n"
-           f"    return _fresh.fn(res, {tensors})\n"
+           f"    return _c.unaliased(res, {tensors})\n"
            f"def kernel_out({names}, {outs}):\n"
            f"    _call(_spec, ({names},), {out_arg})\n"
            f"def fake({names}):\n"

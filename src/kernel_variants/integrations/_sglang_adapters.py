@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kernel_variants.integrations._common import decode, decode_varlen, mark, prefill
+from kernel_variants.integrations._fast import decode_step, prefill_step
 from kernel_variants.integrations._layout import as_activation, refuse
 
 ENGINE = "sglang"
@@ -86,6 +87,11 @@ def causal_conv1d_fn(
 
     Returns ``(dim, T)``, the transpose of a ``[T, dim]`` tensor.
     """
+    if seq_lens_cpu is not None and sum(seq_lens_cpu) == x.shape[-1] and 0 not in seq_lens_cpu:
+        y = prefill_step(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
+                         activation, int(pad_slot_id), known_nonempty=True, table=False)
+        if y is not None:
+            return y
     if x.ndim != 2:
         raise ValueError(f"{ENGINE}: x: expected (dim, tokens), got shape {list(x.shape)}")
     return _channel_first_prefill(
@@ -175,6 +181,12 @@ def causal_conv1d_update(
 
     Returns x's shape and layout.
     """
+    if (num_accepted_tokens is None and cache_seqlens is None and intermediate_conv_window is None
+            and intermediate_state_indices is None and retrieve_next_token is None
+            and retrieve_next_sibling is None and retrieve_parent_token is None):
+        y = decode_step(x, conv_state, weight, bias, activation, conv_state_indices, int(pad_slot_id), table=False)
+        if y is not None:
+            return y
     refuse(
         ENGINE,
         cache_seqlens=cache_seqlens,
@@ -202,6 +214,10 @@ def causal_conv1d_update_cuda(
     """sglang's sgl_kernel decode wrapper. x: ``(B, dim)`` or ``(B, dim, L)``; conv_state
     ``(N, dim, S)``, first W-1 rows updated in place; weight ``(dim, W)``; conv_state_indices
     ``[B]``. Returns x's shape and layout (a new tensor; sglang's wrapper overwrites x)."""
+    if cache_seqlens is None:
+        y = decode_step(x, conv_state, weight, bias, activation, conv_state_indices, int(pad_slot_id), table=False)
+        if y is not None:
+            return y
     refuse(ENGINE, cache_seqlens=cache_seqlens)
     return decode(ENGINE, x, conv_state, weight, bias, as_activation(activation),
                   conv_state_indices, None, int(pad_slot_id), channel_first=True)

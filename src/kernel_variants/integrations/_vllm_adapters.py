@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kernel_variants.integrations._common import decode, decode_varlen, mark, prefill
+from kernel_variants.integrations._fast import decode_step, prefill_step
 from kernel_variants.integrations._layout import as_activation, refuse, slot_column
 
 ENGINE = "vLLM"
@@ -58,6 +59,12 @@ def causal_conv1d_fn(
 
     Returns ``(dim, T)``, the transpose of a ``[T, dim]`` tensor, like vLLM's.
     """
+    if (block_idx_first_scheduled_token is None and block_idx_last_scheduled_token is None
+            and initial_state_idx is None):
+        y = prefill_step(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
+                         activation, _sentinel(null_block_id, pad_slot_id))
+        if y is not None:
+            return y
     refuse(
         ENGINE,
         block_idx_first_scheduled_token=block_idx_first_scheduled_token,
@@ -107,6 +114,13 @@ def causal_conv1d_update(
     Returns a tensor of x's shape, and for ``(B, dim, L)`` input the same transposed layout;
     with ``out`` (x's shape, as vLLM takes it) the result is written there and ``out`` returned.
     """
+    if (out is None and num_accepted_tokens is None and block_idx_last_scheduled_token is None
+            and initial_state_idx is None and retrieve_parent_token is None
+            and (query_start_loc is None or max_query_len == 1)):
+        y = decode_step(x, conv_state, weight, bias, activation, conv_state_indices,
+                        _sentinel(null_block_id, pad_slot_id), query_start_loc)
+        if y is not None:
+            return y
     refuse(
         ENGINE,
         block_idx_last_scheduled_token=block_idx_last_scheduled_token,

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kernel_variants.integrations._common import decode, mark, prefill
+from kernel_variants.integrations._fast import decode_step, prefill_step
 from kernel_variants.integrations._layout import refuse
 from kernel_variants.integrations._vllm_adapters import (
     ENGINE,
@@ -56,6 +57,10 @@ def causal_conv1d_fn_cpu(
     )
 
 
+# Keywords of vLLM's decode that change nothing the fast decode step does.
+_IGNORED = frozenset({"null_block_id", "max_query_len", "validate_data", "metadata"})
+
+
 @mark
 def causal_conv1d_update_cpu(
     x: torch.Tensor,
@@ -75,17 +80,21 @@ def causal_conv1d_update_cpu(
     written and returned. Other keywords are ignored, as there. Shapes as
     :func:`causal_conv1d_update`.
     """
+    sentinel = pad_slot_id
+    if sentinel is None:
+        sentinel = kwargs.get("null_block_id", NULL_BLOCK_ID)
+        if sentinel is None:
+            sentinel = NULL_BLOCK_ID
+    if kwargs.keys() <= _IGNORED and (query_start_loc is None or kwargs.get("max_query_len") == 1):
+        y = decode_step(x, conv_state, weight, bias, activation, conv_state_indices, int(sentinel), query_start_loc)
+        if y is not None:
+            return y
     refuse(
         ENGINE,
         block_idx_last_scheduled_token=kwargs.get("block_idx_last_scheduled_token"),
         initial_state_idx=kwargs.get("initial_state_idx"),
         retrieve_parent_token=kwargs.get("retrieve_parent_token"),
     )
-    sentinel = pad_slot_id
-    if sentinel is None:
-        sentinel = kwargs.get("null_block_id", NULL_BLOCK_ID)
-        if sentinel is None:
-            sentinel = NULL_BLOCK_ID
     return update_into(x, conv_state, weight, bias, activation, conv_state_indices,
                        kwargs.get("num_accepted_tokens"), query_start_loc,
                        kwargs.get("max_query_len", -1), int(sentinel), kwargs.get("out"))
@@ -143,8 +152,13 @@ def gdn_causal_conv1d_fwd_cpu(
     dim-first allocation itself), history in the first W-1 rows. The C++ kernel skips no
     slot; here a slot of -1 (which it would write outside the pool) is skipped and every other
     one, 0 included, is processed. Returns ``(dim, T)``."""
+    weight = _unpacked(weight, is_weight_packed)
+    y = prefill_step(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
+                     "silu" if silu_activation else None, PAD_SLOT_ID)
+    if y is not None:
+        return y
     return prefill(
-        ENGINE, x, _unpacked(weight, is_weight_packed), bias, conv_states, query_start_loc,
+        ENGINE, x, weight, bias, conv_states, query_start_loc,
         cache_indices, has_initial_state, "silu" if silu_activation else None, PAD_SLOT_ID,
         channel_first=True,
     )
@@ -167,7 +181,13 @@ def gdn_causal_conv1d_update_cpu(
     num_accepted_tokens ``[B]``), conv_states ``(N, dim, S)`` as in
     :func:`gdn_causal_conv1d_fwd_cpu`, weight packed or ``[dim, W]``. Slot rule as there.
     Returns x's shape."""
+    weight = _unpacked(weight, is_weight_packed)
+    if num_accepted_tokens is None:
+        y = decode_step(x, conv_states, weight, bias, "silu" if silu_activation else None, conv_state_indices,
+                        PAD_SLOT_ID)
+        if y is not None:
+            return y
     return decode(
-        ENGINE, x, conv_states.transpose(-1, -2), _unpacked(weight, is_weight_packed), bias,
+        ENGINE, x, conv_states.transpose(-1, -2), weight, bias,
         "silu" if silu_activation else None, conv_state_indices, num_accepted_tokens, PAD_SLOT_ID,
     )

@@ -1121,7 +1121,103 @@ PyObject* unaliased(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
+// The engine adapters' per-call layout mapping (integrations/_common.py), without Python's
+// argument parsing and the dispatcher's view machinery on the way (~0.8 us per view from Python,
+// ~0.2 us here): an alias of a plain strided tensor with other sizes and strides, sharing its
+// storage and version counter. Anything else (a subclass, a functional or fake tensor, grad
+// mode with a tensor that requires grad) gets the ordinary view.
+bool plain_alias_ok(PyObject* o, const at::Tensor& t) {
+  if (!THPVariable_CheckExact(o) || t.layout() != c10::kStrided || !t.has_storage() || t.is_nested()) return false;
+  if (t.requires_grad() && c10::GradMode::is_enabled()) return false;
+  const auto ks = t.key_set();
+  return !ks.has(c10::DispatchKey::Python) && !ks.has(c10::DispatchKey::Functionalize) &&
+         !ks.has(c10::DispatchKey::PythonTLSSnapshot) && !ks.has_any(c10::DispatchKeySet(c10::DispatchKey::FuncTorchBatched));
+}
+
+PyObject* alias(const at::Tensor& t, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
+  impl->set_sizes_and_strides(sizes, strides, t.storage_offset());
+  // Made in inference mode, the alias is an inference tensor (no counter of its own to share).
+  if (!t.is_inference() && !impl->is_inference()) impl->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
+  return THPVariable_Wrap(at::Tensor(std::move(impl)));
+}
+
+const at::Tensor* tensor_arg(PyObject* o, const char* who) {
+  if (!THPVariable_Check(o)) {
+    PyErr_Format(PyExc_TypeError, "%s: expected a tensor, got %s", who, Py_TYPE(o)->tp_name);
+    return nullptr;
+  }
+  return &THPVariable_Unpack(o);
+}
+
+// channel_last(t): t with its last two dims swapped (a (N, dim, S) pool view as [N, S, dim], a
+// (dim, T) x as [T, dim]).
+PyObject* channel_last(PyObject*, PyObject* o) {
+  const at::Tensor* t = tensor_arg(o, "channel_last");
+  if (t == nullptr) return nullptr;
+  try {
+    if (t->dim() < 2) {
+      PyErr_Format(PyExc_ValueError, "channel_last: expected at least 2 dims, got %d", static_cast<int>(t->dim()));
+      return nullptr;
+    }
+    if (!plain_alias_ok(o, *t)) return THPVariable_Wrap(t->transpose(-1, -2));
+    std::vector<int64_t> sizes(t->sizes().begin(), t->sizes().end());
+    std::vector<int64_t> strides(t->strides().begin(), t->strides().end());
+    const size_t n = sizes.size();
+    std::swap(sizes[n - 1], sizes[n - 2]);
+    std::swap(strides[n - 1], strides[n - 2]);
+    return alias(*t, sizes, strides);
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  }
+}
+
+// first_column(t): a [B, k] slot table's column 0 as [B] (the engines' kernels read that column).
+PyObject* first_column(PyObject*, PyObject* o) {
+  const at::Tensor* t = tensor_arg(o, "first_column");
+  if (t == nullptr) return nullptr;
+  try {
+    if (t->dim() != 2 || t->size(1) < 1) {
+      PyErr_SetString(PyExc_ValueError, "first_column: expected a [B, k] tensor with k >= 1");
+      return nullptr;
+    }
+    if (!plain_alias_ok(o, *t)) return THPVariable_Wrap(t->select(1, 0));
+    const int64_t size = t->size(0);
+    const int64_t stride = t->stride(0);
+    return alias(*t, c10::IntArrayRef(&size, 1), c10::IntArrayRef(&stride, 1));
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  }
+}
+
+// no_empty(query_start_loc): True when a CPU [B+1] integer tensor has no two equal neighbours
+// (no empty sequence), False when it has, None off the CPU or for another dtype (not read here).
+PyObject* no_empty(PyObject*, PyObject* o) {
+  const at::Tensor* t = tensor_arg(o, "no_empty");
+  if (t == nullptr) return nullptr;
+  if (!t->is_cpu() || t->dim() != 1 || !t->has_storage()) Py_RETURN_NONE;
+  const int64_t n = t->size(0), st = t->stride(0);
+  if (t->scalar_type() == at::kInt) {
+    const int32_t* p = t->const_data_ptr<int32_t>();
+    for (int64_t i = 1; i < n; ++i)
+      if (p[i * st] == p[(i - 1) * st]) Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+  }
+  if (t->scalar_type() == at::kLong) {
+    const int64_t* p = t->const_data_ptr<int64_t>();
+    for (int64_t i = 1; i < n; ++i)
+      if (p[i * st] == p[(i - 1) * st]) Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+  }
+  Py_RETURN_NONE;
+}
+
 PyMethodDef module_methods[] = {
+    {"channel_last", channel_last, METH_O, "channel_last(t) -> t.transpose(-1, -2) as a plain alias"},
+    {"first_column", first_column, METH_O, "first_column(t) -> t[:, 0] as a plain alias"},
+    {"no_empty", no_empty, METH_O, "no_empty(query_start_loc) -> whether no sequence is empty; None off the CPU"},
     {"unaliased", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unaliased)), METH_FASTCALL,
      "unaliased(result, *args) -> result, each output sharing storage with a tensor argument cloned"},
     {nullptr, nullptr, 0, nullptr},

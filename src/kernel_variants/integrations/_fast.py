@@ -1,0 +1,95 @@
+"""The engines' everyday calls on the fewest Python steps: a decode step of one token per
+sequence, and a CPU prefill whose slots and lengths need no rewriting.
+
+An adapter tries these first and takes the general path (:mod:`._common`) where one returns
+None: anything else, which the general path maps, or refuses with its message; and a call that
+Dynamo traces (the layout helpers below are C functions, which it cannot trace).
+
+What they save: the views of the engines' layouts come from the compiled call core's
+``channel_last``/``first_column`` (a plain alias, ~0.2 us against ~0.8 us for a view from
+Python, see :class:`kernel_variants._runtime.callcore.Functions`), the op is entered below its
+public function (its arguments in signature order), and nothing is checked twice: what the op
+validates (shapes, index values) is left to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernel_variants._runtime.callcore import FUNCTIONS as _C
+from kernel_variants.integrations._layout import as_activation
+from kernel_variants.ops.causal_conv1d import _FN, _UPDATE
+
+_compiling = torch.compiler.is_compiling
+
+
+def decode_step(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: object,
+    indices: torch.Tensor | None,
+    sentinel: int,
+    query_start_loc: torch.Tensor | None = None,
+    *,
+    table: bool = True,
+) -> torch.Tensor | None:
+    """x ``[B, dim]`` (one token per sequence; with ``query_start_loc`` ``[B+1]``, the caller has
+    proven every sequence one token long), pool ``(N, dim, W-1)`` (a view of ``[N, W-1, dim]``),
+    slot ids ``[B]`` or, with ``table`` (vLLM's rule), ``[B, k]`` read at column 0; one dtype
+    throughout: the op's decode on the channel-last view of the pool; returns ``[B, dim]``. None
+    where :func:`._common.decode` serves."""
+    if (x.ndim != 2 or pool.ndim != 3 or pool.shape[2] != weight.shape[1] - 1
+            or not x.dtype == pool.dtype == weight.dtype or _compiling()):
+        return None
+    if query_start_loc is not None:
+        batch = indices.shape[0] if indices is not None else query_start_loc.shape[0] - 1
+        if x.shape[0] != batch:
+            return None
+    if indices is not None and indices.ndim == 2:
+        if not table:
+            return None
+        indices = _C.first_column(indices)
+    act = activation if activation == "silu" else as_activation(activation)
+    return _UPDATE(x, _C.channel_last(pool), weight, bias, act, indices, None, sentinel, None)
+
+
+def prefill_step(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    pool: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+    indices: torch.Tensor | None,
+    has_initial_state: torch.Tensor | None,
+    activation: object,
+    sentinel: int,
+    *,
+    known_nonempty: bool = False,
+    table: bool = True,
+) -> torch.Tensor | None:
+    """x ``(dim, T)`` (a view of ``[T, dim]``), pool ``(N, dim, W-1)`` or None, query_start_loc
+    ``[B+1]`` with exactly B slot ids (``[B]``, or with ``table`` ``[B, k]`` at column 0) and flags, no empty
+    sequence (read here on the CPU unless ``known_nonempty``), one dtype throughout: the op's varlen
+    prefill on the channel-last views; returns ``(dim, T)``. None where :func:`._common.prefill`
+    serves (an empty sequence is skipped there, extra slot entries cut, more state rows narrowed)."""
+    if (x.ndim != 2 or query_start_loc.ndim != 1 or x.dtype != weight.dtype or _compiling()):
+        return None
+    batch = query_start_loc.shape[0] - 1
+    if ((indices is not None and indices.shape[0] != batch)
+            or (has_initial_state is not None and has_initial_state.shape[0] != batch)):
+        return None
+    if pool is not None:
+        if (pool.ndim != 3 or pool.shape[2] != weight.shape[1] - 1 or pool.dtype != x.dtype
+                or (not known_nonempty and _C.no_empty(query_start_loc) is not True)):
+            return None
+        pool = _C.channel_last(pool)
+    if indices is not None and indices.ndim == 2:
+        if not table:
+            return None
+        indices = _C.first_column(indices)
+    act = activation if activation == "silu" else as_activation(activation)
+    y = _FN(_C.channel_last(x), weight, bias, pool, indices, has_initial_state, query_start_loc, act, sentinel,
+            None)
+    return _C.channel_last(y)
