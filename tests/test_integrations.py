@@ -1126,7 +1126,9 @@ def test_the_layout_aliases_share_storage_and_version_with_the_engines_tensor():
     before = pool._version
     view[1, 2, 3] = 5.0
     assert pool[1, 3, 2] == 5.0 and pool._version > before
-    table = _ints([[4, 1], [0, 2]])
-    assert FUNCTIONS.first_column(table).tolist() == [4, 0]
+    x, weight = torch.zeros(2, D), torch.zeros(D, W)
+    state, slots = FUNCTIONS.decode_views(x, pool, weight, _ints([[4, 1], [0, 2]]), True)
+    assert slots.tolist() == [4, 0] and state.data_ptr() == pool.data_ptr()
+    assert FUNCTIONS.decode_views(x, pool, weight, _ints([[4, 1], [0, 2]]), False) is None
     w = torch.zeros(D, W, requires_grad=True)
     assert FUNCTIONS.channel_last(w).grad_fn is not None, "a tensor that requires grad gets the autograd view"

@@ -5,11 +5,12 @@ An adapter tries these first and takes the general path (:mod:`._common`) where 
 None: anything else, which the general path maps, or refuses with its message; and a call that
 Dynamo traces (the layout helpers below are C functions, which it cannot trace).
 
-What they save: the views of the engines' layouts come from the compiled call core's
-``channel_last``/``first_column`` (a plain alias, ~0.2 us against ~0.8 us for a view from
-Python, see :class:`kernel_variants._runtime.callcore.Functions`), the op is entered below its
-public function (its arguments in signature order), and nothing is checked twice: what the op
-validates (shapes, index values) is left to it.
+What they save: the checks that decide whether a call is an everyday one, and the views of the
+engines' layouts, are one call into the compiled call core (``decode_views``/``prefill_views``:
+plain aliases, ~0.2 us against ~0.8 us for a view from Python, see
+:class:`kernel_variants._runtime.callcore.Functions`); the op is entered below its public
+function (its arguments in signature order); what the op validates (shapes, index values) is
+left to it.
 """
 
 from __future__ import annotations
@@ -40,19 +41,15 @@ def decode_step(
     slot ids ``[B]`` or, with ``table`` (vLLM's rule), ``[B, k]`` read at column 0; one dtype
     throughout: the op's decode on the channel-last view of the pool; returns ``[B, dim]``. None
     where :func:`._common.decode` serves."""
-    if (x.ndim != 2 or pool.ndim != 3 or pool.shape[2] != weight.shape[1] - 1
-            or not x.dtype == pool.dtype == weight.dtype or _compiling()):
+    if _compiling():
         return None
-    if query_start_loc is not None:
-        batch = indices.shape[0] if indices is not None else query_start_loc.shape[0] - 1
-        if x.shape[0] != batch:
-            return None
-    if indices is not None and indices.ndim == 2:
-        if not table:
-            return None
-        indices = _C.first_column(indices)
+    views = _C.decode_views(x, pool, weight, indices, table)
+    if views is None:
+        return None
+    if indices is None and query_start_loc is not None and x.shape[0] != query_start_loc.shape[0] - 1:
+        return None
     act = activation if activation == "silu" else as_activation(activation)
-    return _UPDATE(x, _C.channel_last(pool), weight, bias, act, indices, None, sentinel, None)
+    return _UPDATE(x, views[0], weight, bias, act, views[1], None, sentinel, None)
 
 
 def prefill_step(
@@ -74,22 +71,11 @@ def prefill_step(
     sequence (read here on the CPU unless ``known_nonempty``), one dtype throughout: the op's varlen
     prefill on the channel-last views; returns ``(dim, T)``. None where :func:`._common.prefill`
     serves (an empty sequence is skipped there, extra slot entries cut, more state rows narrowed)."""
-    if (x.ndim != 2 or query_start_loc.ndim != 1 or x.dtype != weight.dtype or _compiling()):
+    if _compiling():
         return None
-    batch = query_start_loc.shape[0] - 1
-    if ((indices is not None and indices.shape[0] != batch)
-            or (has_initial_state is not None and has_initial_state.shape[0] != batch)):
+    views = _C.prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty)
+    if views is None:
         return None
-    if pool is not None:
-        if (pool.ndim != 3 or pool.shape[2] != weight.shape[1] - 1 or pool.dtype != x.dtype
-                or (not known_nonempty and _C.no_empty(query_start_loc) is not True)):
-            return None
-        pool = _C.channel_last(pool)
-    if indices is not None and indices.ndim == 2:
-        if not table:
-            return None
-        indices = _C.first_column(indices)
     act = activation if activation == "silu" else as_activation(activation)
-    y = _FN(_C.channel_last(x), weight, bias, pool, indices, has_initial_state, query_start_loc, act, sentinel,
-            None)
+    y = _FN(views[0], weight, bias, views[1], views[2], has_initial_state, query_start_loc, act, sentinel, None)
     return _C.channel_last(y)

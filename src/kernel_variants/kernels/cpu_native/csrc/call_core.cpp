@@ -1150,6 +1150,8 @@ const at::Tensor* tensor_arg(PyObject* o, const char* who) {
   return &THPVariable_Unpack(o);
 }
 
+PyObject* swapped_alias(PyObject* o, const at::Tensor& t);
+
 // channel_last(t): t with its last two dims swapped (a (N, dim, S) pool view as [N, S, dim], a
 // (dim, T) x as [T, dim]).
 PyObject* channel_last(PyObject*, PyObject* o) {
@@ -1160,32 +1162,134 @@ PyObject* channel_last(PyObject*, PyObject* o) {
       PyErr_Format(PyExc_ValueError, "channel_last: expected at least 2 dims, got %d", static_cast<int>(t->dim()));
       return nullptr;
     }
-    if (!plain_alias_ok(o, *t)) return THPVariable_Wrap(t->transpose(-1, -2));
-    std::vector<int64_t> sizes(t->sizes().begin(), t->sizes().end());
-    std::vector<int64_t> strides(t->strides().begin(), t->strides().end());
-    const size_t n = sizes.size();
-    std::swap(sizes[n - 1], sizes[n - 2]);
-    std::swap(strides[n - 1], strides[n - 2]);
-    return alias(*t, sizes, strides);
+    return swapped_alias(o, *t);
   } catch (const c10::Error& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     return nullptr;
   }
 }
 
-// first_column(t): a [B, k] slot table's column 0 as [B] (the engines' kernels read that column).
-PyObject* first_column(PyObject*, PyObject* o) {
-  const at::Tensor* t = tensor_arg(o, "first_column");
-  if (t == nullptr) return nullptr;
+PyObject* swapped_alias(PyObject* o, const at::Tensor& t) {
+  if (!plain_alias_ok(o, t)) return THPVariable_Wrap(t.transpose(-1, -2));
+  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
+  std::vector<int64_t> strides(t.strides().begin(), t.strides().end());
+  const size_t n = sizes.size();
+  std::swap(sizes[n - 1], sizes[n - 2]);
+  std::swap(strides[n - 1], strides[n - 2]);
+  return alias(t, sizes, strides);
+}
+
+// An engine's slot ids for `batch` sequences as the op takes them: None, a [B] tensor, or with
+// `table` a [B, k] one's column 0 (an alias). nullptr with *refused set where they are neither
+// (the adapter's general path serves), nullptr with an error set on a failure.
+PyObject* slot_ids(PyObject* io, int64_t batch, bool table, bool* refused) {
+  *refused = true;
+  if (io == Py_None) return Py_NewRef(io);
+  if (!THPVariable_Check(io)) return nullptr;
+  const at::Tensor& i = THPVariable_Unpack(io);
+  if (i.dim() == 0 || i.size(0) != batch) return nullptr;
+  if (i.dim() == 1) return Py_NewRef(io);
+  if (i.dim() != 2 || i.size(1) < 1 || !table) return nullptr;
+  *refused = false;
+  if (!plain_alias_ok(io, i)) return THPVariable_Wrap(i.select(1, 0));
+  const int64_t size = i.size(0), stride = i.stride(0);
+  return alias(i, c10::IntArrayRef(&size, 1), c10::IntArrayRef(&stride, 1));
+}
+
+PyObject* no_empty(PyObject*, PyObject* o);
+
+// prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty):
+// (x's channel-last view, the pool's or None, the slot ids) for a channel-first engine's varlen
+// prefill (x (dim, T), weight [dim, W], pool (N, dim, W-1) or None, one dtype; query_start_loc
+// [B+1]; slot ids and flags of exactly B entries, slot ids [B] or with `table` [B, k] read at
+// column 0; with a pool, no empty sequence: `known_nonempty`, or read here on the CPU), or None
+// where the adapter's general path must serve.
+PyObject* prefill_views(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError,
+                    "prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty)");
+    return nullptr;
+  }
+  PyObject *xo = args[0], *wo = args[1], *po = args[2], *qo = args[3], *io = args[4], *ho = args[5];
+  if (!THPVariable_Check(xo) || !THPVariable_Check(wo) || !THPVariable_Check(qo)) Py_RETURN_NONE;
   try {
-    if (t->dim() != 2 || t->size(1) < 1) {
-      PyErr_SetString(PyExc_ValueError, "first_column: expected a [B, k] tensor with k >= 1");
+    const at::Tensor& x = THPVariable_Unpack(xo);
+    const at::Tensor& w = THPVariable_Unpack(wo);
+    const at::Tensor& q = THPVariable_Unpack(qo);
+    if (x.dim() != 2 || w.dim() != 2 || q.dim() != 1 || q.size(0) < 1 || x.scalar_type() != w.scalar_type()) {
+      Py_RETURN_NONE;
+    }
+    const int64_t batch = q.size(0) - 1;
+    if (ho != Py_None && (!THPVariable_Check(ho) || THPVariable_Unpack(ho).dim() != 1 ||
+                          THPVariable_Unpack(ho).size(0) != batch)) {
+      Py_RETURN_NONE;
+    }
+    if (po != Py_None) {
+      if (!THPVariable_Check(po)) Py_RETURN_NONE;
+      const at::Tensor& pool = THPVariable_Unpack(po);
+      if (pool.dim() != 3 || pool.size(2) != w.size(1) - 1 || pool.scalar_type() != x.scalar_type()) Py_RETURN_NONE;
+      if (PyObject_IsTrue(args[7]) != 1) {
+        PyObject* none_empty = no_empty(nullptr, qo);
+        if (none_empty == nullptr) return nullptr;
+        const bool ok = none_empty == Py_True;
+        Py_DECREF(none_empty);
+        if (!ok) Py_RETURN_NONE;
+      }
+    }
+    bool refused = false;
+    PyObject* idx = slot_ids(io, batch, PyObject_IsTrue(args[6]) == 1, &refused);
+    if (idx == nullptr) {
+      if (refused) Py_RETURN_NONE;
       return nullptr;
     }
-    if (!plain_alias_ok(o, *t)) return THPVariable_Wrap(t->select(1, 0));
-    const int64_t size = t->size(0);
-    const int64_t stride = t->stride(0);
-    return alias(*t, c10::IntArrayRef(&size, 1), c10::IntArrayRef(&stride, 1));
+    PyObject* xv = swapped_alias(xo, x);
+    PyObject* pv = po == Py_None ? Py_NewRef(po) : swapped_alias(po, THPVariable_Unpack(po));
+    PyObject* out = (xv != nullptr && pv != nullptr) ? PyTuple_Pack(3, xv, pv, idx) : nullptr;
+    Py_XDECREF(xv);
+    Py_XDECREF(pv);
+    Py_DECREF(idx);
+    return out;
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  }
+}
+
+// decode_views(x, pool, weight, indices, table): (pool's channel-last view, the slot ids) for a
+// channel-first engine's decode step (x [B, dim], pool (N, dim, W-1), weight [dim, W], one dtype;
+// slot ids None, [B] or, with `table`, [B, k] read at column 0, B = x's), or None where the
+// adapter's general path must serve. Checks and views in one call: each check from Python
+// costs about as much as the view.
+PyObject* decode_views(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "decode_views(x, pool, weight, indices, table)");
+    return nullptr;
+  }
+  PyObject *xo = args[0], *po = args[1], *wo = args[2], *io = args[3];
+  if (!THPVariable_Check(xo) || !THPVariable_Check(po) || !THPVariable_Check(wo)) Py_RETURN_NONE;
+  try {
+    const at::Tensor& x = THPVariable_Unpack(xo);
+    const at::Tensor& pool = THPVariable_Unpack(po);
+    const at::Tensor& w = THPVariable_Unpack(wo);
+    if (x.dim() != 2 || pool.dim() != 3 || w.dim() != 2 || pool.size(2) != w.size(1) - 1 ||
+        x.scalar_type() != pool.scalar_type() || x.scalar_type() != w.scalar_type()) {
+      Py_RETURN_NONE;
+    }
+    bool refused = false;
+    PyObject* idx = slot_ids(io, x.size(0), PyObject_IsTrue(args[4]) == 1, &refused);
+    if (idx == nullptr) {
+      if (refused) Py_RETURN_NONE;
+      return nullptr;
+    }
+    PyObject* state = swapped_alias(po, pool);
+    if (state == nullptr) {
+      Py_DECREF(idx);
+      return nullptr;
+    }
+    PyObject* pair = PyTuple_Pack(2, state, idx);
+    Py_DECREF(state);
+    Py_DECREF(idx);
+    return pair;
   } catch (const c10::Error& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     return nullptr;
@@ -1216,7 +1320,11 @@ PyObject* no_empty(PyObject*, PyObject* o) {
 
 PyMethodDef module_methods[] = {
     {"channel_last", channel_last, METH_O, "channel_last(t) -> t.transpose(-1, -2) as a plain alias"},
-    {"first_column", first_column, METH_O, "first_column(t) -> t[:, 0] as a plain alias"},
+    {"decode_views", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(decode_views)), METH_FASTCALL,
+     "decode_views(x, pool, weight, indices, table) -> (pool's channel-last view, slot ids) or None"},
+    {"prefill_views", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(prefill_views)), METH_FASTCALL,
+     "prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty) -> "
+     "(x's and the pool's channel-last views, slot ids) or None"},
     {"no_empty", no_empty, METH_O, "no_empty(query_start_loc) -> whether no sequence is empty; None off the CPU"},
     {"unaliased", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unaliased)), METH_FASTCALL,
      "unaliased(result, *args) -> result, each output sharing storage with a tensor argument cloned"},
