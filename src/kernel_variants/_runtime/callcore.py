@@ -193,8 +193,8 @@ _by_name: dict[str, Slot] = {}  # op name -> the latest slot made for it
 def _unaliased_py(res: Any, *args: Any) -> Any:
     ptrs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
 
-    def fresh(o: torch.Tensor) -> torch.Tensor:
-        return o.clone() if o.untyped_storage().data_ptr() in ptrs else o
+    def fresh(o: Any) -> Any:  # not a tensor: handed back, for torch to say what the schema expected
+        return o.clone() if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in ptrs else o
 
     return tuple(fresh(o) for o in res) if isinstance(res, tuple) else fresh(res)
 

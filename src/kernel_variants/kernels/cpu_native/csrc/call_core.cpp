@@ -1091,10 +1091,8 @@ bool shares_storage(const at::Tensor& o, PyObject* const* args, Py_ssize_t n) {
 }
 
 PyObject* fresh(PyObject* o, PyObject* const* args, Py_ssize_t n) {
-  if (!THPVariable_Check(o)) {
-    PyErr_Format(PyExc_TypeError, "unaliased: expected tensors as the result, got %s", Py_TYPE(o)->tp_name);
-    return nullptr;
-  }
+  // Not a tensor: handed back, for torch to say what the op's schema expected.
+  if (!THPVariable_Check(o)) return Py_NewRef(o);
   const at::Tensor& t = THPVariable_Unpack(o);
   if (!shares_storage(t, args, n)) return Py_NewRef(o);
   return THPVariable_Wrap(t.clone());
