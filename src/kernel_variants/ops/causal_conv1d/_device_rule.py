@@ -49,14 +49,13 @@ SCHEMA = ("(Tensor? slots, Tensor? accepted, Tensor? query_start_loc, Tensor(a!)
 
 _lock = threading.Lock()
 _lib: torch.library.Library | None = None  # kept: a Library deregisters its ops when collected
+_overload: torch._ops.OpOverload | None = None
 
 
 def composite(slots: torch.Tensor | None, accepted: torch.Tensor | None, query_start_loc: torch.Tensor | None,
               counter: torch.Tensor, batch: int, n_slots: int, pad: int, pad_given: bool, length: int, total: int,
               rewrite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rule as aten ops (the op's kernel off CUDA, and on CUDA without triton)."""
-    none = counter.new_zeros(())
-    counts = [none] * len(errors.KINDS)
     drop = None
     qsl_out = acc_out = counter.new_empty(0, dtype=torch.int32)
     if query_start_loc is not None:
@@ -66,19 +65,21 @@ def composite(slots: torch.Tensor | None, accepted: torch.Tensor | None, query_s
         qsl_out = fixed.cummax(0).values
         moved = qsl_out != query_start_loc
         drop = moved[:-1] | moved[1:]
-        counts[errors.QUERY_START] = drop.sum()
+        counter[errors.QUERY_START].add_(drop.sum())
     if accepted is not None:
         bad = (accepted < 1) | (accepted > length)
-        counts[errors.ACCEPTED] = bad.sum()
+        counter[errors.ACCEPTED].add_(bad.sum())
         acc_out = torch.where(bad, 1, accepted)
         drop = bad if drop is None else drop | bad
     if slots is not None:
         inside = (slots >= 0) & (slots < n_slots)
-        counts[errors.SLOT] = (~inside & (slots != pad) if pad_given else ~inside).sum()
         fixed = torch.where(inside, slots, pad)
+        # An entry changed iff it was outside the pool and not the pad id; without the caller's
+        # pad id (the dtype cannot hold it) every entry outside the pool is bad.
+        counter[errors.SLOT].add_((fixed != slots if pad_given else ~inside).sum())
         if batch > 1:
             ordered = fixed.sort().values  # equal live slots end up adjacent
-            counts[errors.DUPLICATE] = ((ordered[1:] == ordered[:-1]) & (ordered[1:] != pad)).sum()
+            counter[errors.DUPLICATE].add_(((ordered[1:] == ordered[:-1]) & (ordered[1:] != pad)).sum())
         base = fixed if rewrite else slots
     else:
         base = torch.arange(batch, dtype=torch.int32, device=counter.device)
@@ -86,7 +87,6 @@ def composite(slots: torch.Tensor | None, accepted: torch.Tensor | None, query_s
         slots_out = torch.where(drop, pad, base)
     else:  # a result may not alias an input
         slots_out = base.clone() if base is slots else base
-    counter.add_(torch.stack(counts))
     return slots_out, acc_out, qsl_out
 
 
@@ -130,16 +130,18 @@ def _cuda(slots, accepted, query_start_loc, counter, batch, n_slots, pad, pad_gi
 def op() -> torch._ops.OpOverload:
     """``torch.ops.kernel_variants.conv_device_rule.default``, defined on first use (the rule
     runs only off the CPU: a CPU-only process never defines it)."""
-    global _lib
-    with _lock:
-        if _lib is None:
-            lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-            lib.define(NAME + SCHEMA)
-            lib.impl(NAME, composite, "CompositeExplicitAutograd")
-            lib.impl(NAME, _cuda, "CUDA")
-            torch.library.register_fake(f"{NAMESPACE}::{NAME}", _fake, lib=lib)
-            _lib = lib
-    return torch.ops.kernel_variants.conv_device_rule.default
+    global _lib, _overload
+    if _overload is None:
+        with _lock:
+            if _lib is None:
+                lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+                lib.define(NAME + SCHEMA)
+                lib.impl(NAME, composite, "CompositeExplicitAutograd")
+                lib.impl(NAME, _cuda, "CUDA")
+                torch.library.register_fake(f"{NAMESPACE}::{NAME}", _fake, lib=lib)
+                _lib = lib
+            _overload = torch.ops.kernel_variants.conv_device_rule.default
+    return _overload
 
 
 def pad_value(idx: torch.Tensor, pad_slot_id: int) -> int:

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-# The counter's entries, as in kernel_variants._runtime.device_errors.KINDS.
-_SLOT, _DUPLICATE, _ACCEPTED, _QUERY_START = 0, 1, 2, 3
+# The counter's entries, as in kernel_variants._runtime.device_errors.KINDS (a kernel reads only
+# constexpr globals).
+_SLOT, _DUPLICATE, _ACCEPTED, _QUERY_START = (tl.constexpr(k) for k in range(4))
 
 
 @triton.jit
@@ -34,7 +35,9 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+# The sizes are not specialised on (== 1, multiples of 16): one compile per block size and
+# dtypes, done by the first eager calls, never inside a graph capture of another batch size.
+@triton.jit(do_not_specialize=["B", "N", "pad", "length", "total"])
 def _rule(slots_ptr, acc_ptr, qsl_ptr, counter_ptr, slots_out_ptr, acc_out_ptr, qsl_out_ptr,
           B, N, pad, length, total,
           HAS_SLOTS: tl.constexpr, HAS_ACC: tl.constexpr, HAS_QSL: tl.constexpr, PAD_GIVEN: tl.constexpr,
@@ -107,10 +110,12 @@ def _rule(slots_ptr, acc_ptr, qsl_ptr, counter_ptr, slots_out_ptr, acc_out_ptr, 
         tl.atomic_add(counter_ptr + _QUERY_START, n_qsl)
 
 
-def _block(batch: int) -> int:
-    """Entries per block: the batch's power of two (B+1 bounds of query_start_loc included),
-    16 to 64; the duplicate compares hold a BLOCK x BLOCK tile."""
-    return min(64, max(16, 1 << batch.bit_length()))
+def config(batch: int) -> tuple[int, int]:
+    """(entries per block, warps): the batch's power of two (its B+1 bounds included), 16 to 64,
+    with warps enough that the BLOCK x BLOCK tile of the duplicate compares fits in registers
+    (sm_90: 64 entries on 8 warps, 127 registers, no spill)."""
+    block = min(64, max(16, 1 << batch.bit_length()))
+    return block, max(4, block // 8)
 
 
 def launch(slots: torch.Tensor | None, accepted: torch.Tensor | None, query_start_loc: torch.Tensor | None,
@@ -124,10 +129,11 @@ def launch(slots: torch.Tensor | None, accepted: torch.Tensor | None, query_star
                           dtype=accepted.dtype if accepted is not None else torch.int32, device=device)
     qsl_out = torch.empty(batch + 1 if query_start_loc is not None else 0,
                           dtype=query_start_loc.dtype if query_start_loc is not None else torch.int32, device=device)
+    block, warps = config(batch)
     # An absent input is never read (its constexpr flag is off); any pointer stands in for it.
     _rule[(1,)](slots if slots is not None else slots_out, accepted if accepted is not None else acc_out,
                 query_start_loc if query_start_loc is not None else qsl_out, counter, slots_out, acc_out, qsl_out,
                 batch, n_slots, pad, length, total,
                 HAS_SLOTS=slots is not None, HAS_ACC=accepted is not None, HAS_QSL=query_start_loc is not None,
-                PAD_GIVEN=pad_given, REWRITE=rewrite, BLOCK=_block(batch), num_warps=4)
+                PAD_GIVEN=pad_given, REWRITE=rewrite, BLOCK=block, num_warps=warps)
     return slots_out, acc_out, qsl_out
