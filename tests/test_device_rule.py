@@ -297,6 +297,8 @@ def test_the_op_registers_a_schema_a_fake_kernel_and_traces(counters):
     counter = torch.zeros(4, dtype=torch.int64)
     args = (_i32(2, N, -1, 2), _i64(1, 0, 2, 1), None, counter, 4, N, -1, True, 2, 0, True)
     torch.library.opcheck(op, args)
+    torch.library.opcheck(op, (_i32(2, N, -1, 2), None, None, counter, 4, N, -1, True, 0, 0, False))
+    torch.library.opcheck(op, (None, None, _i32(0, 3, 2, 5), counter, 3, 0, -1, False, 0, 5, True))
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
     real = _device_rule.composite(*args)

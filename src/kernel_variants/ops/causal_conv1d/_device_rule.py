@@ -57,7 +57,7 @@ def composite(slots: torch.Tensor | None, accepted: torch.Tensor | None, query_s
               rewrite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rule as aten ops (the op's kernel off CUDA, and on CUDA without triton)."""
     drop = None
-    qsl_out = acc_out = counter.new_empty(0, dtype=torch.int32)
+    qsl_out, acc_out = counter.new_empty(0, dtype=torch.int32), counter.new_empty(0, dtype=torch.int32)
     if query_start_loc is not None:
         fixed = query_start_loc.clamp(0, total)
         fixed[0] = 0
