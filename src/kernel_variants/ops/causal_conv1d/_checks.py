@@ -18,9 +18,9 @@ import torch
 
 from kernel_variants._dtypes import dtype_name
 from kernel_variants._registry.keys import Features, KeyParts
-from kernel_variants._runtime import device_errors as errors
 from kernel_variants._runtime.values import Bounded, Offsets, SlotIds, plan
 from kernel_variants._validate import floating, like_x, shape_str, tensor
+from kernel_variants.ops.causal_conv1d import _device_rule
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 NONCONTIG_STATES = "noncontig_states"  # a CallKey extra: the state pool is a strided view
@@ -209,44 +209,6 @@ def check_update(features: type[Features], x, conv_state, weight, bias, activati
 # ------------------------------------------------------------------------------------------
 
 
-def _pad_value(idx: torch.Tensor, pad_slot_id: int) -> int:
-    """The id that marks a pad in rewritten slot ids: the caller's, or -1 (outside every pool, so
-    never a live slot) when the index dtype cannot hold it (then no entry equals it)."""
-    info = torch.iinfo(idx.dtype)
-    return pad_slot_id if info.min <= pad_slot_id <= info.max else -1
-
-
-def _slots_as_pads(device: torch.device, idx: torch.Tensor, n_slots: int, pad_slot_id: int,
-                   count_duplicates: bool) -> tuple[torch.Tensor, int]:
-    """(slot ids ``[B]`` with every entry outside ``[0, N)`` a pad, the pad id that goes with
-    them); counts the entries that were neither in the pool nor the pad id, and with
-    ``count_duplicates`` the live entries that repeat an earlier one's slot. Few device ops:
-    on an accelerator each is a launch on every call."""
-    pad = _pad_value(idx, pad_slot_id)
-    fixed = torch.where((idx >= 0) & (idx < n_slots), idx, pad)
-    # An entry changed iff it was outside the pool and not the pad id; with a pad id the dtype
-    # cannot hold, every entry outside the pool (-1 included) is bad.
-    bad = fixed != idx if pad == pad_slot_id else (idx < 0) | (idx >= n_slots)
-    errors.add(device, errors.SLOT, bad.sum())
-    if count_duplicates:
-        ordered = fixed.sort().values  # O(B log B) on the device; equal live slots end up adjacent
-        errors.add(device, errors.DUPLICATE, ((ordered[1:] == ordered[:-1]) & (ordered[1:] != pad)).sum())
-    return fixed, pad
-
-
-def _as_pads(idx: torch.Tensor | None, drop: torch.Tensor, pad_slot_id: int, batch: int,
-             device: torch.device) -> tuple[torch.Tensor, int]:
-    """(slot ids ``[B]`` with every ``drop`` entry a pad, the pad id that goes with them).
-
-    Without indices (slot b) they are made, and the pad id becomes -1: the caller's may be one
-    of 0..B-1, a live slot there."""
-    if idx is None:
-        seq = torch.arange(batch, dtype=torch.int32, device=device)
-        return torch.where(drop, -1, seq), -1
-    pad = _pad_value(idx, pad_slot_id)
-    return torch.where(drop, pad, idx), pad
-
-
 def device_fn_values(args, capabilities) -> tuple:
     """The device rule of ``causal_conv1d_fn``; ``args`` in signature order, device tensors.
 
@@ -259,34 +221,25 @@ def device_fn_values(args, capabilities) -> tuple:
       no state to protect: its rows are computed over the repaired bounds).
     - live slots used twice are counted, not repaired (the memory touched stays inside the pool;
       the duplicated slot ends with one of the writes).
-    Each kind is counted on the device for :func:`kernel_variants.check_errors`. No host read.
+    Each kind is counted on the device for :func:`kernel_variants.check_errors`. No host read;
+    one device op (``kernel_variants::conv_device_rule``), none when there is nothing to check.
     """
     x, _, _, conv_states, cache_indices, _, query_start_loc, _, pad = args
-    device = x.device
-    must_drop = None
-    qsl = query_start_loc
-    if qsl is not None:
-        total = x.shape[0]
-        fixed = qsl.clamp(0, total)
-        fixed[0] = 0
-        fixed[-1] = total
-        fixed = fixed.cummax(0).values
-        moved = fixed != qsl
-        must_drop = moved[:-1] | moved[1:]
-        errors.add(device, errors.QUERY_START, must_drop.sum())
-        qsl = fixed
-    idx = cache_indices
-    if conv_states is not None and cache_indices is not None:
-        fixed, fixed_pad = _slots_as_pads(device, cache_indices, conv_states.shape[0], pad, cache_indices.shape[0] > 1)
-        if not capabilities.slot_bounds_safe:
-            idx, pad = fixed, fixed_pad
-    if qsl is query_start_loc and idx is cache_indices:
+    if query_start_loc is None and cache_indices is None:  # cache_indices needs conv_states
+        return args
+    batch = cache_indices.shape[0] if query_start_loc is None else query_start_loc.shape[0] - 1
+    safe = capabilities.slot_bounds_safe
+    idx, _, qsl, fixed_pad = _device_rule.apply(
+        x.device, cache_indices, None, query_start_loc, pad, batch=batch,
+        n_slots=conv_states.shape[0] if conv_states is not None else 0,
+        total=x.shape[0] if query_start_loc is not None else 0, rewrite=not safe)
+    if query_start_loc is None and safe:
         return args
     out = list(args)
-    out[6] = qsl
-    if must_drop is not None and conv_states is not None:
-        idx, pad = _as_pads(idx, must_drop, pad, must_drop.shape[0], device)
-    out[4], out[8] = idx, pad
+    if query_start_loc is not None:
+        out[6] = qsl
+    if conv_states is not None:
+        out[4], out[8] = idx, fixed_pad
     return tuple(out)
 
 
@@ -299,22 +252,19 @@ def device_update_values(args, capabilities) -> tuple:
       (any other count would address rows outside the slot), and is handed to the variant as 1.
     - live slots used twice are counted, not repaired (see :func:`device_fn_values`).
     Rewritten here unless the chosen variant declares ``slot_bounds_safe``; counted on the
-    device for :func:`kernel_variants.check_errors` in every case. No host read.
+    device for :func:`kernel_variants.check_errors` in every case. No host read; one device op
+    (``kernel_variants::conv_device_rule``), none when there is nothing to check.
     """
     x, conv_state, _, _, _, indices, accepted, pad = args
-    device = x.device
-    idx, bad_count = indices, None
-    if indices is not None:
-        idx, pad = _slots_as_pads(device, indices, conv_state.shape[0], pad, indices.shape[0] > 1)
-    if accepted is not None:
-        length = x.shape[1] if x.ndim == 3 else 1
-        bad_count = (accepted < 1) | (accepted > length)
-        errors.add(device, errors.ACCEPTED, bad_count.sum())
-    if capabilities.slot_bounds_safe or (indices is None and bad_count is None):
+    if indices is None and accepted is None:
+        return args
+    idx, fixed_accepted, _, fixed_pad = _device_rule.apply(
+        x.device, indices, accepted, None, pad, batch=x.shape[0], n_slots=conv_state.shape[0],
+        length=x.shape[1] if x.ndim == 3 else 1, rewrite=not capabilities.slot_bounds_safe)
+    if capabilities.slot_bounds_safe:
         return args
     out = list(args)
-    if bad_count is not None:
-        idx, pad = _as_pads(idx, bad_count, pad, bad_count.shape[0], device)
-        out[6] = torch.where(bad_count, 1, accepted)
-    out[5], out[7] = idx, pad
+    if accepted is not None:
+        out[6] = fixed_accepted
+    out[5], out[7] = idx, fixed_pad
     return tuple(out)
