@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import sm90
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernel_variants as kv
@@ -426,44 +427,17 @@ def test_the_kernel_compiles_for_sm_90_without_a_gpu(monkeypatch, tmp_path):
     check what only the compiler does: constexpr globals, loop-carried types): every flag
     combination compiles, and each block size fits in registers with the warps launch uses."""
     import itertools
-    import os
-    import re
-    import subprocess
 
-    triton = pytest.importorskip("triton", reason="triton not installed (the 'triton' extra)")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns while it is unset
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
-    if not os.path.exists(ptxas):
-        pytest.skip("this triton ships no ptxas for sm_90 (backends/nvidia/bin/ptxas-blackwell)")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    compile_ = sm90.compiler(monkeypatch)
     module = _device_rule.triton_module(False)
     fn = module._rule
     flags = ("HAS_SLOTS", "HAS_ACC", "HAS_QSL", "PAD_GIVEN", "REWRITE")
     signature = {"slots_ptr": "*i64", "acc_ptr": "*i32", "qsl_ptr": "*i32", "counter_ptr": "*i64",
                  "slots_out_ptr": "*i64", "acc_out_ptr": "*i32", "qsl_out_ptr": "*i32", "B": "i32", "N": "i32",
                  "pad": "i64", "length": "i32", "total": "i32", **dict.fromkeys((*flags, "BLOCK"), "constexpr")}
-
-    def compile_(consts, warps):
-        src = ASTSource(fn=fn, signature=signature,
-                        constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-        try:
-            return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        except (TypeError, AttributeError) as exc:  # an older or newer compiler API
-            pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}")
-
     for values in itertools.product([True, False], repeat=len(flags)):
-        compile_({**dict(zip(flags, values, strict=True)), "BLOCK": 16}, 4)
+        compile_(fn, signature, {**dict(zip(flags, values, strict=True)), "BLOCK": 16}, 4)
     for batch in (8, 24, 200):
         block, warps = module.config(batch)
-        compiled = compile_({**dict.fromkeys(flags, True), "BLOCK": block}, warps)
-        ptx = tmp_path / f"rule{block}.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(tmp_path / "rule.cubin")],
-                                capture_output=True, text=True, timeout=300)
-        text = report.stdout + report.stderr
-        assert report.returncode == 0, text
-        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-        assert spills and spills.groups() == ("0", "0"), (block, warps, text)
+        sm90.assemble(compile_(fn, signature, {**dict.fromkeys(flags, True), "BLOCK": block}, warps), tmp_path,
+                      f"rule{block}")

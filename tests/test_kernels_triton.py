@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import sm90
 from helpers.calibration import QUICK
 from helpers.conformance import assert_conforms
 
@@ -220,54 +221,19 @@ def test_launches_run_under_the_device_of_x(interpreter, monkeypatch):
 # --- the prefill kernel's registers (finding: the tiled kernel spilled at 128x32) ---------------
 
 
-def _ptxas_sm90():
-    import os
-
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
-    return ptxas if os.path.exists(ptxas) else None
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("blocks", [triton_conv.fn_heuristic(8192, 4096), triton_conv.fn_heuristic(64, 4096)],
                          ids=lambda b: b.id)
 def test_the_default_prefill_configs_do_not_spill(monkeypatch, tmp_path, blocks):
     """Compiled for sm_90 without a GPU (Triton's compiler and the ptxas it ships), W = 4, bf16,
     packed input with history: ptxas reports no spill and a modest register count."""
-    import re
-    import subprocess
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns while it is unset
-    ptxas = _ptxas_sm90()
-    if ptxas is None:
-        pytest.skip("this triton ships no ptxas for sm_90 (backends/nvidia/bin/ptxas-blackwell)")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    compile_ = sm90.compiler(monkeypatch)
     fn = triton_conv.kernels(False).fn_conv
-    names = fn.arg_names
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "st_ptr": "*bf16", "ci_ptr": "*i32",
                 "init_ptr": "*u8", "qsl_ptr": "*i32", "seq_ptr": "*i64", "out_ptr": "*bf16"}
     consts = dict(W=4, HAS_BIAS=True, SILU=True, HAS_HIST=True, HAS_CI=True, VARLEN=True, BLOCK_T=blocks.t,
                   BLOCK_D=blocks.d)
     signature = {n: pointers.get(n, "constexpr" if n in consts else "i64" if n.startswith("s") and n != "S" else "i32")
-                 for n in names}
-    try:
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature,
-                                            constexprs={(names.index(n),): v for n, v in consts.items()}),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    except Exception as exc:  # an older or newer compiler API: this check cannot run here
-        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}")
-    ptx = tmp_path / "fn_conv.ptx"
-    ptx.write_text(compiled.asm["ptx"])
-    report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(tmp_path / "fn_conv.cubin")],
-                            capture_output=True, text=True, timeout=300)
-    text = report.stdout + report.stderr
-    assert report.returncode == 0, text
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    registers = re.search(r"Used (\d+) registers", text)
-    assert spills and spills.groups() == ("0", "0"), text
-    assert registers and int(registers[1]) <= 64, text
+                 for n in fn.arg_names}
+    registers, text = sm90.assemble(compile_(fn, signature, consts, 4), tmp_path, "fn_conv")
+    assert registers <= 64, text
