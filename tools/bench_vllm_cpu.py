@@ -157,7 +157,10 @@ def _verdict(label: str, rows: list[dict], key: str, threads: list[int], need: s
 
 
 def grid(args, kernels) -> int:
-    on, where = callcore.status()
+    try:
+        on, where = callcore.status()
+    except Exception as exc:  # a call path without this report: measure it all the same
+        on, where = False, f"status unknown: {type(exc).__name__}"
     # Short windows, many rounds: on cores shared with other work a burst of it spoils a few
     # rounds' ratios, which the median leaves out, rather than every long window.
     timing = TimingConfig(warmup=3, windows=args.windows, iters=1000, window_budget_s=0.01)
