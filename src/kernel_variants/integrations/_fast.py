@@ -53,18 +53,9 @@ def decode_step(
 
 
 def prefill_step(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    pool: torch.Tensor | None,
-    query_start_loc: torch.Tensor,
-    indices: torch.Tensor | None,
-    has_initial_state: torch.Tensor | None,
-    activation: object,
-    sentinel: int,
-    *,
-    known_nonempty: bool = False,
-    table: bool = True,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pool: torch.Tensor | None,
+    query_start_loc: torch.Tensor, indices: torch.Tensor | None, has_initial_state: torch.Tensor | None,
+    activation: object, sentinel: int, *, known_nonempty: bool = False, table: bool = True,
 ) -> torch.Tensor | None:
     """x ``(dim, T)`` (a view of ``[T, dim]``), pool ``(N, dim, W-1)`` or None, query_start_loc
     ``[B+1]`` with exactly B slot ids (``[B]``, or with ``table`` ``[B, k]`` at column 0) and flags, no empty
