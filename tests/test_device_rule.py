@@ -230,6 +230,11 @@ EDGES = {
                                     n_slots=N, total=9),
     "B = 1": dict(slots=_i32(N), accepted=_i32(0), batch=1, pad_slot_id=-1, n_slots=N, length=1),
     "B = 1, one bound wrong": dict(qsl=_i32(1, 5), slots=_i32(0), batch=1, pad_slot_id=-1, n_slots=N, total=5),
+    # vLLM's [B, k] slot table is read at column 0: a view with the table's row stride.
+    "strided slots, counts and bounds": dict(
+        slots=_i32(3, 9, 1, 9, N, 9, 3, 9).view(4, 2)[:, 0], accepted=_i64(1, 7, 0, 7, 2, 7, 1, 7).view(4, 2)[:, 0],
+        qsl=_i32(0, 7, 2, 7, 1, 7, 5, 7, 6, 7).view(5, 2)[:, 0], batch=4, pad_slot_id=-1, n_slots=N, length=2,
+        total=6),
 }
 
 
@@ -240,6 +245,11 @@ def test_the_triton_kernel_equals_the_composite_on_edge_cases(triton_rule, devic
     counts = _both(triton_rule, device, kw.pop("slots", None), kw.pop("accepted", None), kw.pop("qsl", None),
                    rewrite=rewrite, **kw)
     assert any(counts), "every edge case has something to count"
+
+
+def test_the_triton_kernel_equals_the_composite_without_sequences(triton_rule, device):
+    """B = 0 with tokens: the end bound is set last in both (nothing to count)."""
+    assert _both(triton_rule, device, None, None, _i32(3), batch=0, pad_slot_id=-1, total=4) == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("batch", [1, 16, 63, 64, 65, 130])
@@ -434,7 +444,8 @@ def test_the_kernel_compiles_for_sm_90_without_a_gpu(monkeypatch, tmp_path):
     flags = ("HAS_SLOTS", "HAS_ACC", "HAS_QSL", "PAD_GIVEN", "REWRITE")
     signature = {"slots_ptr": "*i64", "acc_ptr": "*i32", "qsl_ptr": "*i32", "counter_ptr": "*i64",
                  "slots_out_ptr": "*i64", "acc_out_ptr": "*i32", "qsl_out_ptr": "*i32", "B": "i32", "N": "i32",
-                 "pad": "i64", "length": "i32", "total": "i32", **dict.fromkeys((*flags, "BLOCK"), "constexpr")}
+                 "pad": "i64", "length": "i32", "total": "i32", "slots_stride": "i32", "acc_stride": "i32",
+                 "qsl_stride": "i32", **dict.fromkeys((*flags, "BLOCK"), "constexpr")}
     for values in itertools.product([True, False], repeat=len(flags)):
         compile_(fn, signature, {**dict(zip(flags, values, strict=True)), "BLOCK": 16}, 4)
     for batch in (8, 24, 200):

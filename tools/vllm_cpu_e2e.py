@@ -105,10 +105,14 @@ def _install_engine_counters(calls: dict[str, int], kernels: dict[str, int], *, 
 
 
 def _install_dispatch_counters(counts: dict[str, int]) -> None:
+    """Count each conv call that reaches the dispatcher: through the public ops (the adapters'
+    general path) or through the op entries the adapters' fast steps call."""
     import kernel_variants
+    from kernel_variants.integrations import _fast
 
-    for op in ("causal_conv1d_fn", "causal_conv1d_update"):
+    for op, entry in (("causal_conv1d_fn", "_FN"), ("causal_conv1d_update", "_UPDATE")):
         setattr(kernel_variants, op, _count(counts, op, getattr(kernel_variants, op)))
+        setattr(_fast, entry, _count(counts, op, getattr(_fast, entry)))
 
 
 def _reseed(model) -> None:

@@ -187,7 +187,6 @@ class Slot:
 
 
 _slots: list[Slot] = []
-_by_name: dict[str, Slot] = {}  # op name -> the latest slot made for it
 
 
 def _unaliased_py(res: Any, *args: Any) -> Any:
@@ -196,7 +195,7 @@ def _unaliased_py(res: Any, *args: Any) -> Any:
     def fresh(o: Any) -> Any:  # not a tensor: handed back, for torch to say what the schema expected
         return o.clone() if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in ptrs else o
 
-    return tuple(fresh(o) for o in res) if isinstance(res, tuple) else fresh(res)
+    return tuple(fresh(o) for o in res) if isinstance(res, (tuple, list)) else fresh(res)
 
 
 _REFUSED = object()
@@ -246,7 +245,8 @@ _PYTHON: dict[str, Callable[..., Any]] = {
     "channel_last": lambda t: t.transpose(-1, -2),
     "decode_views": _decode_views_py,
     "prefill_views": _prefill_views_py,
-    "no_empty": lambda qsl: bool((qsl.diff() != 0).all()) if qsl.is_cpu and qsl.ndim == 1 else None,
+    "no_empty": lambda qsl: (bool((qsl.diff() != 0).all()) if isinstance(qsl, torch.Tensor) and qsl.is_cpu
+                             and qsl.ndim == 1 and qsl.dtype in (torch.int32, torch.int64) else None),
 }
 
 
@@ -254,7 +254,7 @@ class Functions:
     """The core's module functions, in C where the core serves, else in Python; found at first use
     after each :func:`rearm`.
 
-    - ``unaliased(result, *args)``: ``result`` (a tensor or a tuple of them), each output that
+    - ``unaliased(result, *args)``: ``result`` (a tensor, or a tuple or list of them: a tuple), each output that
       shares storage with a tensor argument replaced by a clone (a ``torch.library`` op's output
       may not alias an input);
     - ``channel_last(t)``: ``t.transpose(-1, -2)`` (in C a plain alias sharing storage and version
@@ -290,14 +290,14 @@ FUNCTIONS = Functions()
 
 def arm(spec: OpSpec) -> Slot:
     """The slot through which ``spec``'s entry finds its core, from its next call on."""
-    slot = _by_name[spec.name] = Slot(spec)
+    slot = Slot(spec)
     _slots.append(slot)
     return slot
 
 
 def slot_of(spec: OpSpec) -> Slot:
-    """The slot :func:`arm` made for ``spec``."""
-    return _by_name[spec.name]
+    """The slot :func:`arm` made for ``spec`` (this op object, not another of its name)."""
+    return next(slot for slot in reversed(_slots) if slot.spec is spec)
 
 
 def rearm() -> None:

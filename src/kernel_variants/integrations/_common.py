@@ -72,7 +72,7 @@ def prefill(
     if pool is not None:
         pool = head_rows(engine, pool, weight.shape[1] - 1)
         if seq_lens is None or 0 in seq_lens:
-            cache_indices = skip_empty(cache_indices, query_start_loc, sentinel)
+            cache_indices, sentinel = skip_empty(cache_indices, query_start_loc, sentinel)
     total = x.shape[0] if seq_lens is None else sum(seq_lens)
     x_used = x if total == x.shape[0] else x[:total]
     y = kernel_variants.causal_conv1d_fn(

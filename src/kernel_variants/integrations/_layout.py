@@ -88,16 +88,20 @@ def capturing(device: torch.device) -> bool:
 
 def skip_empty(
     cache_indices: torch.Tensor | None, query_start_loc: torch.Tensor, sentinel: int
-) -> torch.Tensor:
-    """Slots with empty sequences replaced by ``sentinel``: the engines' kernels skip an empty
-    sequence (no state write), the contract would still write its history back (zeros without
-    an initial state). Device-side, so no sync and safe inside a graph capture."""
+) -> tuple[torch.Tensor, int]:
+    """(slots with empty sequences made pads, the pad id to hand the op): the engines' kernels
+    skip an empty sequence (no state write), the contract would still write its history back
+    (zeros without an initial state). Without ``cache_indices`` (sequence b in slot b) the slots
+    are made here and the pad id is -1, as the op's own rule has it: the caller's sentinel may be
+    a live slot among 0..B-1 (vLLM's null block 0). Device-side, so no sync and safe inside a
+    graph capture."""
     empty = query_start_loc[1:] == query_start_loc[:-1]
     if cache_indices is None:
         cache_indices = torch.arange(
             empty.shape[0], device=query_start_loc.device, dtype=query_start_loc.dtype
         )
-    return torch.where(empty, torch.full_like(cache_indices, sentinel), cache_indices)
+        sentinel = -1
+    return torch.where(empty, torch.full_like(cache_indices, sentinel), cache_indices), sentinel
 
 
 def first_rows(

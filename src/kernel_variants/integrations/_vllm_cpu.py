@@ -57,7 +57,7 @@ def causal_conv1d_fn_cpu(
     )
 
 
-# Keywords of vLLM's decode that change nothing the fast decode step does.
+# Keywords of vLLM's decode that change nothing the fast decode step does (any other must be None).
 _IGNORED = frozenset({"null_block_id", "max_query_len", "validate_data", "metadata"})
 
 
@@ -85,7 +85,9 @@ def causal_conv1d_update_cpu(
         sentinel = kwargs.get("null_block_id", NULL_BLOCK_ID)
         if sentinel is None:
             sentinel = NULL_BLOCK_ID
-    if kwargs.keys() <= _IGNORED and (query_start_loc is None or kwargs.get("max_query_len") == 1):
+    # vLLM passes its prefix-caching keywords as None on every call: their values decide.
+    if (all(v is None for k, v in kwargs.items() if k not in _IGNORED)
+            and (query_start_loc is None or kwargs.get("max_query_len") == 1)):
         y = decode_step(x, conv_state, weight, bias, activation, conv_state_indices, int(sentinel), query_start_loc)
         if y is not None:
             return y
@@ -154,7 +156,7 @@ def gdn_causal_conv1d_fwd_cpu(
     one, 0 included, is processed. Returns ``(dim, T)``."""
     weight = _unpacked(weight, is_weight_packed)
     y = prefill_step(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
-                     "silu" if silu_activation else None, PAD_SLOT_ID)
+                     "silu" if silu_activation else None, PAD_SLOT_ID, table=False)
     if y is not None:
         return y
     return prefill(
@@ -184,7 +186,7 @@ def gdn_causal_conv1d_update_cpu(
     weight = _unpacked(weight, is_weight_packed)
     if num_accepted_tokens is None:
         y = decode_step(x, conv_states, weight, bias, "silu" if silu_activation else None, conv_state_indices,
-                        PAD_SLOT_ID)
+                        PAD_SLOT_ID, table=False)
         if y is not None:
             return y
     return decode(

@@ -37,9 +37,11 @@ def _max(a, b):
 
 # The sizes are not specialised on (== 1, multiples of 16): one compile per block size and
 # dtypes, done by the first eager calls, never inside a graph capture of another batch size.
-@triton.jit(do_not_specialize=["B", "N", "pad", "length", "total"])
+# The inputs are read through their strides (a slot table's column 0 has the table's row
+# stride); the outputs are new and dense.
+@triton.jit(do_not_specialize=["B", "N", "pad", "length", "total", "slots_stride", "acc_stride", "qsl_stride"])
 def _rule(slots_ptr, acc_ptr, qsl_ptr, counter_ptr, slots_out_ptr, acc_out_ptr, qsl_out_ptr,
-          B, N, pad, length, total,
+          B, N, pad, length, total, slots_stride, acc_stride, qsl_stride,
           HAS_SLOTS: tl.constexpr, HAS_ACC: tl.constexpr, HAS_QSL: tl.constexpr, PAD_GIVEN: tl.constexpr,
           REWRITE: tl.constexpr, BLOCK: tl.constexpr):
     lane = tl.arange(0, BLOCK)
@@ -48,9 +50,9 @@ def _rule(slots_ptr, acc_ptr, qsl_ptr, counter_ptr, slots_out_ptr, acc_out_ptr, 
         for k0 in range(0, B + 1, BLOCK):
             k = k0 + lane
             ok = k <= B
-            v = tl.load(qsl_ptr + k, mask=ok, other=0).to(tl.int64)
+            v = tl.load(qsl_ptr + k * qsl_stride, mask=ok, other=0).to(tl.int64)
             v = tl.minimum(tl.maximum(v, 0), total)
-            v = tl.where(k == 0, 0, tl.where(k == B, total, v))
+            v = tl.where(k == B, total, tl.where(k == 0, 0, v))  # the end last, as the composite sets it
             v = tl.where(ok, v, 0)  # every bound is >= 0: 0 never raises a maximum
             prefix = tl.reduce(tl.where(lane[None, :] <= lane[:, None], v[None, :], 0), 1, _max)
             tl.store(qsl_out_ptr + k, tl.maximum(prefix, carry).to(qsl_out_ptr.dtype.element_ty), mask=ok)
@@ -64,19 +66,20 @@ def _rule(slots_ptr, acc_ptr, qsl_ptr, counter_ptr, slots_out_ptr, acc_out_ptr, 
         ok = b < B
         drop = b < 0
         if HAS_QSL:
-            moved = ((tl.load(qsl_out_ptr + b, mask=ok, other=0) != tl.load(qsl_ptr + b, mask=ok, other=0))
-                     | (tl.load(qsl_out_ptr + b + 1, mask=ok, other=0) != tl.load(qsl_ptr + b + 1, mask=ok, other=0)))
+            moved = ((tl.load(qsl_out_ptr + b, mask=ok, other=0) != tl.load(qsl_ptr + b * qsl_stride, mask=ok, other=0))
+                     | (tl.load(qsl_out_ptr + b + 1, mask=ok, other=0)
+                        != tl.load(qsl_ptr + (b + 1) * qsl_stride, mask=ok, other=0)))
             bad_q = ok & moved
             n_qsl += tl.reduce(bad_q.to(tl.int64), 0, _add)
             drop = drop | bad_q
         if HAS_ACC:
-            a = tl.load(acc_ptr + b, mask=ok, other=1).to(tl.int64)
+            a = tl.load(acc_ptr + b * acc_stride, mask=ok, other=1).to(tl.int64)
             bad_a = ok & ((a < 1) | (a > length))
             n_acc += tl.reduce(bad_a.to(tl.int64), 0, _add)
             tl.store(acc_out_ptr + b, tl.where(bad_a, 1, a).to(acc_out_ptr.dtype.element_ty), mask=ok)
             drop = drop | bad_a
         if HAS_SLOTS:
-            s = tl.load(slots_ptr + b, mask=ok, other=0).to(tl.int64)
+            s = tl.load(slots_ptr + b * slots_stride, mask=ok, other=0).to(tl.int64)
             inside = (s >= 0) & (s < N)
             # Without PAD_GIVEN the caller's pad id does not fit the dtype: no entry is that pad.
             bad_s = ok & ~inside & (s != pad) if PAD_GIVEN else ok & ~inside
@@ -91,13 +94,13 @@ def _rule(slots_ptr, acc_ptr, qsl_ptr, counter_ptr, slots_out_ptr, acc_out_ptr, 
         n_dup = tl.full([], 0, tl.int64)
         for i0 in range(0, B, BLOCK):
             i = i0 + lane
-            si = tl.load(slots_ptr + i, mask=i < B, other=0).to(tl.int64)
+            si = tl.load(slots_ptr + i * slots_stride, mask=i < B, other=0).to(tl.int64)
             fi = tl.where((si >= 0) & (si < N), si, pad)
             live = (i < B) & (fi != pad)
             seen = i < 0
             for j0 in range(0, i0 + BLOCK, BLOCK):
                 j = j0 + lane
-                sj = tl.load(slots_ptr + j, mask=j < B, other=0).to(tl.int64)
+                sj = tl.load(slots_ptr + j * slots_stride, mask=j < B, other=0).to(tl.int64)
                 fj = tl.where((sj >= 0) & (sj < N), sj, pad)
                 same = (fj[None, :] == fi[:, None]) & (j[None, :] < i[:, None])
                 seen = seen | (tl.reduce(same.to(tl.int32), 1, _max) > 0)
@@ -118,6 +121,10 @@ def config(batch: int) -> tuple[int, int]:
     return block, max(4, block // 8)
 
 
+def _stride(t: torch.Tensor | None) -> int:
+    return t.stride(0) if t is not None and t.ndim == 1 else 1
+
+
 def launch(slots: torch.Tensor | None, accepted: torch.Tensor | None, query_start_loc: torch.Tensor | None,
            counter: torch.Tensor, batch: int, n_slots: int, pad: int, pad_given: bool, length: int, total: int,
            rewrite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,7 +140,7 @@ def launch(slots: torch.Tensor | None, accepted: torch.Tensor | None, query_star
     # An absent input is never read (its constexpr flag is off); any pointer stands in for it.
     _rule[(1,)](slots if slots is not None else slots_out, accepted if accepted is not None else acc_out,
                 query_start_loc if query_start_loc is not None else qsl_out, counter, slots_out, acc_out, qsl_out,
-                batch, n_slots, pad, length, total,
+                batch, n_slots, pad, length, total, _stride(slots), _stride(accepted), _stride(query_start_loc),
                 HAS_SLOTS=slots is not None, HAS_ACC=accepted is not None, HAS_QSL=query_start_loc is not None,
                 PAD_GIVEN=pad_given, REWRITE=rewrite, BLOCK=block, num_warps=warps)
     return slots_out, acc_out, qsl_out

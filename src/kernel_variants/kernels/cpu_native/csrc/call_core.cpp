@@ -23,8 +23,12 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 #include <algorithm>
+#include <typeinfo>
 #include <cstdint>
 #include <memory>
 #include <unordered_map>
@@ -1074,11 +1078,14 @@ PyObject* bound_call(PyObject* self, PyObject* args, PyObject* kwargs) {
 
 PyTypeObject BoundCoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-// unaliased(result, *args): `result` (a tensor or a tuple of tensors), each output that shares
-// storage with a tensor among `args` replaced by a clone. A torch.library op's output may not
-// alias an input; a compiled graph's kernel runs this after the dispatched call (no built-in
-// variant's output aliases an input, a plugin's might), in place of one storage read per tensor
-// argument in Python.
+// The module functions below are called from Python code of the package, each wrapped in
+// HANDLE_TH_ERRORS: any C++ exception (a c10::Error, an allocation failure, a Python error raised
+// by a tensor subclass's dispatch) becomes a Python exception, never an abort.
+
+// unaliased(result, *args): `result` (a tensor, or a tuple or list of tensors), each output that
+// shares storage with a tensor among `args` replaced by a clone. A torch.library op's output may
+// not alias an input; a compiled graph's kernel runs this after the dispatched call (no built-in
+// variant's output aliases an input, a plugin's might).
 bool shares_storage(const at::Tensor& o, PyObject* const* args, Py_ssize_t n) {
   if (!o.has_storage()) return false;
   const void* mine = o.storage().data();
@@ -1099,72 +1106,53 @@ PyObject* fresh(PyObject* o, PyObject* const* args, Py_ssize_t n) {
 }
 
 PyObject* unaliased(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
   if (nargs < 1) {
     PyErr_SetString(PyExc_TypeError, "unaliased(result, *args): expected the result");
     return nullptr;
   }
   PyObject* res = args[0];
-  if (!PyTuple_Check(res)) return fresh(res, args + 1, nargs - 1);
-  Py_ssize_t k = PyTuple_GET_SIZE(res);
-  PyObject* out = PyTuple_New(k);
-  if (out == nullptr) return nullptr;
+  if (!PyTuple_Check(res) && !PyList_Check(res)) return fresh(res, args + 1, nargs - 1);
+  THPObjectPtr items(PySequence_Tuple(res));
+  if (!items) return nullptr;
+  const Py_ssize_t k = PyTuple_GET_SIZE(items.get());
+  THPObjectPtr out(PyTuple_New(k));
+  if (!out) return nullptr;
   for (Py_ssize_t i = 0; i < k; ++i) {
-    PyObject* f = fresh(PyTuple_GET_ITEM(res, i), args + 1, nargs - 1);
-    if (f == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(out, i, f);
+    PyObject* f = fresh(PyTuple_GET_ITEM(items.get(), i), args + 1, nargs - 1);
+    if (f == nullptr) return nullptr;
+    PyTuple_SET_ITEM(out.get(), i, f);
   }
-  return out;
+  return out.release();
+  END_HANDLE_TH_ERRORS
 }
 
-// The engine adapters' per-call layout mapping (integrations/_common.py), without Python's
+// The engine adapters' per-call layout mapping (integrations/_fast.py), without Python's
 // argument parsing and the dispatcher's view machinery on the way (~0.8 us per view from Python,
-// ~0.2 us here): an alias of a plain strided tensor with other sizes and strides, sharing its
-// storage and version counter. Anything else (a subclass, a functional or fake tensor, grad
-// mode with a tensor that requires grad) gets the ordinary view.
+// ~0.2 us here): an alias of a plain dense CPU or CUDA tensor with other sizes and strides,
+// sharing its storage and version counter, an inference tensor exactly when its base is. Anything
+// else (a subclass, another TensorImpl, a functional or fake tensor, an active dispatch mode,
+// grad mode with a tensor that requires grad) gets the ordinary view.
 bool plain_alias_ok(PyObject* o, const at::Tensor& t) {
-  if (!THPVariable_CheckExact(o) || t.layout() != c10::kStrided || !t.has_storage() || t.is_nested()) return false;
+  if (!THPVariable_CheckExact(o) || t.layout() != c10::kStrided || !t.has_storage()) return false;
+  if (!(t.is_cpu() || t.is_cuda()) || typeid(*t.unsafeGetTensorImpl()) != typeid(c10::TensorImpl)) return false;
   if (t.requires_grad() && c10::GradMode::is_enabled()) return false;
+  if (c10::impl::TorchDispatchModeTLS::any_modes_set()) return false;
   const auto ks = t.key_set();
   return !ks.has(c10::DispatchKey::Python) && !ks.has(c10::DispatchKey::Functionalize) &&
-         !ks.has(c10::DispatchKey::PythonTLSSnapshot) && !ks.has_any(c10::DispatchKeySet(c10::DispatchKey::FuncTorchBatched));
+         !ks.has(c10::DispatchKey::PythonTLSSnapshot) && !ks.has(c10::DispatchKey::FuncTorchBatched);
 }
 
 PyObject* alias(const at::Tensor& t, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
+  c10::intrusive_ptr<c10::TensorImpl> impl;
+  {
+    // A TensorImpl is an inference tensor when made in inference mode: the alias follows its base.
+    c10::InferenceMode mode(t.is_inference());
+    impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
+  }
   impl->set_sizes_and_strides(sizes, strides, t.storage_offset());
-  // Made in inference mode, the alias is an inference tensor (no counter of its own to share).
-  if (!t.is_inference() && !impl->is_inference()) impl->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
+  if (!t.is_inference()) impl->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
   return THPVariable_Wrap(at::Tensor(std::move(impl)));
-}
-
-const at::Tensor* tensor_arg(PyObject* o, const char* who) {
-  if (!THPVariable_Check(o)) {
-    PyErr_Format(PyExc_TypeError, "%s: expected a tensor, got %s", who, Py_TYPE(o)->tp_name);
-    return nullptr;
-  }
-  return &THPVariable_Unpack(o);
-}
-
-PyObject* swapped_alias(PyObject* o, const at::Tensor& t);
-
-// channel_last(t): t with its last two dims swapped (a (N, dim, S) pool view as [N, S, dim], a
-// (dim, T) x as [T, dim]).
-PyObject* channel_last(PyObject*, PyObject* o) {
-  const at::Tensor* t = tensor_arg(o, "channel_last");
-  if (t == nullptr) return nullptr;
-  try {
-    if (t->dim() < 2) {
-      PyErr_Format(PyExc_ValueError, "channel_last: expected at least 2 dims, got %d", static_cast<int>(t->dim()));
-      return nullptr;
-    }
-    return swapped_alias(o, *t);
-  } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-    return nullptr;
-  }
 }
 
 PyObject* swapped_alias(PyObject* o, const at::Tensor& t) {
@@ -1177,9 +1165,23 @@ PyObject* swapped_alias(PyObject* o, const at::Tensor& t) {
   return alias(t, sizes, strides);
 }
 
+// channel_last(t): t with its last two dims swapped (a (dim, T) x as [T, dim], a (T, dim) result
+// back as the engine's (dim, T)).
+PyObject* channel_last(PyObject*, PyObject* o) {
+  HANDLE_TH_ERRORS
+  if (!THPVariable_Check(o)) {
+    PyErr_Format(PyExc_TypeError, "channel_last: expected a tensor, got %s", Py_TYPE(o)->tp_name);
+    return nullptr;
+  }
+  const at::Tensor& t = THPVariable_Unpack(o);
+  if (t.dim() < 2) return THPVariable_Wrap(t.transpose(-1, -2));  // torch says what is wrong
+  return swapped_alias(o, t);
+  END_HANDLE_TH_ERRORS
+}
+
 // An engine's slot ids for `batch` sequences as the op takes them: None, a [B] tensor, or with
-// `table` a [B, k] one's column 0 (an alias). nullptr with *refused set where they are neither
-// (the adapter's general path serves), nullptr with an error set on a failure.
+// `table` a [B, k] one's column 0 (an alias). nullptr with *refused and no error set where they
+// are neither (the adapter's general path serves them); nullptr with an error set on a failure.
 PyObject* slot_ids(PyObject* io, int64_t batch, bool table, bool* refused) {
   *refused = true;
   if (io == Py_None) return Py_NewRef(io);
@@ -1194,63 +1196,34 @@ PyObject* slot_ids(PyObject* io, int64_t batch, bool table, bool* refused) {
   return alias(i, c10::IntArrayRef(&size, 1), c10::IntArrayRef(&stride, 1));
 }
 
-PyObject* no_empty(PyObject*, PyObject* o);
+// Whether a CPU [B+1] int32/int64 tensor has no two equal neighbours; -1 where it is not read here.
+int none_empty(const at::Tensor& t) {
+  if (!t.is_cpu() || t.dim() != 1 || !t.has_storage()) return -1;
+  const int64_t n = t.size(0), st = t.stride(0);
+  if (t.scalar_type() == at::kInt) {
+    const int32_t* p = t.const_data_ptr<int32_t>();
+    for (int64_t i = 1; i < n; ++i)
+      if (p[i * st] == p[(i - 1) * st]) return 0;
+    return 1;
+  }
+  if (t.scalar_type() == at::kLong) {
+    const int64_t* p = t.const_data_ptr<int64_t>();
+    for (int64_t i = 1; i < n; ++i)
+      if (p[i * st] == p[(i - 1) * st]) return 0;
+    return 1;
+  }
+  return -1;
+}
 
-// prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty):
-// (x's channel-last view, the pool's or None, the slot ids) for a channel-first engine's varlen
-// prefill (x (dim, T), weight [dim, W], pool (N, dim, W-1) or None, one dtype; query_start_loc
-// [B+1]; slot ids and flags of exactly B entries, slot ids [B] or with `table` [B, k] read at
-// column 0; with a pool, no empty sequence: `known_nonempty`, or read here on the CPU), or None
-// where the adapter's general path must serve.
-PyObject* prefill_views(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 8) {
-    PyErr_SetString(PyExc_TypeError,
-                    "prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty)");
-    return nullptr;
-  }
-  PyObject *xo = args[0], *wo = args[1], *po = args[2], *qo = args[3], *io = args[4], *ho = args[5];
-  if (!THPVariable_Check(xo) || !THPVariable_Check(wo) || !THPVariable_Check(qo)) Py_RETURN_NONE;
-  try {
-    const at::Tensor& x = THPVariable_Unpack(xo);
-    const at::Tensor& w = THPVariable_Unpack(wo);
-    const at::Tensor& q = THPVariable_Unpack(qo);
-    if (x.dim() != 2 || w.dim() != 2 || q.dim() != 1 || q.size(0) < 1 || x.scalar_type() != w.scalar_type()) {
-      Py_RETURN_NONE;
-    }
-    const int64_t batch = q.size(0) - 1;
-    if (ho != Py_None && (!THPVariable_Check(ho) || THPVariable_Unpack(ho).dim() != 1 ||
-                          THPVariable_Unpack(ho).size(0) != batch)) {
-      Py_RETURN_NONE;
-    }
-    if (po != Py_None) {
-      if (!THPVariable_Check(po)) Py_RETURN_NONE;
-      const at::Tensor& pool = THPVariable_Unpack(po);
-      if (pool.dim() != 3 || pool.size(2) != w.size(1) - 1 || pool.scalar_type() != x.scalar_type()) Py_RETURN_NONE;
-      if (PyObject_IsTrue(args[7]) != 1) {
-        PyObject* none_empty = no_empty(nullptr, qo);
-        if (none_empty == nullptr) return nullptr;
-        const bool ok = none_empty == Py_True;
-        Py_DECREF(none_empty);
-        if (!ok) Py_RETURN_NONE;
-      }
-    }
-    bool refused = false;
-    PyObject* idx = slot_ids(io, batch, PyObject_IsTrue(args[6]) == 1, &refused);
-    if (idx == nullptr) {
-      if (refused) Py_RETURN_NONE;
-      return nullptr;
-    }
-    PyObject* xv = swapped_alias(xo, x);
-    PyObject* pv = po == Py_None ? Py_NewRef(po) : swapped_alias(po, THPVariable_Unpack(po));
-    PyObject* out = (xv != nullptr && pv != nullptr) ? PyTuple_Pack(3, xv, pv, idx) : nullptr;
-    Py_XDECREF(xv);
-    Py_XDECREF(pv);
-    Py_DECREF(idx);
-    return out;
-  } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-    return nullptr;
-  }
+// no_empty(query_start_loc): True when no sequence is empty, False when one is, None where that is
+// not read here (off the CPU, another dtype or shape, not a tensor).
+PyObject* no_empty(PyObject*, PyObject* o) {
+  HANDLE_TH_ERRORS
+  if (!THPVariable_Check(o)) Py_RETURN_NONE;
+  const int r = none_empty(THPVariable_Unpack(o));
+  if (r < 0) Py_RETURN_NONE;
+  return PyBool_FromLong(r);
+  END_HANDLE_TH_ERRORS
 }
 
 // decode_views(x, pool, weight, indices, table): (pool's channel-last view, the slot ids) for a
@@ -1259,61 +1232,83 @@ PyObject* prefill_views(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // adapter's general path must serve. Checks and views in one call: each check from Python
 // costs about as much as the view.
 PyObject* decode_views(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
   if (nargs != 5) {
     PyErr_SetString(PyExc_TypeError, "decode_views(x, pool, weight, indices, table)");
     return nullptr;
   }
   PyObject *xo = args[0], *po = args[1], *wo = args[2], *io = args[3];
   if (!THPVariable_Check(xo) || !THPVariable_Check(po) || !THPVariable_Check(wo)) Py_RETURN_NONE;
-  try {
-    const at::Tensor& x = THPVariable_Unpack(xo);
-    const at::Tensor& pool = THPVariable_Unpack(po);
-    const at::Tensor& w = THPVariable_Unpack(wo);
-    if (x.dim() != 2 || pool.dim() != 3 || w.dim() != 2 || pool.size(2) != w.size(1) - 1 ||
-        x.scalar_type() != pool.scalar_type() || x.scalar_type() != w.scalar_type()) {
-      Py_RETURN_NONE;
-    }
-    bool refused = false;
-    PyObject* idx = slot_ids(io, x.size(0), PyObject_IsTrue(args[4]) == 1, &refused);
-    if (idx == nullptr) {
-      if (refused) Py_RETURN_NONE;
-      return nullptr;
-    }
-    PyObject* state = swapped_alias(po, pool);
-    if (state == nullptr) {
-      Py_DECREF(idx);
-      return nullptr;
-    }
-    PyObject* pair = PyTuple_Pack(2, state, idx);
-    Py_DECREF(state);
-    Py_DECREF(idx);
-    return pair;
-  } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  const at::Tensor& x = THPVariable_Unpack(xo);
+  const at::Tensor& pool = THPVariable_Unpack(po);
+  const at::Tensor& w = THPVariable_Unpack(wo);
+  if (x.dim() != 2 || pool.dim() != 3 || w.dim() != 2 || pool.size(2) != w.size(1) - 1 ||
+      x.scalar_type() != pool.scalar_type() || x.scalar_type() != w.scalar_type()) {
+    Py_RETURN_NONE;
+  }
+  const int table = PyObject_IsTrue(args[4]);
+  if (table < 0) return nullptr;
+  bool refused = false;
+  THPObjectPtr idx(slot_ids(io, x.size(0), table == 1, &refused));
+  if (!idx) {
+    if (refused && !PyErr_Occurred()) Py_RETURN_NONE;
     return nullptr;
   }
+  THPObjectPtr state(swapped_alias(po, pool));
+  if (!state) return nullptr;
+  return PyTuple_Pack(2, state.get(), idx.get());
+  END_HANDLE_TH_ERRORS
 }
 
-// no_empty(query_start_loc): True when a CPU [B+1] integer tensor has no two equal neighbours
-// (no empty sequence), False when it has, None off the CPU or for another dtype (not read here).
-PyObject* no_empty(PyObject*, PyObject* o) {
-  const at::Tensor* t = tensor_arg(o, "no_empty");
-  if (t == nullptr) return nullptr;
-  if (!t->is_cpu() || t->dim() != 1 || !t->has_storage()) Py_RETURN_NONE;
-  const int64_t n = t->size(0), st = t->stride(0);
-  if (t->scalar_type() == at::kInt) {
-    const int32_t* p = t->const_data_ptr<int32_t>();
-    for (int64_t i = 1; i < n; ++i)
-      if (p[i * st] == p[(i - 1) * st]) Py_RETURN_FALSE;
-    Py_RETURN_TRUE;
+// prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty):
+// (x's channel-last view, the pool's or None, the slot ids) for a channel-first engine's varlen
+// prefill (x (dim, T), weight [dim, W], pool (N, dim, W-1) or None, one dtype; query_start_loc
+// [B+1]; slot ids and flags of exactly B entries, slot ids [B] or with `table` [B, k] read at
+// column 0; with a pool, no empty sequence: `known_nonempty`, or read here on the CPU), or None
+// where the adapter's general path must serve.
+PyObject* prefill_views(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError,
+                    "prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty)");
+    return nullptr;
   }
-  if (t->scalar_type() == at::kLong) {
-    const int64_t* p = t->const_data_ptr<int64_t>();
-    for (int64_t i = 1; i < n; ++i)
-      if (p[i * st] == p[(i - 1) * st]) Py_RETURN_FALSE;
-    Py_RETURN_TRUE;
+  PyObject *xo = args[0], *wo = args[1], *po = args[2], *qo = args[3], *io = args[4], *ho = args[5];
+  if (!THPVariable_Check(xo) || !THPVariable_Check(wo) || !THPVariable_Check(qo)) Py_RETURN_NONE;
+  const at::Tensor& x = THPVariable_Unpack(xo);
+  const at::Tensor& w = THPVariable_Unpack(wo);
+  const at::Tensor& q = THPVariable_Unpack(qo);
+  if (x.dim() != 2 || w.dim() != 2 || q.dim() != 1 || q.size(0) < 1 || x.scalar_type() != w.scalar_type()) {
+    Py_RETURN_NONE;
   }
-  Py_RETURN_NONE;
+  const int64_t batch = q.size(0) - 1;
+  if (ho != Py_None && (!THPVariable_Check(ho) || THPVariable_Unpack(ho).dim() != 1 ||
+                        THPVariable_Unpack(ho).size(0) != batch)) {
+    Py_RETURN_NONE;
+  }
+  const int table = PyObject_IsTrue(args[6]), known = PyObject_IsTrue(args[7]);
+  if (table < 0 || known < 0) return nullptr;
+  THPObjectPtr pv;
+  if (po == Py_None) {
+    pv = THPObjectPtr(Py_NewRef(po));
+  } else {
+    if (!THPVariable_Check(po)) Py_RETURN_NONE;
+    const at::Tensor& pool = THPVariable_Unpack(po);
+    if (pool.dim() != 3 || pool.size(2) != w.size(1) - 1 || pool.scalar_type() != x.scalar_type()) Py_RETURN_NONE;
+    if (known != 1 && none_empty(q) != 1) Py_RETURN_NONE;
+    pv = THPObjectPtr(swapped_alias(po, pool));
+    if (!pv) return nullptr;
+  }
+  bool refused = false;
+  THPObjectPtr idx(slot_ids(io, batch, table == 1, &refused));
+  if (!idx) {
+    if (refused && !PyErr_Occurred()) Py_RETURN_NONE;
+    return nullptr;
+  }
+  THPObjectPtr xv(swapped_alias(xo, x));
+  if (!xv) return nullptr;
+  return PyTuple_Pack(3, xv.get(), pv.get(), idx.get());
+  END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef module_methods[] = {
