@@ -198,94 +198,38 @@ def _unaliased_py(res: Any, *args: Any) -> Any:
     return tuple(fresh(o) for o in res) if isinstance(res, (tuple, list)) else fresh(res)
 
 
-_REFUSED = object()
-
-
-def _slot_ids_py(indices: Any, batch: int, table: bool) -> Any:
-    if indices is None:
-        return None
-    if not isinstance(indices, torch.Tensor) or indices.ndim == 0 or indices.shape[0] != batch:
-        return _REFUSED
-    if indices.ndim == 1:
-        return indices
-    return indices[:, 0] if indices.ndim == 2 and indices.shape[1] >= 1 and table else _REFUSED
-
-
-def _decode_views_py(x: Any, pool: Any, weight: Any, indices: Any, table: bool) -> tuple[Any, Any] | None:
-    if not all(isinstance(t, torch.Tensor) for t in (x, pool, weight)):
-        return None
-    if (x.ndim != 2 or pool.ndim != 3 or weight.ndim != 2 or pool.shape[2] != weight.shape[1] - 1
-            or not x.dtype == pool.dtype == weight.dtype):
-        return None
-    indices = _slot_ids_py(indices, x.shape[0], table)
-    return None if indices is _REFUSED else (pool.transpose(-1, -2), indices)
-
-
-def _prefill_views_py(x: Any, weight: Any, pool: Any, qsl: Any, indices: Any, init: Any, table: bool,
-                      known_nonempty: bool) -> tuple[Any, Any, Any] | None:
-    if not all(isinstance(t, torch.Tensor) for t in (x, weight, qsl)):
-        return None
-    if x.ndim != 2 or weight.ndim != 2 or qsl.ndim != 1 or qsl.shape[0] < 1 or x.dtype != weight.dtype:
-        return None
-    batch = qsl.shape[0] - 1
-    if init is not None and (not isinstance(init, torch.Tensor) or init.ndim != 1 or init.shape[0] != batch):
-        return None
-    if pool is not None:
-        if (not isinstance(pool, torch.Tensor) or pool.ndim != 3 or pool.shape[2] != weight.shape[1] - 1
-                or pool.dtype != x.dtype or not (known_nonempty or _PYTHON["no_empty"](qsl) is True)):
-            return None
-        pool = pool.transpose(-1, -2)
-    indices = _slot_ids_py(indices, batch, table)
-    return None if indices is _REFUSED else (x.transpose(-1, -2), pool, indices)
-
-
-# Each of the core's module functions in Python, for where the core is off or not built.
-_PYTHON: dict[str, Callable[..., Any]] = {
-    "unaliased": _unaliased_py,
-    "channel_last": lambda t: t.transpose(-1, -2),
-    "decode_views": _decode_views_py,
-    "prefill_views": _prefill_views_py,
-    "no_empty": lambda qsl: (bool((qsl.diff() != 0).all()) if isinstance(qsl, torch.Tensor) and qsl.is_cpu
-                             and qsl.ndim == 1 and qsl.dtype in (torch.int32, torch.int64) else None),
-}
-
-
 class Functions:
-    """The core's module functions, in C where the core serves, else in Python; found at first use
-    after each :func:`rearm`.
+    """The core extension's module functions, each in C where the core serves and else in the
+    Python its user provided (:meth:`provide`); found at first use after each :func:`rearm`.
 
-    - ``unaliased(result, *args)``: ``result`` (a tensor, or a tuple or list of them: a tuple), each output that
-      shares storage with a tensor argument replaced by a clone (a ``torch.library`` op's output
-      may not alias an input);
-    - ``channel_last(t)``: ``t.transpose(-1, -2)`` (in C a plain alias sharing storage and version
-      counter, ~0.2 us against ~0.8 us for a view from Python; the ordinary view for a subclass, a
-      functional tensor, or one that requires grad in grad mode);
-    - ``decode_views(x, pool, weight, indices, table)``: (pool's channel-last view, the slot ids)
-      for a channel-first engine's decode step, or None where the adapter's general path serves
-      (see ``integrations._fast.decode_step``): its checks and views in one call;
-      ``prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table,
-      known_nonempty)``: the same for a varlen prefill (``integrations._fast.prefill_step``);
-    - ``no_empty(query_start_loc)``: whether no sequence of a CPU ``[B+1]`` integer tensor is empty;
-      None where that is not read on the host (off the CPU).
+    ``unaliased(result, *args)`` is the runtime's own: ``result`` (a tensor, or a tuple or list
+    of them: a tuple), each output that shares storage with a tensor argument replaced by a clone
+    (a ``torch.library`` op's output may not alias an input). The engine adapters provide theirs
+    (``integrations._fast``).
     """
 
-    __slots__ = tuple(_PYTHON)
-
     def __init__(self) -> None:
-        self.reset()
+        self._python: dict[str, Callable[..., Any]] = {}
+
+    def provide(self, name: str, python: Callable[..., Any]) -> None:
+        """``FUNCTIONS.<name>``: the core's function of that name, or ``python`` (the same
+        results) where the core is off, not built, or without it."""
+        self._python[name] = python
+        setattr(self, name, functools.partial(self._resolve, name))
 
     def reset(self) -> None:
-        for name in _PYTHON:
+        for name in self._python:
             setattr(self, name, functools.partial(self._resolve, name))
 
     def _resolve(self, name: str, *args: Any) -> Any:
         module = None if _off(os.environ.get(ENV, "")) else _library()[0]
-        for n, python in _PYTHON.items():
+        for n, python in self._python.items():
             setattr(self, n, getattr(module, n, None) or python)
         return getattr(self, name)(*args)
 
 
 FUNCTIONS = Functions()
+FUNCTIONS.provide("unaliased", _unaliased_py)
 
 
 def arm(spec: OpSpec) -> Slot:

@@ -15,6 +15,8 @@ left to it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kernel_variants._runtime.callcore import FUNCTIONS as _C
@@ -22,6 +24,68 @@ from kernel_variants.integrations._layout import as_activation
 from kernel_variants.ops.causal_conv1d import _FN, _UPDATE
 
 _compiling = torch.compiler.is_compiling
+
+
+# The Python of the core's layout functions (call_core.cpp), for where the core is off or not
+# built: the same results, views made the ordinary way.
+
+_REFUSED = object()
+
+
+def _slot_ids_py(indices: Any, batch: int, table: bool) -> Any:
+    if indices is None:
+        return None
+    if not isinstance(indices, torch.Tensor) or indices.ndim == 0 or indices.shape[0] != batch:
+        return _REFUSED
+    if indices.ndim == 1:
+        return indices
+    return indices[:, 0] if indices.ndim == 2 and indices.shape[1] >= 1 and table else _REFUSED
+
+
+def _decode_views_py(x: Any, pool: Any, weight: Any, indices: Any, table: bool) -> tuple[Any, Any] | None:
+    if not all(isinstance(t, torch.Tensor) for t in (x, pool, weight)):
+        return None
+    if (x.ndim != 2 or pool.ndim != 3 or weight.ndim != 2 or pool.shape[2] != weight.shape[1] - 1
+            or not x.dtype == pool.dtype == weight.dtype):
+        return None
+    indices = _slot_ids_py(indices, x.shape[0], table)
+    return None if indices is _REFUSED else (pool.transpose(-1, -2), indices)
+
+
+def _prefill_views_py(x: Any, weight: Any, pool: Any, qsl: Any, indices: Any, init: Any, table: bool,
+                      known_nonempty: bool) -> tuple[Any, Any, Any] | None:
+    if not all(isinstance(t, torch.Tensor) for t in (x, weight, qsl)):
+        return None
+    if x.ndim != 2 or weight.ndim != 2 or qsl.ndim != 1 or qsl.shape[0] < 1 or x.dtype != weight.dtype:
+        return None
+    batch = qsl.shape[0] - 1
+    if init is not None and (not isinstance(init, torch.Tensor) or init.ndim != 1 or init.shape[0] != batch):
+        return None
+    if pool is not None:
+        if (not isinstance(pool, torch.Tensor) or pool.ndim != 3 or pool.shape[2] != weight.shape[1] - 1
+                or pool.dtype != x.dtype or not (known_nonempty or _no_empty_py(qsl) is True)):
+            return None
+        pool = pool.transpose(-1, -2)
+    indices = _slot_ids_py(indices, batch, table)
+    return None if indices is _REFUSED else (x.transpose(-1, -2), pool, indices)
+
+
+def _no_empty_py(qsl: Any) -> bool | None:
+    if (isinstance(qsl, torch.Tensor) and qsl.is_cpu and qsl.ndim == 1
+            and qsl.dtype in (torch.int32, torch.int64)):
+        return bool((qsl.diff() != 0).all())
+    return None
+
+
+# channel_last(t): t.transpose(-1, -2) (in C a plain alias sharing storage and version counter,
+# the ordinary view for a subclass, a functional tensor, one that requires grad in grad mode, or
+# under a dispatch mode); decode_views / prefill_views: the checks and views of decode_step and
+# prefill_step in one call, None where the general path serves; no_empty(query_start_loc):
+# whether no sequence of a CPU [B+1] integer tensor is empty, None where that is not read here.
+_C.provide("channel_last", lambda t: t.transpose(-1, -2))
+_C.provide("decode_views", _decode_views_py)
+_C.provide("prefill_views", _prefill_views_py)
+_C.provide("no_empty", _no_empty_py)
 
 
 def decode_step(
