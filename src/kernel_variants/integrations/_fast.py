@@ -80,12 +80,10 @@ def _no_empty_py(qsl: Any) -> bool | None:
 # channel_last(t): t.transpose(-1, -2) (in C a plain alias sharing storage and version counter,
 # the ordinary view for a subclass, a functional tensor, one that requires grad in grad mode, or
 # under a dispatch mode); decode_views / prefill_views: the checks and views of decode_step and
-# prefill_step in one call, None where the general path serves; no_empty(query_start_loc):
-# whether no sequence of a CPU [B+1] integer tensor is empty, None where that is not read here.
+# prefill_step in one call, None where the general path serves.
 _C.provide("channel_last", lambda t: t.transpose(-1, -2))
 _C.provide("decode_views", _decode_views_py)
 _C.provide("prefill_views", _prefill_views_py)
-_C.provide("no_empty", _no_empty_py)
 
 
 def decode_step(

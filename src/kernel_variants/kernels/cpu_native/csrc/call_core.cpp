@@ -1215,17 +1215,6 @@ int none_empty(const at::Tensor& t) {
   return -1;
 }
 
-// no_empty(query_start_loc): True when no sequence is empty, False when one is, None where that is
-// not read here (off the CPU, another dtype or shape, not a tensor).
-PyObject* no_empty(PyObject*, PyObject* o) {
-  HANDLE_TH_ERRORS
-  if (!THPVariable_Check(o)) Py_RETURN_NONE;
-  const int r = none_empty(THPVariable_Unpack(o));
-  if (r < 0) Py_RETURN_NONE;
-  return PyBool_FromLong(r);
-  END_HANDLE_TH_ERRORS
-}
-
 // decode_views(x, pool, weight, indices, table): (pool's channel-last view, the slot ids) for a
 // channel-first engine's decode step (x [B, dim], pool (N, dim, W-1), weight [dim, W], one dtype;
 // slot ids None, [B] or, with `table`, [B, k] read at column 0, B = x's), or None where the
@@ -1318,7 +1307,6 @@ PyMethodDef module_methods[] = {
     {"prefill_views", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(prefill_views)), METH_FASTCALL,
      "prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty) -> "
      "(x's and the pool's channel-last views, slot ids) or None"},
-    {"no_empty", no_empty, METH_O, "no_empty(query_start_loc) -> whether no sequence is empty; None off the CPU"},
     {"unaliased", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unaliased)), METH_FASTCALL,
      "unaliased(result, *args) -> result, each output sharing storage with a tensor argument cloned"},
     {nullptr, nullptr, 0, nullptr},
