@@ -1,14 +1,18 @@
-"""Shared by the benchmark scripts: where reports go, how tables are printed, which CPU ran them."""
+"""Shared by the benchmark scripts: where reports go, how tables are printed, which CPU ran them,
+the time of one call, and the registry with the scripts' no-op variants."""
 
 from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kernel_variants._cli._output import render_table
+from kernel_variants._registry.registry import Registry, make_plugin_manager
+from kernel_variants.plugin import Variant, hookimpl
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -41,3 +45,24 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def per_call_us(fn: Callable[[], object], number: int) -> float:
+    """Microseconds per call of ``fn`` over ``number`` calls in a row."""
+    t0 = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - t0) / number * 1e6
+
+
+def noop_registry(*variants: Variant) -> Registry:
+    """The installed plugins plus ``variants`` (the scripts' no-op variants, chosen by priority
+    with ``KV_QUALIFY=off``: the time around them is the call path's)."""
+
+    class NoopPlugin:
+        @hookimpl
+        def kv_register_variants(self, register):
+            for v in variants:
+                register(v)
+
+    return Registry(make_plugin_manager(extra_plugins=[("noop", NoopPlugin())]))

@@ -36,29 +36,26 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
-from _report import cpu_model, markdown_table, write_report  # tools/ is sys.path[0]
+from _report import (  # tools/ is sys.path[0]
+    cpu_model,
+    markdown_table,
+    noop_registry,
+    per_call_us,
+    write_report,
+)
 
 import kernel_variants as kv
-from kernel_variants._registry.registry import Registry, make_plugin_manager
 from kernel_variants._runtime.dispatcher import dispatcher, reset
 from kernel_variants.integrations import sglang as kv_sglang
 from kernel_variants.integrations import vllm as kv_vllm
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.plugin import Variant, hookimpl
+from kernel_variants.plugin import Variant
 
 TARGET_US = 2.0
 Forms = dict[str, Callable[[], object]]
-
-
-def _per_call_us(fn: Callable[[], object], number: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(number):
-        fn()
-    return (time.perf_counter() - t0) / number * 1e6
 
 
 def _rounds(forms: Forms, number: int, rounds: int) -> dict[str, list[float]]:
@@ -71,7 +68,7 @@ def _rounds(forms: Forms, number: int, rounds: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [0.0] * rounds for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name][r] = _per_call_us(forms[name], number)
+            times[name][r] = per_call_us(forms[name], number)
     return times
 
 
@@ -217,19 +214,16 @@ def _noop_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, 
     def noop_fn(x, weight, bias=None, **kw):
         return out_t
 
-    class NoopPlugin:
-        @hookimpl
-        def kv_register_variants(self, register):
-            caps = dict(devices={"cpu"}, dtypes={"float32"})
-            register(Variant(id="noop", op="causal_conv1d_update", version="1", fn=noop_update, priority=10_000,
-                             capabilities=ConvCapabilities(**caps)))
-            register(Variant(id="noop", op="causal_conv1d_fn", version="1", fn=noop_fn, priority=10_000,
-                             capabilities=ConvCapabilities(varlen=True, **caps)))
+    caps = dict(devices={"cpu"}, dtypes={"float32"})
+    variants = (Variant(id="noop", op="causal_conv1d_update", version="1", fn=noop_update, priority=10_000,
+                        capabilities=ConvCapabilities(**caps)),
+                Variant(id="noop", op="causal_conv1d_fn", version="1", fn=noop_fn, priority=10_000,
+                        capabilities=ConvCapabilities(varlen=True, **caps)))
 
     floor_table = {"update": noop_update, "fn": noop_fn}
     rows, data = [], {}
     for mode_name in ("grad mode", "inference_mode"):
-        reset(Registry(make_plugin_manager(extra_plugins=[("noop", NoopPlugin())])))
+        reset(noop_registry(*variants))
         with torch.inference_mode() if mode_name == "inference_mode" else torch.enable_grad():
             for op, args, kw in (("causal_conv1d_update", (s.x1, s.pool, s.w, s.b), s.decode_kw(0)),
                                  ("causal_conv1d_fn", (s.xt, s.w, s.b), s.prefill_kw(0))):

@@ -29,27 +29,24 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
-from _report import cpu_model, markdown_table, write_report  # tools/ is sys.path[0]
+from _report import (  # tools/ is sys.path[0]
+    cpu_model,
+    markdown_table,
+    noop_registry,
+    per_call_us,
+    write_report,
+)
 
 import kernel_variants as kv
-from kernel_variants._registry.registry import Registry, make_plugin_manager
 from kernel_variants._runtime import callcore as _callcore
 from kernel_variants._runtime.dispatcher import dispatcher, reset
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
-from kernel_variants.plugin import Variant, hookimpl
+from kernel_variants.plugin import Variant
 
 TARGETS_US = {"dispatched": 1.0, "forced": 1.0, "bound": 0.6}
-
-
-def _per_call_us(fn: Callable[[], object], number: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(number):
-        fn()
-    return (time.perf_counter() - t0) / number * 1e6
 
 
 def _core(on: bool) -> None:
@@ -77,7 +74,7 @@ def _rounds(forms: dict[str, tuple[bool | None, Callable[[], object]]], number: 
             if on is not None:
                 _core(on)
             fn()  # the entry learned, the first call's cost out of the window
-            times[name].append(_per_call_us(fn, number))
+            times[name].append(per_call_us(fn, number))
     return times
 
 
@@ -107,11 +104,8 @@ def _noop_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, 
     def noop(x, weight, bias=None, **kw):
         return out_buf
 
-    class NoopPlugin:
-        @hookimpl
-        def kv_register_variants(self, register):
-            register(Variant(id="noop", op="causal_conv1d_fn", version="1", fn=noop, priority=10_000,
-                             capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"})))
+    variant = Variant(id="noop", op="causal_conv1d_fn", version="1", fn=noop, priority=10_000,
+                      capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}))
 
     x, w, b = torch.randn(B, L, D), torch.randn(D, W), torch.randn(D)
     pool = torch.randn(4, W - 1, D)
@@ -121,7 +115,7 @@ def _noop_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, 
     rows, data = [], {}
     for mode_name in ("grad mode", "inference_mode"):
         mode = torch.inference_mode() if mode_name == "inference_mode" else torch.enable_grad()
-        reset(Registry(make_plugin_manager(extra_plugins=[("noop", NoopPlugin())])))
+        reset(noop_registry(variant))
         with mode:
             op = kv.causal_conv1d_fn
             op(x, w, b, **kwargs)
