@@ -542,6 +542,31 @@ def test_a_compiled_graph_takes_the_core_as_an_eager_call_does(reference_only, p
             assert python_calls[0] == python, f"core {'on' if on else 'off'}"
 
 
+def test_a_graph_call_to_the_core_copies_an_output_that_aliases_an_input(with_variants, path):
+    """A compiled graph's kernel calls the core with ``GRAPH`` for ``out``: the core clones an
+    output sharing an input's storage in the same call; an ordinary call hands it back as is."""
+    path(True)
+    alias = [False]
+
+    def fn(*args, **kwargs):
+        return args[0] if alias[0] else _reference.causal_conv1d_fn(*args, **kwargs)
+
+    with_variants(Variant(id="aliasing", op=FN, version="1", fn=fn, capabilities=ConvCapabilities(
+        devices={"cpu"}, dtypes={"float32"}, noncontiguous_states=True, varlen=True)))
+    call = _fn_call()
+    with kv.force(causal_conv1d_fn="aliasing"):
+        kv.causal_conv1d_fn(**call)  # qualifies the variant and teaches the core the entry
+        args = FN_SPEC.bind(**call)
+        core = _callcore.core_for(FN_SPEC)
+        alias[0] = True
+        graph = core(*args, _callcore.GRAPH)
+        plain = core(*args, None)
+    x = call["x"]
+    assert plain is x, "an ordinary call returns what the variant returned"
+    assert graph is not x and torch.equal(graph, x)
+    assert graph.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_an_output_sharing_an_inputs_storage_is_copied_on_both_paths(path, on):
     """A torch.library op's output may not alias an input: the compiled graph's kernel copies it."""

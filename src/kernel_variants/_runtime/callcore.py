@@ -52,6 +52,19 @@ class _Miss:
 
 MISS = _Miss()
 
+
+class _Graph:
+    """Passed to a core as ``out``: a call from a compiled graph's kernel (``custom_ops``), which
+    takes no ``out`` and may return no output aliasing an argument (cloned in the same call)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<kernel_variants call core: graph call>"
+
+
+GRAPH = _Graph()
+
 _lock = threading.Lock()
 _loaded: dict[str, tuple[ModuleType | None, str | None]] = {}  # .so path -> (module, why not)
 _cores: dict[tuple[str, OpSpec], Any] = {}  # (the module's file, the op) -> the op's CallCore
@@ -110,7 +123,7 @@ def _make(spec: OpSpec, module: ModuleType) -> Any:
     def fail(vid: str, exc: BaseException) -> None:
         raise variant_failed(spec, vid, exc) from exc
 
-    return module.CallCore(kinds, mutated, npos, spec.params[npos:], _pins, _counters, fail, MISS)
+    return module.CallCore(kinds, mutated, npos, spec.params[npos:], _pins, _counters, fail, MISS, GRAPH)
 
 
 def core_for(spec: OpSpec) -> Any:
@@ -173,13 +186,16 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
 
 class Slot:
     """Where an op's entry finds its call core: ``core`` is a resolver until the op's first call
-    (which finds the core, or None for the Python path, and keeps it here), then that."""
+    (which finds the core, or None for the Python path, and keeps it here), then that.
+    ``traced``: what a call traced by torch.compile invokes, set when the op's custom op is
+    registered (``custom_ops.register``)."""
 
-    __slots__ = ("core", "spec")
+    __slots__ = ("core", "spec", "traced")
 
     def __init__(self, spec: OpSpec) -> None:
         self.spec = spec
         self.core: Any = self._resolve
+        self.traced: Callable[..., Any] | None = None
 
     def _resolve(self, *args: Any) -> Any:
         core = self.core = core_for(self.spec)

@@ -22,13 +22,17 @@ output checks) cost ~35 us per call where this kernel adds ~3 us over an eager c
   effect in an already compiled graph without recompiling it.
 
 The public functions route here only while ``torch.compiler.is_compiling()``; the graph calls
-the op, eager calls never do. ``OPS[name]`` is what a traced call invokes: a small function that
-Dynamo inlines (what it tests is decided while tracing, under Dynamo's guards, never per call).
+the op, eager calls never do. ``OPS[name]`` (also the op's ``Slot.traced``, where its entry
+reads it) is what a traced call invokes: a small function that Dynamo inlines (what it tests is decided while tracing, under Dynamo's guards, never per call).
 It calls the op, except that a call that needs a gradient graph-breaks and runs eagerly, as the
 op has no autograd formula (``fullgraph=True`` refuses it, saying why), and a call passing None
 for an optional mutated tensor calls the op's overload that declares no mutation (Inductor
 cannot lower a mutable argument that is None). Importing this module (which the first traced
 call does) registers every op made so far; later ops register as they are made.
+
+Each object a traced call reads becomes a guard that the compiled graph evaluates before every
+run, and after a large kernel each one is a cache miss: the entry reads one slot attribute, the
+traced function its op and ``torch.is_grad_enabled``, nothing else.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def register(spec: OpSpec) -> Callable[..., Any]:
     op = OPS.get(spec.name)
     if op is None:
         op = OPS[spec.name] = _register(spec)
+    callcore.slot_of(spec).traced = op
     return op
 
 
@@ -157,7 +162,9 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
     n_out = len(spec.outputs)
     # Generated from the spec's parameter names (the same source make_op generates from).
     namespace: dict[str, Any] = {"_slot": callcore.slot_of(spec), "_miss": callcore.MISS, "_call": call,
-                                 "_spec": spec, "_c": callcore.FUNCTIONS, "_torch": torch, "_eager": _eager(spec)}
+                                 "_graph": callcore.GRAPH,
+                                 "_spec": spec, "_c": callcore.FUNCTIONS, "_torch": torch, "_eager": _eager(spec),
+                                 "_grad_enabled": torch.is_grad_enabled}
     tensors = ", ".join(spec.params[i] for i in spec.tensor_indices)
     if n_out == 1:
         out_arg, pass_out = "out", "out"
@@ -178,13 +185,15 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
     namespace["_into_default"] = op_overload(into)
     # The kernel takes the compiled call core, as an eager call does, but without a Python call
     # on the way (the entry's, or is_compiling's): while a compiled graph runs, Dynamo's frame
-    # hook makes each Python frame entered cost about a microsecond. Then no output may alias an input.
+    # hook makes each Python frame entered cost about a microsecond. No output may alias an
+    # input: the core clones such an output itself when called with ``_graph`` for ``out`` (one
+    # call where there were two: after a large kernel each call's code and data are cache misses).
     src = (f"def kernel({names}):\n"
            f"    core = _slot.core\n"
-           f"    res = _miss if core is None else core({names}, None)\n"
+           f"    res = _miss if core is None else core({names}, _graph)\n"
            f"    if res is _miss:\n"
-           f"        res = _call(_spec, ({names},), None, _slot.core)\n"
-           f"    return _c.unaliased(res, {tensors})\n"
+           f"        return _c.unaliased(_call(_spec, ({names},), None, _slot.core), {tensors})\n"
+           f"    return res\n"
            f"def kernel_out({names}, {outs}):\n"
            f"    _call(_spec, ({names},), {out_arg})\n"
            f"def fake({names}):\n"
@@ -193,7 +202,7 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
            f"def fake_out({names}, {outs}):\n"
            f"    return None\n"
            f"def traced({names}, out):\n"
-           f"    if _torch.is_grad_enabled() and ({_grad_source(spec)}):\n"
+           f"    if _grad_enabled() and ({_grad_source(spec)}):\n"
            f"        return _eager(({names},), out)\n"
            f"    if out is not None:\n"
            f"{''.join(out_branches)}"

@@ -29,11 +29,13 @@ def make_op(spec: OpSpec) -> Callable[..., Any]:
 
     def entry(*args: Any) -> Any:
         if compiling():
-            # Importing custom_ops runs for real under Dynamo (it is not traced) and registers
-            # the ops made so far.
-            from kernel_variants._runtime import custom_ops
+            # Importing custom_ops runs for real under Dynamo (it is not traced): it registers
+            # the ops made so far and sets each slot's ``traced``, read only after it. Through
+            # the slot rather than custom_ops.OPS: each object a traced call reads is a guard
+            # the compiled graph checks per call, and after a large kernel each costs a cache miss.
+            from kernel_variants._runtime import custom_ops  # noqa: F401
 
-            return custom_ops.OPS[name](*args)
+            return slot.traced(*args)
         core = slot.core
         if core is not None:
             r = core(*args)

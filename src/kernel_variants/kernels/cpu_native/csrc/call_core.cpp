@@ -101,6 +101,9 @@ struct State {
   PyObject* counters = nullptr;  // the device-rule counters by device (a dict)
   PyObject* fail = nullptr;  // fail(vid, exc): raises VariantFailed from exc
   PyObject* miss = nullptr;
+  // Given as `out`: a call from a compiled graph's kernel, which takes no `out` and whose
+  // outputs may not alias an input (unaliased below, in the same call).
+  PyObject* graph = nullptr;
   // A hash bucket holds every entry whose key hashes alike (compared word by word).
   std::unordered_map<uint64_t, std::vector<Entry*>> map;
   size_t size = 0;
@@ -441,9 +444,13 @@ PyObject* run(State* st, Entry* e, PyObject* const* args, const at::Tensor* cons
   return r;
 }
 
+PyObject* unalias_checked(PyObject* res, PyObject* const* args, Py_ssize_t n);
+
 PyObject* serve(State* st, PyObject* const* args, PyObject* out) {
   const at::Tensor* ts[kMaxParams];
   uint64_t hash;
+  const bool graph = out == st->graph;
+  if (graph) out = Py_None;
   if (build_key(st, args, out, ts, &hash) != 1) return Py_NewRef(st->miss);
   Entry* e = find(st, hash);
   if (e == nullptr || e->python_only) return Py_NewRef(st->miss);
@@ -453,7 +460,13 @@ PyObject* serve(State* st, PyObject* const* args, PyObject* out) {
     ~Hold() { release(e); }
   } hold{e};
   ++e->refs;
-  return run(st, e, args, ts);
+  PyObject* r = run(st, e, args, ts);
+  if (!graph || r == nullptr || r == st->miss) return r;
+  // The variant ran: from here an error is raised, never a miss (the Python path would run
+  // the variant again and write the state twice).
+  PyObject* u = unalias_checked(r, args, st->n);
+  Py_DECREF(r);
+  return u;
 }
 
 PyObject* core_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
@@ -732,17 +745,18 @@ Py_ssize_t core_len(PyObject* self) {
   return static_cast<Py_ssize_t>(reinterpret_cast<CallCore*>(self)->st->size);
 }
 
-// CallCore(kinds, mutated, npos, kwnames, pins_var, counters, fail, miss)
+// CallCore(kinds, mutated, npos, kwnames, pins_var, counters, fail, miss, graph=None)
 //   kinds: per parameter 0 (not a tensor), 1 (a tensor), 2 (a tensor or None)
 //   mutated: per parameter, whether the op writes it (its strides are part of the key)
+//   graph: passed as `out`, a compiled graph's call: no `out`, each output aliasing an argument cloned
 PyObject* core_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  PyObject *kinds, *mutated, *kwnames, *pins_var, *counters, *fail, *miss;
+  PyObject *kinds, *mutated, *kwnames, *pins_var, *counters, *fail, *miss, *graph = Py_None;
   int npos;
   static const char* names[] = {"kinds", "mutated", "npos", "kwnames", "pins_var", "counters", "fail", "miss",
-                                nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!iO!OO!OO", const_cast<char**>(names), &PyTuple_Type, &kinds,
+                                "graph", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!iO!OO!OO|O", const_cast<char**>(names), &PyTuple_Type, &kinds,
                                    &PyTuple_Type, &mutated, &npos, &PyTuple_Type, &kwnames, &pins_var, &PyDict_Type,
-                                   &counters, &fail, &miss)) {
+                                   &counters, &fail, &miss, &graph)) {
     return nullptr;
   }
   Py_ssize_t n = PyTuple_GET_SIZE(kinds);
@@ -770,6 +784,8 @@ PyObject* core_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   st->counters = Py_NewRef(counters);
   st->fail = Py_NewRef(fail);
   st->miss = Py_NewRef(miss);
+  // None (no graph calls): `out` None is an ordinary call, never a graph call.
+  st->graph = graph == Py_None ? nullptr : Py_NewRef(graph);
   return new_core<CallCore>(type, core_vectorcall, std::move(st));
 }
 
@@ -785,6 +801,7 @@ void core_dealloc(PyObject* self) {
     Py_XDECREF(st->counters);
     Py_XDECREF(st->fail);
     Py_XDECREF(st->miss);
+    Py_XDECREF(st->graph);
     Py_XDECREF(st->last_pins);
     delete st;
   }
@@ -1105,26 +1122,29 @@ PyObject* fresh(PyObject* o, PyObject* const* args, Py_ssize_t n) {
   return THPVariable_Wrap(t.clone());
 }
 
-PyObject* unaliased(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+PyObject* unalias_checked(PyObject* res, PyObject* const* args, Py_ssize_t n) {
   HANDLE_TH_ERRORS
-  if (nargs < 1) {
-    PyErr_SetString(PyExc_TypeError, "unaliased(result, *args): expected the result");
-    return nullptr;
-  }
-  PyObject* res = args[0];
-  if (!PyTuple_Check(res) && !PyList_Check(res)) return fresh(res, args + 1, nargs - 1);
+  if (!PyTuple_Check(res) && !PyList_Check(res)) return fresh(res, args, n);
   THPObjectPtr items(PySequence_Tuple(res));
   if (!items) return nullptr;
   const Py_ssize_t k = PyTuple_GET_SIZE(items.get());
   THPObjectPtr out(PyTuple_New(k));
   if (!out) return nullptr;
   for (Py_ssize_t i = 0; i < k; ++i) {
-    PyObject* f = fresh(PyTuple_GET_ITEM(items.get(), i), args + 1, nargs - 1);
+    PyObject* f = fresh(PyTuple_GET_ITEM(items.get(), i), args, n);
     if (f == nullptr) return nullptr;
     PyTuple_SET_ITEM(out.get(), i, f);
   }
   return out.release();
   END_HANDLE_TH_ERRORS
+}
+
+PyObject* unaliased(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 1) {
+    PyErr_SetString(PyExc_TypeError, "unaliased(result, *args): expected the result");
+    return nullptr;
+  }
+  return unalias_checked(args[0], args + 1, nargs - 1);
 }
 
 // The engine adapters' per-call layout mapping (integrations/_fast.py), without Python's
