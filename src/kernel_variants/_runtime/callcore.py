@@ -188,14 +188,16 @@ class Slot:
     """Where an op's entry finds its call core: ``core`` is a resolver until the op's first call
     (which finds the core, or None for the Python path, and keeps it here), then that.
     ``traced``: what a call traced by torch.compile invokes, set when the op's custom op is
-    registered (``custom_ops.register``)."""
+    registered (``custom_ops.register``); ``entry``: the op's entry (``ops.make_op``), which
+    Dynamo is then told to replace with ``traced``."""
 
-    __slots__ = ("core", "spec", "traced")
+    __slots__ = ("core", "entry", "spec", "traced")
 
     def __init__(self, spec: OpSpec) -> None:
         self.spec = spec
         self.core: Any = self._resolve
         self.traced: Callable[..., Any] | None = None
+        self.entry: Callable[..., Any] | None = None
 
     def _resolve(self, *args: Any) -> Any:
         core = self.core = core_for(self.spec)

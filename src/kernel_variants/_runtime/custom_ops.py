@@ -31,12 +31,14 @@ cannot lower a mutable argument that is None). Importing this module (which the 
 call does) registers every op made so far; later ops register as they are made.
 
 Each object a traced call reads becomes a guard that the compiled graph evaluates before every
-run, and after a large kernel each one is a cache miss: the entry reads one slot attribute, the
-traced function its op and ``torch.is_grad_enabled``, nothing else.
+run, and after a large kernel each one is a cache miss. So Dynamo is told to inline the traced
+function in place of the op's entry (``torch.compiler.substitute_in_graph``): a graph guards on
+the entry's identity, the traced function's op and ``torch.is_grad_enabled``, nothing else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import types
 import typing
@@ -65,8 +67,23 @@ def register(spec: OpSpec) -> Callable[..., Any]:
     op = OPS.get(spec.name)
     if op is None:
         op = OPS[spec.name] = _register(spec)
-    callcore.slot_of(spec).traced = op
+    slot = callcore.slot_of(spec)
+    if slot.traced is None:
+        slot.traced = op
+        _substitute(slot.entry, op)
     return op
+
+
+def _substitute(entry: Callable[..., Any] | None, traced: Callable[..., Any]) -> None:
+    """Dynamo inlines ``traced`` where a traced call reaches ``entry`` (the op's public function
+    calls it with the same arguments): the graph then guards on the entry's identity alone, not
+    on its code, its closure and the slot it reads (torch >= 2.5; the entry's own compile branch
+    serves the first trace, which imports this module, and older torch)."""
+    substitute = getattr(torch.compiler, "substitute_in_graph", None)
+    if entry is None or substitute is None:
+        return
+    with contextlib.suppress(TypeError, ValueError):  # a torch that refuses it: the entry serves
+        substitute(entry, skip_signature_check=True)(traced)
 
 
 def op_overload(name: str, overload: str = "default") -> torch._ops.OpOverload:

@@ -46,6 +46,7 @@ def make_op(spec: OpSpec) -> Callable[..., Any]:
         return call(spec, args[:-1], args[-1])
 
     entry.__qualname__ = entry.__name__ = f"{name}_entry"
+    slot.entry = entry
     MADE.append(spec)
     for hook in ON_MADE:  # a compile already happened: this op needs its custom op now
         hook(spec)

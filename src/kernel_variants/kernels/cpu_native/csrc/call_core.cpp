@@ -444,7 +444,8 @@ PyObject* run(State* st, Entry* e, PyObject* const* args, const at::Tensor* cons
   return r;
 }
 
-PyObject* unalias_checked(PyObject* res, PyObject* const* args, Py_ssize_t n);
+struct Inputs;
+PyObject* unalias_graph(PyObject* res, const State* st, const at::Tensor* const* ts);
 
 PyObject* serve(State* st, PyObject* const* args, PyObject* out) {
   const at::Tensor* ts[kMaxParams];
@@ -464,7 +465,7 @@ PyObject* serve(State* st, PyObject* const* args, PyObject* out) {
   if (!graph || r == nullptr || r == st->miss) return r;
   // The variant ran: from here an error is raised, never a miss (the Python path would run
   // the variant again and write the state twice).
-  PyObject* u = unalias_checked(r, args, st->n);
+  PyObject* u = unalias_graph(r, st, ts);
   Py_DECREF(r);
   return u;
 }
@@ -1103,35 +1104,52 @@ PyTypeObject BoundCoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 // shares storage with a tensor among `args` replaced by a clone. A torch.library op's output may
 // not alias an input; a compiled graph's kernel runs this after the dispatched call (no built-in
 // variant's output aliases an input, a plugin's might).
-bool shares_storage(const at::Tensor& o, PyObject* const* args, Py_ssize_t n) {
+// Whether a tensor is a Python tensor: the exact type first, as None and the op's other values
+// would otherwise each take isinstance's slow path (a bound __instancecheck__ per call).
+inline bool is_tensor(PyObject* o) {
+  return THPVariable_CheckExact(o) || (o != Py_None && THPVariable_Check(o));
+}
+
+// The tensors an output is compared with: the Python arguments (unaliased), or the ones a core
+// call already unpacked (ts[i], nullptr for None and for a non-tensor parameter).
+struct Inputs {
+  PyObject* const* args = nullptr;
+  const at::Tensor* const* ts = nullptr;
+  Py_ssize_t n = 0;
+  const at::Tensor* at(Py_ssize_t i) const {
+    if (ts != nullptr) return ts[i];
+    return is_tensor(args[i]) ? &THPVariable_Unpack(args[i]) : nullptr;
+  }
+};
+
+bool shares_storage(const at::Tensor& o, const Inputs& in) {
   if (!o.has_storage()) return false;
   const void* mine = o.storage().data();
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!THPVariable_Check(args[i])) continue;
-    const at::Tensor& t = THPVariable_Unpack(args[i]);
-    if (t.has_storage() && t.storage().data() == mine) return true;
+  for (Py_ssize_t i = 0; i < in.n; ++i) {
+    const at::Tensor* t = in.at(i);
+    if (t != nullptr && t->has_storage() && t->storage().data() == mine) return true;
   }
   return false;
 }
 
-PyObject* fresh(PyObject* o, PyObject* const* args, Py_ssize_t n) {
+PyObject* fresh(PyObject* o, const Inputs& in) {
   // Not a tensor: handed back, for torch to say what the op's schema expected.
-  if (!THPVariable_Check(o)) return Py_NewRef(o);
+  if (!is_tensor(o)) return Py_NewRef(o);
   const at::Tensor& t = THPVariable_Unpack(o);
-  if (!shares_storage(t, args, n)) return Py_NewRef(o);
+  if (!shares_storage(t, in)) return Py_NewRef(o);
   return THPVariable_Wrap(t.clone());
 }
 
-PyObject* unalias_checked(PyObject* res, PyObject* const* args, Py_ssize_t n) {
+PyObject* unalias_checked(PyObject* res, const Inputs& in) {
   HANDLE_TH_ERRORS
-  if (!PyTuple_Check(res) && !PyList_Check(res)) return fresh(res, args, n);
+  if (!PyTuple_Check(res) && !PyList_Check(res)) return fresh(res, in);
   THPObjectPtr items(PySequence_Tuple(res));
   if (!items) return nullptr;
   const Py_ssize_t k = PyTuple_GET_SIZE(items.get());
   THPObjectPtr out(PyTuple_New(k));
   if (!out) return nullptr;
   for (Py_ssize_t i = 0; i < k; ++i) {
-    PyObject* f = fresh(PyTuple_GET_ITEM(items.get(), i), args, n);
+    PyObject* f = fresh(PyTuple_GET_ITEM(items.get(), i), in);
     if (f == nullptr) return nullptr;
     PyTuple_SET_ITEM(out.get(), i, f);
   }
@@ -1144,7 +1162,21 @@ PyObject* unaliased(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "unaliased(result, *args): expected the result");
     return nullptr;
   }
-  return unalias_checked(args[0], args + 1, nargs - 1);
+  Inputs in;
+  in.args = args + 1;
+  in.n = nargs - 1;
+  return unalias_checked(args[0], in);
+}
+
+// A core's graph call: the output compared with the tensors build_key unpacked, by position
+// (no Python type test per argument: after a large kernel each would be a cache miss).
+PyObject* unalias_graph(PyObject* res, const State* st, const at::Tensor* const* ts) {
+  const at::Tensor* tensors[kMaxParams];
+  Inputs in;
+  for (int i = 0; i < st->n; ++i) tensors[i] = st->kind[i] == kValue ? nullptr : ts[i];
+  in.ts = tensors;
+  in.n = st->n;
+  return unalias_checked(res, in);
 }
 
 // The engine adapters' per-call layout mapping (integrations/_fast.py), without Python's
