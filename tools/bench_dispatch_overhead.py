@@ -20,7 +20,11 @@ direct call's in the same round. In grad mode (a plain script) and torch.inferen
 (serving). Targets (issue 24): <= 1.0 us added for the dispatched op and a forced variant, <= 0.6
 us for kv.bind.
 
-    python tools/bench_dispatch_overhead.py [--out reports] [--number 20000] [--rounds 15]
+A last row times single calls with ``--flush-mb`` MB written before each (the caches as a large
+kernel leaves them, what a call in a model step meets): each form's median per call minus the
+direct call's. Not a target; it says how much of a path's cost is cache misses.
+
+    python tools/bench_dispatch_overhead.py [--out reports] [--number 20000] [--rounds 15] [--flush-mb 16]
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import argparse
 import os
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 
 import torch
@@ -154,6 +159,43 @@ def _noop_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, 
     return rows, data
 
 
+def _cold_rows(calls: int, flush_mb: float) -> tuple[list[list[object]], dict[str, object]]:
+    """Single calls of the no-op variant's forms, ``flush_mb`` MB written before each."""
+    B, L, D, W = 1, 1, 64, 4
+    out_buf = torch.empty(B, L, D)
+
+    def noop(x, weight, bias=None, **kw):
+        return out_buf
+
+    variant = Variant(id="noop", op="causal_conv1d_fn", version="1", fn=noop, priority=10_000,
+                      capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}))
+    x, w, b = torch.randn(B, L, D), torch.randn(D, W), torch.randn(D)
+    kwargs = dict(conv_states=torch.randn(4, W - 1, D), cache_indices=torch.tensor([2], dtype=torch.int32),
+                  has_initial_state=torch.tensor([True]), activation="silu")
+    flush = torch.zeros(max(1, int(flush_mb * 2**20) // 4))
+    reset(noop_registry(variant))
+    op = kv.causal_conv1d_fn
+    bound_c, _ = _bound_pair(op, x, w, b, **kwargs)
+    _core(True)
+    forms = {"direct": lambda: noop(x, w, b, **kwargs), "dispatched, core": lambda: op(x, w, b, **kwargs),
+             "bound, core": lambda: bound_c(x, w, b, **kwargs)}
+    for fn in forms.values():
+        fn()  # the entry learned
+    times: dict[str, list[float]] = {name: [] for name in forms}
+    names = list(forms)
+    clock = time.perf_counter_ns
+    for i in range(calls * len(names)):
+        name = names[i % len(names)]
+        flush.add_(1)
+        t0 = clock()
+        forms[name]()
+        times[name].append((clock() - t0) / 1e3)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    row = ["no-op", f"grad mode, {flush_mb:g} MB written before each call", med["direct"], "",
+           med["dispatched, core"] - med["direct"], "", "", "", med["bound, core"] - med["direct"], ""]
+    return [row], {"cold": {"flush_mb": flush_mb, **{f"{k} median_us": v for k, v in med.items()}}}
+
+
 def _decode_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, object]]:
     """The issue's decode step: causal_conv1d_update, B=1, D=2048, W=4, bf16, as chosen here."""
     B, D, W, N = 1, 2048, 4, 8
@@ -195,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="reports")
     p.add_argument("--number", type=int, default=20000)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--flush-mb", type=float, default=16.0, help="MB written before each call of the last row")
     args = p.parse_args(argv)
     os.environ["KV_CACHE_DIR"] = tempfile.mkdtemp(prefix="kv-overhead-")  # never the user's table
     os.environ["KV_QUALIFY"] = "off"  # the no-op variant is chosen, not qualified (it computes nothing)
@@ -207,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     more, more_data = _decode_rows(max(args.number // 10, 100), args.rounds)
     rows += more
     data.update(more_data)
+    cold, cold_data = _cold_rows(max(args.number // 10, 300), args.flush_mb)
+    rows += cold
+    data.update(cold_data)
     os.environ.pop(_callcore.ENV, None)
     headers = ["variant", "mode", "direct us", "floor added", "dispatched added (core)", "dispatched added (Python)",
                "forced added (core)", "forced added (Python)", "bound added (core)", "bound added (Python)"]
@@ -216,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{table}\n\n"
             "Added = median over alternating rounds of (the form's per-call us - the direct call's, same round). "
             "'floor' is the op's signature plus one dict lookup around the variant, the least any Python-level "
-            "dispatcher adds here. 'core': the compiled call core; 'Python': KV_CALL_CORE=0. Targets: "
+            "dispatcher adds here. 'core': the compiled call core; 'Python': KV_CALL_CORE=0. The last row: "
+            "medians of single calls, each after the given megabytes were written (cold caches), not a target. "
+            "Targets: "
             + ", ".join(f"{k} <= {v} us" for k, v in TARGETS_US.items()) + ".")
     print(text)
     data["cpu"] = cpu
