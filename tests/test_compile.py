@@ -12,8 +12,10 @@ import torch
 from helpers.calibration import quick
 
 import kernel_variants
+from kernel_variants._runtime import callcore as _callcore
 from kernel_variants._runtime import custom_ops as _custom_ops
 from kernel_variants._runtime.dispatcher import Dispatcher
+from kernel_variants.ops.causal_conv1d import FN_SPEC, UPDATE_SPEC
 from kernel_variants.ops.causal_conv1d._cases import make_case
 
 
@@ -80,9 +82,28 @@ def test_eager_calls_never_go_through_the_custom_op(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("eager call routed through the custom op")
 
-    monkeypatch.setattr(_custom_ops, "OPS", {"causal_conv1d_fn": refuse, "causal_conv1d_update": refuse})
+    for spec in (FN_SPEC, UPDATE_SPEC):
+        _custom_ops.register(spec)  # as after a first compile: the traced function is there
+        monkeypatch.setattr(_callcore.slot_of(spec), "traced", refuse)
     case = make_case("causal_conv1d_fn", batch=2, dim=8, seqlen=4)
     step(*_inputs(case.fresh()))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_export_records_the_custom_op(strict):
+    """torch.export, traced by Dynamo (strict) or run for real on fake tensors (non-strict,
+    where the call core hands the call back and the entry sees a compile): the graph holds the op."""
+    class Model(torch.nn.Module):
+        def forward(self, x, state, weight, idx):
+            return kernel_variants.causal_conv1d_update(x, state, weight, conv_state_indices=idx) * 2
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 8, generator=g), torch.randn(4, 3, 8, generator=g), torch.randn(8, 4, generator=g),
+            torch.tensor([1, 3], dtype=torch.int32))
+    with torch.no_grad():
+        ep = torch.export.export(Model(), args, strict=strict)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert "kernel_variants.causal_conv1d_update.default" in targets, targets
 
 
 def test_the_custom_ops_are_well_formed():

@@ -3,8 +3,10 @@
 An op's public function is written in its package with its signature and docstring, and one line
 into its entry (``make_op``), so that a reader, a debugger and an IDE can follow a call from the
 op inward. Traced by ``torch.compile``, the entry calls the op's ``torch.library`` custom op,
-which dispatches when the graph runs; eagerly, the compiled call core where it is built, which
-hands what it does not serve to the Python path (``call.call``).
+which dispatches when the graph runs (after the first trace Dynamo inlines the op's traced
+function in the entry's place: ``custom_ops``); eagerly, the compiled call core where it is
+built, which hands what it does not serve to the Python path (``call.call``), or, in a real run
+under ``torch.export`` or a compile session, to the custom op.
 """
 
 from __future__ import annotations
@@ -23,27 +25,36 @@ def make_op(spec: OpSpec) -> Callable[..., Any]:
     """The dispatched entry of ``spec``: ``entry(*args, out)``, every parameter of the op in
     signature order, then ``out``. The op's public function returns ``entry(...)``."""
     name = spec.name
+    # Folded to True while Dynamo traces; eagerly a function that returns False (one frame, where
+    # is_compiling takes two: with cold caches each frame entered is a few cache misses).
+    tracing = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
     compiling = torch.compiler.is_compiling
     miss = callcore.MISS
     slot = callcore.arm(spec)
 
-    def entry(*args: Any) -> Any:
-        if compiling():
-            # Importing custom_ops runs for real under Dynamo (it is not traced): it registers
-            # the ops made so far and sets each slot's ``traced``, read only after it. Through
-            # the slot rather than custom_ops.OPS: each object a traced call reads is a guard
-            # the compiled graph checks per call, and after a large kernel each costs a cache miss.
-            from kernel_variants._runtime import custom_ops  # noqa: F401
+    def traced(args: tuple[Any, ...]) -> Any:
+        # Importing custom_ops runs for real, also under Dynamo (it is not traced): it registers
+        # the ops made so far and sets each slot's ``traced``, read only after it. Through the
+        # slot rather than custom_ops.OPS: each object a traced call reads is a guard the
+        # compiled graph checks per call, and after a large kernel each costs a cache miss.
+        from kernel_variants._runtime import custom_ops  # noqa: F401
 
-            return slot.traced(*args)
+        return slot.traced(*args)
+
+    def entry(*args: Any) -> Any:
+        if tracing():
+            return traced(args)
         core = slot.core
         if core is not None:
             r = core(*args)
             if r is not miss:
                 return r
-            # slot.core, not core: a first call resolved the core (or None) just now.
-            return call(spec, args[:-1], args[-1], slot.core)
-        return call(spec, args[:-1], args[-1])
+            core = slot.core  # a first call resolved the core (or None) just now
+        if compiling():
+            # A real run under torch.export or a compile session (fake or functional tensors,
+            # which the core never serves): the graph records the op's custom op.
+            return traced(args)
+        return call(spec, args[:-1], args[-1]) if core is None else call(spec, args[:-1], args[-1], core)
 
     entry.__qualname__ = entry.__name__ = f"{name}_entry"
     slot.entry = entry
