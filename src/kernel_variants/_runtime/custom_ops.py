@@ -21,10 +21,11 @@ output checks) cost ~35 us per call where this kernel adds ~3 us over an eager c
   ``force()`` (a context variable, which a traced graph could not guard on) and ``KV_FORCE`` take
   effect in an already compiled graph without recompiling it.
 
-The public functions route here only while ``torch.compiler.is_compiling()``; the graph calls
-the op, eager calls never do. ``OPS[name]`` (also the op's ``Slot.traced``, where its entry
-reads it) is what a traced call invokes: a small function that Dynamo inlines (what it tests is decided while tracing, under Dynamo's guards, never per call).
-It calls the op, except that a call that needs a gradient graph-breaks and runs eagerly, as the
+The public functions route here only while Dynamo traces them, or in a real run under
+``torch.export`` or a compile session that the call core hands back; the graph calls the op,
+eager calls never do. ``OPS[name]`` (also the op's ``Slot.traced``, where its entry reads it)
+is what a traced call invokes: a small function that Dynamo inlines (what it tests is decided
+while tracing, under Dynamo's guards, never per call). It calls the op, except that a call that needs a gradient graph-breaks and runs eagerly, as the
 op has no autograd formula (``fullgraph=True`` refuses it, saying why), and a call passing None
 for an optional mutated tensor calls the op's overload that declares no mutation (Inductor
 cannot lower a mutable argument that is None). Importing this module (which the first traced
@@ -33,7 +34,8 @@ call does) registers every op made so far; later ops register as they are made.
 Each object a traced call reads becomes a guard that the compiled graph evaluates before every
 run, and after a large kernel each one is a cache miss. So Dynamo is told to inline the traced
 function in place of the op's entry (``torch.compiler.substitute_in_graph``): a graph guards on
-the entry's identity, the traced function's op and ``torch.is_grad_enabled``, nothing else.
+the entry's identity, the traced function's op, ``torch.is_grad_enabled`` and the public
+function's ``out`` default, nothing else.
 """
 
 from __future__ import annotations
