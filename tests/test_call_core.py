@@ -568,6 +568,42 @@ def test_a_graph_call_to_the_core_copies_an_output_that_aliases_an_input(with_va
 
 
 @pytest.mark.parametrize("on", [True, False])
+def test_a_compiled_graph_copies_an_aliasing_output_and_runs_the_variant_once(with_variants, path, on):
+    """End to end: a forced variant returning its input, in a fullgraph compile (the kernel passes
+    GRAPH to the core, or takes the Python path): one variant call per graph call, a copy out."""
+    path(on)
+    calls, fail = [0], [False]
+
+    def fn(x, conv_state, weight, *args, **kwargs):
+        calls[0] += 1
+        if fail[0]:
+            raise RuntimeError("boom")
+        _reference.causal_conv1d_update(x, conv_state, weight, *args, **kwargs)
+        return x
+
+    with_variants(Variant(id="aliasing", op=UP, version="1", fn=fn, capabilities=ConvCapabilities(
+        devices={"cpu"}, dtypes={"float32"}, noncontiguous_states=True, num_accepted_tokens=True, varlen=True)))
+
+    def step(x, conv_state, weight, conv_state_indices):
+        return kv.causal_conv1d_update(x, conv_state, weight, conv_state_indices=conv_state_indices)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    call = _decode_call()
+    with torch.no_grad(), kv.force(causal_conv1d_update="aliasing"):
+        step(**call)  # qualifies the variant and teaches the core the entry
+        for _ in range(2):
+            calls[0] = 0
+            got = compiled(**call)
+            assert calls[0] == 1
+            assert torch.equal(got, call["x"])
+            assert got.untyped_storage().data_ptr() != call["x"].untyped_storage().data_ptr()
+        fail[0], calls[0] = True, 0
+        with pytest.raises(VariantFailed, match="boom"):
+            compiled(**call)
+        assert calls[0] == 1, "a failed variant is reported, never run again"
+
+
+@pytest.mark.parametrize("on", [True, False])
 def test_an_output_sharing_an_inputs_storage_is_copied_on_both_paths(path, on):
     """A torch.library op's output may not alias an input: the compiled graph's kernel copies it."""
     path(on)

@@ -6,6 +6,8 @@ calibration apply to an already compiled graph); a call needing a gradient runs 
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -100,10 +102,61 @@ def test_export_records_the_custom_op(strict):
     g = torch.Generator().manual_seed(0)
     args = (torch.randn(2, 8, generator=g), torch.randn(4, 3, 8, generator=g), torch.randn(8, 4, generator=g),
             torch.tensor([1, 3], dtype=torch.int32))
-    with torch.no_grad():
-        ep = torch.export.export(Model(), args, strict=strict)
+    _custom_ops.register(UPDATE_SPEC)
+    slot = _callcore.slot_of(UPDATE_SPEC)
+    real, ran = slot.traced, []
+
+    def counting(*call_args):
+        ran.append(True)
+        return real(*call_args)
+
+    slot.traced = counting
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(Model(), args, strict=strict)
+    finally:
+        slot.traced = real
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert "kernel_variants.causal_conv1d_update.default" in targets, targets
+    # Non-strict runs the entry for real: handed back by the call core, it takes the compile branch.
+    assert bool(ran) == (not strict)
+
+
+_FIRST_TRACE = """
+import sys
+import torch
+from torch._dynamo.utils import counters
+import kernel_variants as kv
+
+def f(x, st, w, idx):
+    return kv.causal_conv1d_update(x, st, w, conv_state_indices=idx) * 2
+
+def g(x, st, w, idx):
+    return torch.relu(kv.causal_conv1d_update(x + 1, st, w, conv_state_indices=idx))
+
+def inputs(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 8, generator=gen), torch.randn(4, 3, 8, generator=gen), torch.randn(8, 4, generator=gen),
+            torch.tensor([1, 3], dtype=torch.int32))
+
+assert "kernel_variants._runtime.custom_ops" not in sys.modules
+with torch.no_grad():
+    for fn in (f, g):
+        compiled = torch.compile(fn, fullgraph=True)
+        for seed in range(3):
+            a, b = inputs(seed), inputs(seed)
+            assert torch.equal(fn(*a), compiled(*b)) and torch.equal(a[1], b[1]), (fn.__name__, seed)
+assert not counters["recompiles"], dict(counters["recompiles"])
+print("ok", counters["stats"]["unique_graphs"])
+"""
+
+
+def test_the_first_trace_in_a_process_imports_the_custom_ops_and_later_graphs_need_no_recompile():
+    """In a fresh process the first trace imports the custom ops while it is traced (the entry's
+    own compile branch), and registers the traced function in the entry's place for later ones."""
+    run = subprocess.run([sys.executable, "-c", _FIRST_TRACE], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["ok", "2"], run.stdout
 
 
 def test_the_custom_ops_are_well_formed():

@@ -22,11 +22,12 @@ updated in place (same data_ptr), the same state.
 
 The target's column is paired call by call: ``compiled`` and ``plain`` called alternately, each
 call timed, the median of the pairs' differences with its quartiles (``--pairs-s`` seconds per
-case; each call runs after the other mode's, so both find the caches alike). Each of the two is
-compiled twice, in the order compiled, plain, plain, compiled, and the pairs alternate between the
-copies and between which call comes first: which graph is compiled first moves a large kernel's
-figure by 1-4 us (where each graph's code and guards lie in memory), and this way neither mode
-has the better place.
+case; every call but those at a switch of order runs after the other mode's, so both find the
+caches alike). Each of the two is compiled twice, in the order compiled, plain, plain, compiled,
+and the pairs alternate between the copies and between which call comes first: which graph is
+compiled first moves a large kernel's figure by 1-4 us (where each graph's code and guards lie
+in memory), and this way neither mode has the better place. The ``compiled us`` and ``plain op
+us`` columns are medians over rounds, so their difference need not equal the paired column.
 
     python tools/bench_compile.py [--out reports] [--rounds 41] [--threads 1] [--quick]
 """

@@ -22,7 +22,8 @@ us for kv.bind.
 
 A last row times single calls with ``--flush-mb`` MB written before each (the caches as a large
 kernel leaves them, what a call in a model step meets): each form's median per call minus the
-direct call's. Not a target; it says how much of a path's cost is cache misses.
+direct call's. Not a target; it says how much of a path's cost is cache misses. Choose more
+than the L2 (lscpu): what the flush evicts from a larger L3 depends on the machine.
 
     python tools/bench_dispatch_overhead.py [--out reports] [--number 20000] [--rounds 15] [--flush-mb 16]
 """

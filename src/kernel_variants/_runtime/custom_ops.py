@@ -34,8 +34,8 @@ call does) registers every op made so far; later ops register as they are made.
 Each object a traced call reads becomes a guard that the compiled graph evaluates before every
 run, and after a large kernel each one is a cache miss. So Dynamo is told to inline the traced
 function in place of the op's entry (``torch.compiler.substitute_in_graph``): a graph guards on
-the entry's identity, the traced function's op, ``torch.is_grad_enabled`` and the public
-function's ``out`` default, nothing else.
+the entry's identity, the traced function's op and ``torch.is_grad_enabled``, besides the
+public function's own code and defaults.
 """
 
 from __future__ import annotations

@@ -37,9 +37,11 @@ def make_op(spec: OpSpec) -> Callable[..., Any]:
         # the ops made so far and sets each slot's ``traced``, read only after it. Through the
         # slot rather than custom_ops.OPS: each object a traced call reads is a guard the
         # compiled graph checks per call, and after a large kernel each costs a cache miss.
-        from kernel_variants._runtime import custom_ops  # noqa: F401
+        from kernel_variants._runtime import custom_ops
 
-        return slot.traced(*args)
+        # custom_ops.register sets the newest slot of a spec; an older entry of the same spec
+        # (made twice) finds its traced function by name.
+        return (slot.traced or custom_ops.OPS[name])(*args)
 
     def entry(*args: Any) -> Any:
         if tracing():
