@@ -617,3 +617,41 @@ def test_an_output_sharing_an_inputs_storage_is_copied_on_both_paths(path, on):
     pair = fresh.unaliased((mine, other), x, other)
     assert pair[0] is mine and torch.equal(pair[1], other) and pair[1] is not other
     assert (fresh.unaliased.__module__ or "").startswith("kernel_variants") != on, "the C function serves where the core does"
+
+
+def test_the_engine_adapters_fast_steps_call_the_core_below_the_entry(reference_only, path, python_calls,
+                                                                      monkeypatch):
+    """vLLM's decode and prefill in its layouts: from the second call of a signature the op's
+    core serves them from C (neither the entry nor the Python path runs); both paths give the
+    same outputs and states."""
+    from kernel_variants.integrations import _fast
+    from kernel_variants.integrations import vllm as kv_vllm
+
+    entered = []
+    for name in ("_FN", "_UPDATE"):
+        real = getattr(_fast, name)
+        monkeypatch.setattr(_fast, name, lambda *a, _real=real: entered.append(1) or _real(*a))
+
+    def calls(seed: int):
+        g = torch.Generator().manual_seed(seed)
+        pool = torch.randn(N, W - 1, D, generator=g)
+        weight, bias = torch.randn(D, W, generator=g), torch.randn(D, generator=g)
+        slots = torch.tensor([4, 1, 2], dtype=torch.int32)
+        x = torch.randn(10, D, generator=g)
+        y = kv_vllm.causal_conv1d_fn(x.t(), weight, bias, pool.transpose(1, 2),
+                                     torch.tensor([0, 3, 4, 10], dtype=torch.int32), slots,
+                                     torch.tensor([True, False, True]), "silu")
+        z = kv_vllm.causal_conv1d_update(torch.randn(3, D, generator=g), pool.transpose(1, 2), weight, bias,
+                                         "silu", slots)
+        return y.clone(), z, pool
+
+    results = {}
+    for on in (True, False):
+        path(on)
+        entered.clear()
+        python_calls[0] = 0
+        with torch.no_grad():
+            results[on] = [calls(seed) for seed in (0, 1)]
+        want = 2 if on else 4  # each op: its first call decides (the entry, the Python path)
+        assert len(entered) == want and python_calls[0] == want
+    _same(results[True], results[False])

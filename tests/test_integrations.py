@@ -94,6 +94,7 @@ class Spy:
 
         monkeypatch.setattr(_fast, "_FN", fn_entry)
         monkeypatch.setattr(_fast, "_UPDATE", update_entry)
+        _entries_only(monkeypatch)
 
     def assert_views(self, x: torch.Tensor, pool: torch.Tensor, weight: torch.Tensor) -> None:
         assert self.calls, "the adapter never called the op"
@@ -1116,11 +1117,19 @@ def test_the_fast_steps_give_what_the_general_path_gives(name, monkeypatch):
     assert served == fast, f"{name}: the fast step {'did not serve' if fast else 'served'}"
 
 
+def _entries_only(monkeypatch) -> None:
+    """The fast steps call the ops' cores from C, below their entries: with no core in their
+    slots they call the entries (which find the cores), so that a spy there sees each call."""
+    for slot in ("_FN_SLOT", "_UPDATE_SLOT"):
+        monkeypatch.setattr(_fast, slot, types.SimpleNamespace(core=None))
+
+
 def _fast_served(monkeypatch, adapter, make) -> bool:
     calls = []
     for entry in ("_FN", "_UPDATE"):
         real = getattr(_fast, entry)
         monkeypatch.setattr(_fast, entry, lambda *a, _real=real: calls.append(1) or _real(*a))
+    _entries_only(monkeypatch)
     args, kw = make()
     with contextlib.suppress(ValueError, NotImplementedError):
         adapter(*args, **kw)
@@ -1137,9 +1146,19 @@ def test_the_layout_aliases_share_storage_and_version_with_the_engines_tensor():
     view[1, 2, 3] = 5.0
     assert pool[1, 3, 2] == 5.0 and pool._version > before
     x, weight = torch.zeros(2, D), torch.zeros(D, W)
-    state, slots = FUNCTIONS.decode_views(x, pool, weight, _ints([[4, 1], [0, 2]]), True)
-    assert slots.tolist() == [4, 0] and state.data_ptr() == pool.data_ptr()
-    assert FUNCTIONS.decode_views(x, pool, weight, _ints([[4, 1], [0, 2]]), False) is None
+    seen = []
+
+    def entry(*args):  # the op's entry, as the step calls it where no core serves
+        seen.append(args)
+        return args[0]
+
+    table = _ints([[4, 1], [0, 2]])
+    assert FUNCTIONS.decode_step(None, entry, x, pool, weight, None, "silu", table, -1, True) is x
+    (_, state, _, _, _, slots, _, _, _), = seen
+    assert slots.tolist() == [4, 0] and slots.data_ptr() == table.data_ptr() and state.data_ptr() == pool.data_ptr()
+    assert state.shape == (N_SLOTS, W - 1, D)
+    assert FUNCTIONS.decode_step(None, entry, x, pool, weight, None, "silu", table, -1, False) is None
+    assert len(seen) == 1, "a refused step never calls the op"
     w = torch.zeros(D, W, requires_grad=True)
     assert FUNCTIONS.channel_last(w).grad_fn is not None, "a tensor that requires grad gets the autograd view"
     with torch.inference_mode():

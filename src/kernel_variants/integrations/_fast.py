@@ -5,11 +5,12 @@ An adapter tries these first and takes the general path (:mod:`._common`) where 
 None: anything else, which the general path maps, or refuses with its message; and a call that
 Dynamo traces (the layout helpers below are C functions, which it cannot trace).
 
-What they save: the checks that decide whether a call is an everyday one, and the views of the
-engines' layouts, are one call into the compiled call core (``decode_views``/``prefill_views``:
-plain aliases, ~0.2 us against ~0.8 us for a view from Python, see
-:class:`kernel_variants._runtime.callcore.Functions`); the op is entered below its public
-function (its arguments in signature order); what the op validates (shapes, index values) is
+What they save: the checks that decide whether a call is an everyday one, the views of the
+engines' layouts and the op's call are one call into the compiled call core
+(``decode_step``/``prefill_step``, see :class:`kernel_variants._runtime.callcore.Functions`):
+the views are plain aliases (~0.2 us against ~0.8 us for a view from Python), and the op's
+CallCore is called from C, its arguments in signature order, below its public function and its
+entry (where the core misses, the entry serves). What the op validates (shapes, index values) is
 left to it.
 """
 
@@ -20,10 +21,14 @@ from typing import Any
 import torch
 
 from kernel_variants._runtime.callcore import FUNCTIONS as _C
+from kernel_variants._runtime.callcore import slot_of
 from kernel_variants.integrations._layout import as_activation
-from kernel_variants.ops.causal_conv1d import _FN, _UPDATE
+from kernel_variants.ops.causal_conv1d import _FN, _UPDATE, FN_SPEC, UPDATE_SPEC
 
 _compiling = torch.compiler.is_compiling
+# Where the ops' entries find their call cores: read per call, the core itself is called from C
+# (the entry frame and its compile check skipped: a step has asked already).
+_FN_SLOT, _UPDATE_SLOT = slot_of(FN_SPEC), slot_of(UPDATE_SPEC)
 
 
 # The Python of the core's layout functions (call_core.cpp), for where the core is off or not
@@ -42,18 +47,21 @@ def _slot_ids_py(indices: Any, batch: int, table: bool) -> Any:
     return indices[:, 0] if indices.ndim == 2 and indices.shape[1] >= 1 and table else _REFUSED
 
 
-def _decode_views_py(x: Any, pool: Any, weight: Any, indices: Any, table: bool) -> tuple[Any, Any] | None:
+def _decode_step_py(core: Any, entry: Any, x: Any, pool: Any, weight: Any, bias: Any, act: Any, indices: Any,
+                    sentinel: int, table: bool) -> Any:
     if not all(isinstance(t, torch.Tensor) for t in (x, pool, weight)):
         return None
     if (x.ndim != 2 or pool.ndim != 3 or weight.ndim != 2 or pool.shape[2] != weight.shape[1] - 1
             or not x.dtype == pool.dtype == weight.dtype):
         return None
     indices = _slot_ids_py(indices, x.shape[0], table)
-    return None if indices is _REFUSED else (pool.transpose(-1, -2), indices)
+    if indices is _REFUSED:
+        return None
+    return entry(x, pool.transpose(-1, -2), weight, bias, act, indices, None, sentinel, None)
 
 
-def _prefill_views_py(x: Any, weight: Any, pool: Any, qsl: Any, indices: Any, init: Any, table: bool,
-                      known_nonempty: bool) -> tuple[Any, Any, Any] | None:
+def _prefill_step_py(core: Any, entry: Any, x: Any, weight: Any, bias: Any, pool: Any, qsl: Any, indices: Any,
+                     init: Any, act: Any, sentinel: int, table: bool, known_nonempty: bool) -> Any:
     if not all(isinstance(t, torch.Tensor) for t in (x, weight, qsl)):
         return None
     if x.ndim != 2 or weight.ndim != 2 or qsl.ndim != 1 or qsl.shape[0] < 1 or x.dtype != weight.dtype:
@@ -67,7 +75,10 @@ def _prefill_views_py(x: Any, weight: Any, pool: Any, qsl: Any, indices: Any, in
             return None
         pool = pool.transpose(-1, -2)
     indices = _slot_ids_py(indices, batch, table)
-    return None if indices is _REFUSED else (x.transpose(-1, -2), pool, indices)
+    if indices is _REFUSED:
+        return None
+    y = entry(x.transpose(-1, -2), weight, bias, pool, indices, init, qsl, act, sentinel, None)
+    return y.transpose(-1, -2)
 
 
 def _no_empty_py(qsl: Any) -> bool | None:
@@ -79,11 +90,12 @@ def _no_empty_py(qsl: Any) -> bool | None:
 
 # channel_last(t): t.transpose(-1, -2) (in C a plain alias sharing storage and version counter,
 # the ordinary view for a subclass, a functional tensor, one that requires grad in grad mode, or
-# under a dispatch mode); decode_views / prefill_views: the checks and views of decode_step and
-# prefill_step in one call, None where the general path serves.
+# under a dispatch mode); decode_step / prefill_step: the checks, the views and the op in one
+# call (in C the op's CallCore called directly, its entry where the core misses), None where the
+# general path serves.
 _C.provide("channel_last", lambda t: t.transpose(-1, -2))
-_C.provide("decode_views", _decode_views_py)
-_C.provide("prefill_views", _prefill_views_py)
+_C.provide("decode_step", _decode_step_py)
+_C.provide("prefill_step", _prefill_step_py)
 
 
 def decode_step(
@@ -105,13 +117,12 @@ def decode_step(
     where :func:`._common.decode` serves."""
     if _compiling():
         return None
-    views = _C.decode_views(x, pool, weight, indices, table)
-    if views is None:
-        return None
-    if indices is None and query_start_loc is not None and x.shape[0] != query_start_loc.shape[0] - 1:
+    if indices is None and query_start_loc is not None and not (
+            isinstance(x, torch.Tensor) and isinstance(query_start_loc, torch.Tensor)
+            and x.ndim >= 1 and query_start_loc.ndim == 1 and x.shape[0] == query_start_loc.shape[0] - 1):
         return None
     act = activation if activation == "silu" else as_activation(activation)
-    return _UPDATE(x, views[0], weight, bias, act, views[1], None, sentinel, None)
+    return _C.decode_step(_UPDATE_SLOT.core, _UPDATE, x, pool, weight, bias, act, indices, sentinel, table)
 
 
 def prefill_step(
@@ -126,9 +137,6 @@ def prefill_step(
     serves (an empty sequence is skipped there, extra slot entries cut, more state rows narrowed)."""
     if _compiling():
         return None
-    views = _C.prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty)
-    if views is None:
-        return None
     act = activation if activation == "silu" else as_activation(activation)
-    y = _FN(views[0], weight, bias, views[1], views[2], has_initial_state, query_start_loc, act, sentinel, None)
-    return _C.channel_last(y)
+    return _C.prefill_step(_FN_SLOT.core, _FN, x, weight, bias, pool, query_start_loc, indices, has_initial_state,
+                           act, sentinel, table, known_nonempty)

@@ -1095,6 +1095,7 @@ PyObject* bound_call(PyObject* self, PyObject* args, PyObject* kwargs) {
 }
 
 PyTypeObject BoundCoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+PyTypeObject CallCoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // The module functions below are called from Python code of the package, each wrapped in
 // HANDLE_TH_ERRORS: any C++ exception (a c10::Error, an allocation failure, a Python error raised
@@ -1209,8 +1210,8 @@ PyObject* alias(const at::Tensor& t, c10::IntArrayRef sizes, c10::IntArrayRef st
 
 PyObject* swapped_alias(PyObject* o, const at::Tensor& t) {
   if (!plain_alias_ok(o, t)) return THPVariable_Wrap(t.transpose(-1, -2));
-  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
-  std::vector<int64_t> strides(t.strides().begin(), t.strides().end());
+  c10::SmallVector<int64_t, 5> sizes(t.sizes().begin(), t.sizes().end());
+  c10::SmallVector<int64_t, 5> strides(t.strides().begin(), t.strides().end());
   const size_t n = sizes.size();
   std::swap(sizes[n - 1], sizes[n - 2]);
   std::swap(strides[n - 1], strides[n - 2]);
@@ -1267,18 +1268,41 @@ int none_empty(const at::Tensor& t) {
   return -1;
 }
 
-// decode_views(x, pool, weight, indices, table): (pool's channel-last view, the slot ids) for a
-// channel-first engine's decode step (x [B, dim], pool (N, dim, W-1), weight [dim, W], one dtype;
-// slot ids None, [B] or, with `table`, [B, k] read at column 0, B = x's), or None where the
-// adapter's general path must serve. Checks and views in one call: each check from Python
-// costs about as much as the view.
-PyObject* decode_views(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// The op called with the adapter's views (`args`: its parameters in signature order, then out;
+// PY_VECTORCALL_ARGUMENTS_OFFSET lends args[-1]): its CallCore served in C where `core` is one
+// and has the call's entry, else `entry`, the op's Python entry (the core's resolver before the
+// op's first call, the Python path with the core off or on a miss).
+PyObject* call_op(PyObject* core, PyObject* entry, PyObject* const* args, Py_ssize_t n) {
+  if (Py_IS_TYPE(core, &CallCoreType)) {
+    State* st = reinterpret_cast<CallCore*>(core)->st;
+    if (n == st->n + 1) {
+      PyObject* r;
+      try {
+        r = serve(st, args, args[st->n]);
+      } catch (const c10::Error&) {
+        r = Py_NewRef(st->miss);  // as core_vectorcall: the Python path serves it
+      }
+      if (r != st->miss) return r;
+      Py_DECREF(r);
+    }
+  }
+  return PyObject_Vectorcall(entry, args, n | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+}
+
+// decode_step(core, entry, x, pool, weight, bias, activation, indices, sentinel, table): a
+// channel-first engine's decode step (x [B, dim], pool (N, dim, W-1), weight [dim, W], one
+// dtype; slot ids None, [B] or, with `table`, [B, k] read at column 0, B = x's) as the op's
+// decode on the pool's channel-last view, returning [B, dim]; or None where the adapter's
+// general path must serve. Checks, views and the op in one call: each step from Python costs
+// about as much as the view.
+PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError, "decode_views(x, pool, weight, indices, table)");
+  if (nargs != 10) {
+    PyErr_SetString(PyExc_TypeError,
+                    "decode_step(core, entry, x, pool, weight, bias, activation, indices, sentinel, table)");
     return nullptr;
   }
-  PyObject *xo = args[0], *po = args[1], *wo = args[2], *io = args[3];
+  PyObject *xo = args[2], *po = args[3], *wo = args[4], *io = args[7];
   if (!THPVariable_Check(xo) || !THPVariable_Check(po) || !THPVariable_Check(wo)) Py_RETURN_NONE;
   const at::Tensor& x = THPVariable_Unpack(xo);
   const at::Tensor& pool = THPVariable_Unpack(po);
@@ -1287,7 +1311,7 @@ PyObject* decode_views(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       x.scalar_type() != pool.scalar_type() || x.scalar_type() != w.scalar_type()) {
     Py_RETURN_NONE;
   }
-  const int table = PyObject_IsTrue(args[4]);
+  const int table = PyObject_IsTrue(args[9]);
   if (table < 0) return nullptr;
   bool refused = false;
   THPObjectPtr idx(slot_ids(io, x.size(0), table == 1, &refused));
@@ -1297,24 +1321,28 @@ PyObject* decode_views(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   THPObjectPtr state(swapped_alias(po, pool));
   if (!state) return nullptr;
-  return PyTuple_Pack(2, state.get(), idx.get());
+  // x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens, pad_slot_id, out
+  PyObject* stack[10] = {nullptr, xo, state.get(), wo, args[5], args[6], idx.get(), Py_None, args[8], Py_None};
+  return call_op(args[0], args[1], stack + 1, 9);
   END_HANDLE_TH_ERRORS
 }
 
-// prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty):
-// (x's channel-last view, the pool's or None, the slot ids) for a channel-first engine's varlen
-// prefill (x (dim, T), weight [dim, W], pool (N, dim, W-1) or None, one dtype; query_start_loc
-// [B+1]; slot ids and flags of exactly B entries, slot ids [B] or with `table` [B, k] read at
-// column 0; with a pool, no empty sequence: `known_nonempty`, or read here on the CPU), or None
-// where the adapter's general path must serve.
-PyObject* prefill_views(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// prefill_step(core, entry, x, weight, bias, pool, query_start_loc, indices, has_initial_state,
+// activation, sentinel, table, known_nonempty): a channel-first engine's varlen prefill (x
+// (dim, T), weight [dim, W], pool (N, dim, W-1) or None, one dtype; query_start_loc [B+1]; slot
+// ids and flags of exactly B entries, slot ids [B] or with `table` [B, k] read at column 0; with
+// a pool, no empty sequence: `known_nonempty`, or read here on the CPU) as the op's prefill on
+// the channel-last views, returning the (dim, T) view of its [T, dim] result; or None where the
+// adapter's general path must serve.
+PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 8) {
+  if (nargs != 13) {
     PyErr_SetString(PyExc_TypeError,
-                    "prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty)");
+                    "prefill_step(core, entry, x, weight, bias, pool, query_start_loc, indices, has_initial_state, "
+                    "activation, sentinel, table, known_nonempty)");
     return nullptr;
   }
-  PyObject *xo = args[0], *wo = args[1], *po = args[2], *qo = args[3], *io = args[4], *ho = args[5];
+  PyObject *xo = args[2], *wo = args[3], *po = args[5], *qo = args[6], *io = args[7], *ho = args[8];
   if (!THPVariable_Check(xo) || !THPVariable_Check(wo) || !THPVariable_Check(qo)) Py_RETURN_NONE;
   const at::Tensor& x = THPVariable_Unpack(xo);
   const at::Tensor& w = THPVariable_Unpack(wo);
@@ -1327,7 +1355,7 @@ PyObject* prefill_views(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                         THPVariable_Unpack(ho).size(0) != batch)) {
     Py_RETURN_NONE;
   }
-  const int table = PyObject_IsTrue(args[6]), known = PyObject_IsTrue(args[7]);
+  const int table = PyObject_IsTrue(args[11]), known = PyObject_IsTrue(args[12]);
   if (table < 0 || known < 0) return nullptr;
   THPObjectPtr pv;
   if (po == Py_None) {
@@ -1348,17 +1376,22 @@ PyObject* prefill_views(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   THPObjectPtr xv(swapped_alias(xo, x));
   if (!xv) return nullptr;
-  return PyTuple_Pack(3, xv.get(), pv.get(), idx.get());
+  // x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc, activation,
+  // pad_slot_id, out
+  PyObject* stack[11] = {nullptr, xv.get(), wo, args[4], pv.get(), idx.get(), ho, qo, args[9], args[10], Py_None};
+  THPObjectPtr y(call_op(args[0], args[1], stack + 1, 10));
+  if (!y) return nullptr;
+  return channel_last(nullptr, y.get());
   END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef module_methods[] = {
     {"channel_last", channel_last, METH_O, "channel_last(t) -> t.transpose(-1, -2) as a plain alias"},
-    {"decode_views", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(decode_views)), METH_FASTCALL,
-     "decode_views(x, pool, weight, indices, table) -> (pool's channel-last view, slot ids) or None"},
-    {"prefill_views", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(prefill_views)), METH_FASTCALL,
-     "prefill_views(x, weight, pool, query_start_loc, indices, has_initial_state, table, known_nonempty) -> "
-     "(x's and the pool's channel-last views, slot ids) or None"},
+    {"decode_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(decode_step)), METH_FASTCALL,
+     "decode_step(core, entry, x, pool, weight, bias, activation, indices, sentinel, table) -> [B, dim] or None"},
+    {"prefill_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(prefill_step)), METH_FASTCALL,
+     "prefill_step(core, entry, x, weight, bias, pool, query_start_loc, indices, has_initial_state, activation, "
+     "sentinel, table, known_nonempty) -> (dim, T) or None"},
     {"unaliased", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unaliased)), METH_FASTCALL,
      "unaliased(result, *args) -> result, each output sharing storage with a tensor argument cloned"},
     {nullptr, nullptr, 0, nullptr},
@@ -1378,8 +1411,6 @@ PyMethodDef core_methods[] = {
 PySequenceMethods core_sequence = {
     core_len,  // sq_length
 };
-
-PyTypeObject CallCoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT};
 
