@@ -104,15 +104,38 @@ def _install_engine_counters(calls: dict[str, int], kernels: dict[str, int], *, 
             setattr(module, name, _count(calls, f"{GDN}.{name}", getattr(module, name)))
 
 
+class _CountedSteps:
+    """The core module's functions as ``integrations._fast`` calls them, its two steps counted
+    where they serve (None: the adapter's general path serves, counted at the public op)."""
+
+    def __init__(self, functions, counts: dict[str, int]) -> None:
+        self._functions, self._counts = functions, counts
+
+    def __getattr__(self, name: str):
+        return getattr(self._functions, name)
+
+    def _served(self, op: str, result):
+        if result is not None:
+            self._counts[op] = self._counts.get(op, 0) + 1
+        return result
+
+    def prefill_step(self, *args):
+        return self._served("causal_conv1d_fn", self._functions.prefill_step(*args))
+
+    def decode_step(self, *args):
+        return self._served("causal_conv1d_update", self._functions.decode_step(*args))
+
+
 def _install_dispatch_counters(counts: dict[str, int]) -> None:
     """Count each conv call that reaches the dispatcher: through the public ops (the adapters'
-    general path) or through the op entries the adapters' fast steps call."""
+    general path) or through the adapters' fast steps, which call the ops' cores from C (counted
+    around that call, so that the engine runs the path it runs unobserved)."""
     import kernel_variants
     from kernel_variants.integrations import _fast
 
-    for op, entry in (("causal_conv1d_fn", "_FN"), ("causal_conv1d_update", "_UPDATE")):
+    for op in ("causal_conv1d_fn", "causal_conv1d_update"):
         setattr(kernel_variants, op, _count(counts, op, getattr(kernel_variants, op)))
-        setattr(_fast, entry, _count(counts, op, getattr(_fast, entry)))
+    _fast._C = _CountedSteps(_fast._C, counts)
 
 
 def _reseed(model) -> None:
