@@ -621,10 +621,12 @@ def test_an_output_sharing_an_inputs_storage_is_copied_on_both_paths(path, on):
 
 def test_the_engine_adapters_fast_steps_call_the_core_below_the_entry(reference_only, path, python_calls,
                                                                       monkeypatch):
-    """vLLM's decode and prefill in its layouts: from the second call of a signature the op's
-    core serves them from C (neither the entry nor the Python path runs); both paths give the
-    same outputs and states."""
+    """vLLM's and sglang's everyday calls in their layouts (slot lists and vLLM's slot table, a
+    prefill with and without a pool): once each signature has been seen, the op's core serves
+    them from C (neither the entry nor the Python path runs); both paths give the same outputs
+    and states."""
     from kernel_variants.integrations import _fast
+    from kernel_variants.integrations import sglang as kv_sglang
     from kernel_variants.integrations import vllm as kv_vllm
 
     entered = []
@@ -637,21 +639,29 @@ def test_the_engine_adapters_fast_steps_call_the_core_below_the_entry(reference_
         pool = torch.randn(N, W - 1, D, generator=g)
         weight, bias = torch.randn(D, W, generator=g), torch.randn(D, generator=g)
         slots = torch.tensor([4, 1, 2], dtype=torch.int32)
+        table = torch.tensor([[5, 0], [1, 0], [3, 0]], dtype=torch.int32)  # vLLM reads column 0
+        qsl, init = torch.tensor([0, 3, 4, 10], dtype=torch.int32), torch.tensor([True, False, True])
         x = torch.randn(10, D, generator=g)
-        y = kv_vllm.causal_conv1d_fn(x.t(), weight, bias, pool.transpose(1, 2),
-                                     torch.tensor([0, 3, 4, 10], dtype=torch.int32), slots,
-                                     torch.tensor([True, False, True]), "silu")
-        z = kv_vllm.causal_conv1d_update(torch.randn(3, D, generator=g), pool.transpose(1, 2), weight, bias,
-                                         "silu", slots)
-        return y.clone(), z, pool
+        tokens = torch.randn(3, D, generator=g)
+        return [
+            kv_vllm.causal_conv1d_fn(x.t(), weight, bias, pool.transpose(1, 2), qsl, slots, init, "silu").clone(),
+            kv_vllm.causal_conv1d_fn(x.t(), weight, bias, None, qsl, None, None, "silu").clone(),
+            kv_vllm.causal_conv1d_update(tokens, pool.transpose(1, 2), weight, bias, "silu", slots),
+            kv_vllm.causal_conv1d_update(tokens, pool.transpose(1, 2), weight, bias, "silu", table),
+            kv_sglang.causal_conv1d_fn(x.t(), weight, bias, pool.transpose(1, 2), qsl, [3, 1, 6], slots, init,
+                                       "silu").clone(),
+            kv_sglang.causal_conv1d_update(tokens, pool.transpose(1, 2), weight, bias, "silu",
+                                           conv_state_indices=slots),
+            pool,
+        ]
 
     results = {}
     for on in (True, False):
         path(on)
-        entered.clear()
-        python_calls[0] = 0
         with torch.no_grad():
-            results[on] = [calls(seed) for seed in (0, 1)]
-        want = 2 if on else 4  # each op: its first call decides (the entry, the Python path)
-        assert len(entered) == want and python_calls[0] == want
+            first = calls(0)  # each signature decides once (the entry, the Python path)
+            entered.clear()
+            python_calls[0] = 0
+            results[on] = [first, calls(1)]
+        assert (len(entered), python_calls[0]) == ((0, 0) if on else (6, 6))
     _same(results[True], results[False])

@@ -262,6 +262,11 @@ def slot_of(spec: OpSpec) -> Slot:
     return next(slot for slot in reversed(_slots) if slot.spec is spec)
 
 
+def slot_of_entry(entry: Callable[..., Any]) -> Slot:
+    """The slot of the op entry ``entry`` (``ops.make_op``): where that entry finds its core."""
+    return next(slot for slot in reversed(_slots) if slot.entry is entry)
+
+
 def rearm() -> None:
     """A new dispatcher: every core forgets its entries, and each op finds its path again on
     its next call (``KV_CALL_CORE`` is read then)."""

@@ -1271,9 +1271,10 @@ int none_empty(const at::Tensor& t) {
 // The op called with the adapter's views (`args`: its parameters in signature order, then out;
 // PY_VECTORCALL_ARGUMENTS_OFFSET lends args[-1]): its CallCore served in C where `core` is one
 // and has the call's entry, else `entry`, the op's Python entry (the core's resolver before the
-// op's first call, the Python path with the core off or on a miss).
-PyObject* call_op(PyObject* core, PyObject* entry, PyObject* const* args, Py_ssize_t n) {
-  if (Py_IS_TYPE(core, &CallCoreType)) {
+// op's first call, the Python path with the core off or on a miss). `cpu`: x is a CPU tensor;
+// the core serves no other, and asking it first would build the key twice (here, in the entry).
+PyObject* call_op(PyObject* core, PyObject* entry, PyObject* const* args, Py_ssize_t n, bool cpu) {
+  if (cpu && Py_IS_TYPE(core, &CallCoreType)) {
     State* st = reinterpret_cast<CallCore*>(core)->st;
     if (n == st->n + 1) {
       PyObject* r;
@@ -1323,7 +1324,7 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!state) return nullptr;
   // x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens, pad_slot_id, out
   PyObject* stack[10] = {nullptr, xo, state.get(), wo, args[5], args[6], idx.get(), Py_None, args[8], Py_None};
-  return call_op(args[0], args[1], stack + 1, 9);
+  return call_op(args[0], args[1], stack + 1, 9, x.is_cpu());
   END_HANDLE_TH_ERRORS
 }
 
@@ -1379,7 +1380,7 @@ PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   // x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc, activation,
   // pad_slot_id, out
   PyObject* stack[11] = {nullptr, xv.get(), wo, args[4], pv.get(), idx.get(), ho, qo, args[9], args[10], Py_None};
-  THPObjectPtr y(call_op(args[0], args[1], stack + 1, 10));
+  THPObjectPtr y(call_op(args[0], args[1], stack + 1, 10, x.is_cpu()));
   if (!y) return nullptr;
   return channel_last(nullptr, y.get());
   END_HANDLE_TH_ERRORS
