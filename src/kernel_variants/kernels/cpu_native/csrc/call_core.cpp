@@ -470,6 +470,17 @@ PyObject* serve(State* st, PyObject* const* args, PyObject* out) {
   return u;
 }
 
+// serve() for a call of the op's arguments and out (args[st->n]): its result, or the miss.
+PyObject* serve_or_miss(State* st, PyObject* const* args) {
+  try {
+    return serve(st, args, args[st->n]);
+  } catch (const c10::Error&) {
+    // A tensor whose metadata cannot be read this way (no storage, symbolic sizes): the
+    // Python path serves it, and says what is wrong if anything is.
+    return Py_NewRef(st->miss);
+  }
+}
+
 PyObject* core_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   State* st = reinterpret_cast<CallCore*>(self)->st;
   Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
@@ -478,13 +489,7 @@ PyObject* core_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, 
                  st->n, nargs);
     return nullptr;
   }
-  try {
-    return serve(st, args, args[st->n]);
-  } catch (const c10::Error&) {
-    // A tensor whose metadata cannot be read this way (no storage, symbolic sizes): the
-    // Python path serves it, and says what is wrong if anything is.
-    return Py_NewRef(st->miss);
-  }
+  return serve_or_miss(st, args);
 }
 
 void clear_map(State* st) {
@@ -1277,12 +1282,7 @@ PyObject* call_op(PyObject* core, PyObject* entry, PyObject* const* args, Py_ssi
   if (cpu && Py_IS_TYPE(core, &CallCoreType)) {
     State* st = reinterpret_cast<CallCore*>(core)->st;
     if (n == st->n + 1) {
-      PyObject* r;
-      try {
-        r = serve(st, args, args[st->n]);
-      } catch (const c10::Error&) {
-        r = Py_NewRef(st->miss);  // as core_vectorcall: the Python path serves it
-      }
+      PyObject* r = serve_or_miss(st, args);
       if (r != st->miss) return r;
       Py_DECREF(r);
     }
