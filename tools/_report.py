@@ -1,9 +1,11 @@
-"""Shared by the benchmark scripts: where reports go, how tables are printed, which CPU ran them,
-the time of one call, and the registry with the scripts' no-op variants."""
+"""Shared by the benchmark scripts: where reports go, how tables are printed, which CPU ran them
+and under which allocator, the time of one call, and the registry with the scripts' no-op
+variants."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +47,30 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+#: glibc's malloc tunables that the docs advise for CPU inference (docs/devices.md, "Allocator"):
+#: every large output is served from the heap and a freed one is never trimmed back, so the next
+#: call reuses pages already faulted in, as tcmalloc and jemalloc do.
+ALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 31),
+             "MALLOC_TOP_PAD_": str(1 << 28)}
+
+
+def allocator() -> str:
+    """The malloc this process runs: a preloaded tcmalloc or jemalloc, or glibc's, tuned as
+    ALLOC_ENV or with its defaults (under which an output of 32 MiB or more is mapped afresh and
+    faulted in by whichever kernel writes it, on every call)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            maps = f.read()
+    except OSError:
+        maps = ""
+    for name in ("tcmalloc", "jemalloc"):
+        if f"lib{name}" in maps:
+            return name
+    if all(os.environ.get(k) == v for k, v in ALLOC_ENV.items()):
+        return "glibc, tuned (" + " ".join(f"{k}={v}" for k, v in ALLOC_ENV.items()) + ")"
+    return "glibc defaults"
 
 
 def per_call_us(fn: Callable[[], object], number: int) -> float:

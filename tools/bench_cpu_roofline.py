@@ -26,16 +26,12 @@ import sys
 import time
 
 import torch
-from _report import cpu_model  # a sibling module: tools/ is sys.path[0]
+from _report import ALLOC_ENV, cpu_model  # a sibling module: tools/ is sys.path[0]
 
 from kernel_variants.kernels import cpu_native
 
 SMALL = (1, 256, 4096)
 LARGE = ((2, 1024, 4096), (8, 1024, 2048), (4, 1024, 6144))
-# Large enough that every output of the large shapes is served from the heap, and that freeing
-# one never trims the heap back (glibc's defaults adapt, but only after a first mmap'd free).
-ALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 31),
-             "MALLOC_TOP_PAD_": str(1 << 28)}
 
 
 def _call(x, w, b, act, out=None):

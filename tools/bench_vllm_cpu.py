@@ -16,8 +16,17 @@ in the same round (> 1: the dispatched op is faster); the medians beside it are 
 and ``noise`` the worst form's (median window - best) / best: figures taken while other work held
 the cores (the load average is printed) are flagged in the verdicts rather than trusted.
 
+Both kernels return a fresh output, so at 32 MiB and more (a 2048-token prefill at D=8192 bf16)
+glibc's default malloc maps it afresh on every call and the kernel that writes it pays its page
+faults: there the ratio measures the OS's page supply (it moved between 0.38 and 3.5 on one
+machine) more than either kernel. vLLM-CPU preloads tcmalloc for this; by default the tool
+therefore runs under a reusing allocator too: a preloaded tcmalloc or jemalloc where there is
+one, else it restarts itself with the glibc tunables the docs advise (docs/devices.md,
+"Allocator"). ``--allocator default`` keeps glibc's defaults. The header says which ran.
+
     python tools/bench_vllm_cpu.py [--windows 5] [--threads N]
     python tools/bench_vllm_cpu.py --grid [--threads 1 2] [--windows 41] [--tokens 2048]
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python tools/bench_vllm_cpu.py --grid
 """
 
 from __future__ import annotations
@@ -25,11 +34,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 from types import SimpleNamespace
 
 import torch
-from _report import cpu_model, markdown_table  # a sibling module: tools/ is sys.path[0]
+from _report import ALLOC_ENV, allocator, cpu_model, markdown_table  # tools/ is sys.path[0]
 
 import kernel_variants as kv
 from kernel_variants._runtime import callcore
@@ -164,7 +174,7 @@ def grid(args, kernels) -> int:
     # Short windows, many rounds: on cores shared with other work a burst of it spoils a few
     # rounds' ratios, which the median leaves out, rather than every long window.
     timing = TimingConfig(warmup=3, windows=args.windows, iters=1000, window_budget_s=0.01)
-    print(f"{cpu_model()}, torch {torch.__version__}, bf16, W=4, silu, bias; call core "
+    print(f"{cpu_model()}, torch {torch.__version__}, bf16, W=4, silu, bias; malloc: {allocator()}; call core "
           f"{'in use' if on else 'NOT in use'} ({where}); {args.windows} alternating rounds per shape; "
           f"ratio = median over rounds of bare vLLM / ours (> 1: ours faster)")
     rows: list[dict] = []
@@ -206,7 +216,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads (default: torch's; with --grid: 1 2)")
     p.add_argument("--grid", action="store_true", help="issue 24's decode and prefill rows (see above)")
     p.add_argument("--tokens", type=int, default=2048, help="with --grid: prefill tokens in all (T = B*L)")
+    p.add_argument("--allocator", choices=("reusing", "default"), default="reusing",
+                   help="reusing (default): a preloaded tcmalloc/jemalloc, else glibc tuned to reuse large "
+                        "outputs (the tool restarts itself so); default: glibc's defaults")
     args = p.parse_args(argv)
+    if args.allocator == "reusing" and allocator() == "glibc defaults":
+        # glibc reads its tunables at start-up only.
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)],
+                  {**os.environ, **ALLOC_ENV})
     if args.grid:
         # Set before the dispatcher exists: the user's table and verdicts are never read or written.
         os.environ["KV_CACHE_DIR"] = tempfile.mkdtemp(prefix="kv-bench-vllm-")
@@ -232,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads[0])
     timing = TimingConfig(warmup=2, windows=args.windows, iters=20, window_budget_s=0.2)
     print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, W=4, silu, "
-          f"bias; best window of {args.windows}, the three timed in alternating rounds")
+          f"bias; malloc: {allocator()}; best window of {args.windows}, the three timed in alternating rounds")
     print(f"{'op':8} {'B':>4} {'D':>5} {'L':>4} {'form':7} {'cpu_native':>11} {'vllm_cpu':>10} {'bare':>9} "
           f"{'vllm_cpu/cpu_native':>20}")
     for op, b, d, length, options in SHAPES:
