@@ -14,7 +14,11 @@ x D in {2048, 4096, 8192}, decode (one token, N = B+3 slots, int32 indices) and 
 before it is timed. A shape's ratio is the median over alternating rounds of bare / dispatched
 in the same round (> 1: the dispatched op is faster); the medians beside it are each form's own,
 and ``noise`` the worst form's (median window - best) / best: figures taken while other work held
-the cores (the load average is printed) are flagged in the verdicts rather than trusted.
+the cores (the load average is printed) are flagged in the verdicts rather than trusted. With
+more than one thread each shape also times a control just before it, a 256x256 fp32 matmul at
+one thread and at the shape's threads (``mm speedup``): on shared virtual CPUs whole stretches
+come when the second core does not keep up (the control's speedup fell to 1.1x for a process),
+and a shape measured then is flagged, not trusted.
 
 Both kernels return a fresh output, so at 32 MiB and more (a 2048-token prefill at D=8192 bf16)
 glibc's default malloc maps it afresh on every call and the kernel that writes it pays its page
@@ -36,6 +40,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from types import SimpleNamespace
 
 import torch
@@ -97,6 +102,29 @@ GRID_D = (2048, 4096, 8192)
 #: A shape whose median window is this much above its best one was timed while other work
 #: held the cores (with 2 threads an OpenMP team then waits for a preempted member).
 NOISY = 0.5
+#: A control speedup below this fraction of the thread count: the machine's own parallel speed
+#: was short while the shape was timed.
+SLOW_CORES = 0.75
+
+
+def control_speedup(threads: int) -> float:
+    """A 256x256 fp32 matmul's time at one thread over its time at ``threads`` (medians of 15):
+    torch's own compute-bound kernel, so that a shape's multi-thread figure can be told from a
+    moment when the machine's cores did not all run."""
+    a = torch.randn(256, 256)
+
+    def median_s(n: int) -> float:
+        torch.set_num_threads(n)
+        torch.mm(a, a)
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            torch.mm(a, a)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    one = median_s(1)
+    return one / median_s(threads)
 
 
 def bare_fn(op: str, kernels):
@@ -131,6 +159,8 @@ def grid_shape(op: str, b: int, d: int, length: int, kernels, timing: TimingConf
             raise SystemExit(f"{op} B={b} D={d} L={length}: {name} does not match the reference: {bad}")
     args = case.args
     public(*args, **kw)  # qualification and the memo entry, out of the timing
+    threads = torch.get_num_threads()
+    control = control_speedup(threads) if threads > 1 else None
     bound = kv.bind(public, *args, **kw)
     calls = {"dispatched": [lambda: public(*args, **kw)], "bare": [bare_call(op, case, kernels)]}
     if op == "causal_conv1d_update":
@@ -139,7 +169,7 @@ def grid_shape(op: str, b: int, d: int, length: int, kernels, timing: TimingConf
     for name, outcome in timed.items():
         if not isinstance(outcome, Timing):
             raise SystemExit(f"{op} B={b} D={d} L={length}: {name} failed: {outcome}")
-    row = {"op": op, "B": b, "D": d, "L": length, "threads": torch.get_num_threads(), "chosen": bound.variant,
+    row = {"op": op, "B": b, "D": d, "L": length, "threads": threads, "control": control, "chosen": bound.variant,
            **{f"{n}_median_us": t.median_us for n, t in timed.items()},
            "bare/dispatched": _round_ratio(timed["bare"], timed["dispatched"])}
     if "bound" in timed:
@@ -149,19 +179,31 @@ def grid_shape(op: str, b: int, d: int, length: int, kernels, timing: TimingConf
     return row
 
 
+def _cores_short(row: dict) -> bool:
+    return row["control"] is not None and row["control"] < SLOW_CORES * row["threads"]
+
+
+def _control_note(row: dict) -> str:
+    return "" if row["control"] is None else f"; mm speedup {row['control']:.2f}"
+
+
 def _verdict(label: str, rows: list[dict], key: str, threads: list[int], need: set[int]) -> str:
     short = [r for r in rows if r[key] < 1.0]
     scope = f"{len(rows)} shapes at {'+'.join(map(str, threads))} thread(s)"
     partial = not need <= set(threads)
+    cores_short = [r for r in rows if _cores_short(r)]
+    cores_caveat = (f"; {len(cores_short)} of them timed while the control matmul's speedup was below "
+                    f"{SLOW_CORES:.0%} of the threads (the machine's cores were short: rerun those)"
+                    if cores_short else "")
     if short:
-        misses = ", ".join(f"B={r['B']} D={r['D']} t={r['threads']}: {r[key]:.3f} ({(1 - r[key]) * 100:.1f}% behind)"
-                           for r in short)
-        return f"{label}: NOT MET, {len(short)} of {scope} below 1.00: {misses}"
+        misses = ", ".join(f"B={r['B']} D={r['D']} t={r['threads']}: {r[key]:.3f} ({(1 - r[key]) * 100:.1f}% behind"
+                           f"{_control_note(r)})" for r in short)
+        return f"{label}: NOT MET, {len(short)} of {scope} below 1.00: {misses}{cores_caveat}"
     worst = min(rows, key=lambda r: r[key])
     status = f"NOT JUDGED (the row needs {sorted(need)} threads), none below 1.00" if partial else "MET"
     unsteady = [r for r in rows if r["noise"] > NOISY]
     caveat = (f"; {len(unsteady)} of them unsteady (noise > {NOISY}): rerun those on idle cores before "
-              "trusting them" if unsteady else "")
+              "trusting them" if unsteady else "") + cores_caveat
     return (f"{label}: {status} on {scope}; lowest {worst[key]:.3f} at B={worst['B']} D={worst['D']} "
             f"t={worst['threads']}{caveat}")
 
@@ -190,10 +232,11 @@ def grid(args, kernels) -> int:
     for op, cols in (("causal_conv1d_update", ("bound", "bare/bound")), ("causal_conv1d_fn", ())):
         mine = [r for r in rows if r["op"] == op]
         headers = ["threads", "B", "D", "L", "chosen", "dispatched us", *(["bound us"] if cols else []),
-                   "bare vLLM us", "bare/dispatched", *(["bare/bound"] if cols else []), "noise"]
+                   "bare vLLM us", "bare/dispatched", *(["bare/bound"] if cols else []), "noise", "mm speedup"]
         table = [[r["threads"], r["B"], r["D"], r["L"], r["chosen"], r["dispatched_median_us"],
                   *([r["bound_median_us"]] if cols else []), r["bare_median_us"], f"{r['bare/dispatched']:.3f}",
-                  *([f"{r['bare/bound']:.3f}"] if cols else []), f"{r['noise']:.2f}"] for r in mine]
+                  *([f"{r['bare/bound']:.3f}"] if cols else []), f"{r['noise']:.2f}",
+                  "-" if r["control"] is None else f"{r['control']:.2f}"] for r in mine]
         print(f"\n{'decode' if cols else 'varlen prefill'} ({op}), medians:\n")
         print(markdown_table(headers, table))
     print()
