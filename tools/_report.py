@@ -68,8 +68,13 @@ def allocator() -> str:
     for name in ("tcmalloc", "jemalloc"):
         if f"lib{name}" in maps:
             return name
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return f"the system's ({platform.system()}, not glibc)"
     if all(os.environ.get(k) == v for k, v in ALLOC_ENV.items()):
         return "glibc, tuned (" + " ".join(f"{k}={v}" for k, v in ALLOC_ENV.items()) + ")"
+    own = sorted(k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")
+    if own:
+        return "glibc, user-set (" + " ".join(f"{k}={os.environ[k]}" for k in own) + ")"
     return "glibc defaults"
 
 

@@ -193,7 +193,9 @@ def _verdict(label: str, rows: list[dict], key: str, threads: list[int], need: s
     partial = not need <= set(threads)
     cores_short = [r for r in rows if _cores_short(r)]
     cores_caveat = (f"; {len(cores_short)} of them timed while the control matmul's speedup was below "
-                    f"{SLOW_CORES:.0%} of the threads (the machine's cores were short: rerun those)"
+                    f"{SLOW_CORES:.0%} of the threads (the machine's cores were short: rerun those): "
+                    + ", ".join(f"B={r['B']} D={r['D']} t={r['threads']} (mm speedup {r['control']:.2f})"
+                                for r in cores_short)
                     if cores_short else "")
     if short:
         misses = ", ".join(f"B={r['B']} D={r['D']} t={r['threads']}: {r[key]:.3f} ({(1 - r[key]) * 100:.1f}% behind"
@@ -206,6 +208,36 @@ def _verdict(label: str, rows: list[dict], key: str, threads: list[int], need: s
               "trusting them" if unsteady else "") + cores_caveat
     return (f"{label}: {status} on {scope}; lowest {worst[key]:.3f} at B={worst['B']} D={worst['D']} "
             f"t={worst['threads']}{caveat}")
+
+
+def built_cpu_native() -> dict:
+    """The conv ops' cpu_native variants, built (or the run ends saying why not)."""
+    ours = {op: dispatcher().registry.get(op, "cpu_native") for op in ("causal_conv1d_fn", "causal_conv1d_update")}
+    for rv in ours.values():
+        if rv.ensure_built() is not None:
+            raise SystemExit(f"cpu_native unavailable: {rv.unavailable_reason()}")
+    return ours
+
+
+def grid_in_throwaway_table(args) -> int:
+    """grid() with a dispatcher of its own on a table in a temporary folder, removed afterwards:
+    the user's table and verdicts are never read or written, even when called from code after
+    the process's dispatcher exists."""
+    from kernel_variants.kernels import vllm_cpu
+
+    before = os.environ.get("KV_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="kv-bench-vllm-") as table:
+        os.environ["KV_CACHE_DIR"] = table
+        kv.reload()
+        try:
+            built_cpu_native()
+            return grid(args, vllm_cpu.OPS.kernel())
+        finally:
+            if before is None:
+                os.environ.pop("KV_CACHE_DIR", None)
+            else:
+                os.environ["KV_CACHE_DIR"] = before
+            kv.reload()
 
 
 def grid(args, kernels) -> int:
@@ -252,6 +284,33 @@ def grid(args, kernels) -> int:
     return 0
 
 
+#: Set in the environment of the restarted tool: a second restart is never attempted.
+REEXEC = "KV_BENCH_REEXEC"
+
+
+def restart_under_reusing_allocator(from_command_line: bool) -> None:
+    """Restart this tool under ALLOC_ENV where it runs glibc's malloc with its defaults (glibc
+    reads its tunables at start-up only). Only a command-line run restarts: one called from code
+    (``main(argv)``) would take its caller's process with it, so it keeps the allocator and says
+    so, as does a run whose tunables did not take after one restart."""
+    if allocator() != "glibc defaults":  # tcmalloc/jemalloc, tuned or user-set: theirs stands
+        return
+    if not from_command_line or os.environ.get(REEXEC):
+        why = "called from code" if not from_command_line else "a restart under the tunables did not take"
+        print(f"note: measuring under glibc's default malloc ({why}): outputs of 32 MiB or more are "
+              "page-faulted afresh on every call; see --allocator", file=sys.stderr)
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # orig_argv keeps the interpreter's own flags (-X, -W, -c ...); its [0] need not be a path.
+    argv = [sys.executable, *sys.orig_argv[1:]]
+    try:
+        os.execve(sys.executable, argv, {**os.environ, **ALLOC_ENV, REEXEC: "1"})
+    except OSError as exc:
+        print(f"note: could not restart under the glibc tunables ({exc}); measuring under glibc's defaults",
+              file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--windows", type=int, default=None, help="rounds (default 5; 41 with --grid)")
@@ -261,33 +320,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=2048, help="with --grid: prefill tokens in all (T = B*L)")
     p.add_argument("--allocator", choices=("reusing", "default"), default="reusing",
                    help="reusing (default): a preloaded tcmalloc/jemalloc, else glibc tuned to reuse large "
-                        "outputs (the tool restarts itself so); default: glibc's defaults")
+                        "outputs (a command-line run restarts itself so); default: glibc's defaults")
     args = p.parse_args(argv)
-    if args.allocator == "reusing" and allocator() == "glibc defaults":
-        # glibc reads its tunables at start-up only.
-        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)],
-                  {**os.environ, **ALLOC_ENV})
-    if args.grid:
-        # Set before the dispatcher exists: the user's table and verdicts are never read or written.
-        os.environ["KV_CACHE_DIR"] = tempfile.mkdtemp(prefix="kv-bench-vllm-")
-        args.windows = args.windows or 41
-        args.threads = args.threads or [1, 2]
-    args.windows = args.windows or 5
-    registry = dispatcher().registry
-    theirs = {op: registry.get(op, "vllm_cpu") for op in ("causal_conv1d_fn", "causal_conv1d_update")}
-    why = theirs["causal_conv1d_fn"].unavailable_reason()
+    from kernel_variants.kernels import vllm_cpu
+
+    why = vllm_cpu.probe()  # before any restart: a machine without vLLM-CPU skips at once
     if why is not None:
         print(f"bench_vllm_cpu: skipped, vllm_cpu is unavailable here: {why}")
         return 0
-    ours = {op: registry.get(op, "cpu_native") for op in theirs}
-    for rv in ours.values():
-        if rv.ensure_built() is not None:
-            raise SystemExit(f"cpu_native unavailable: {rv.unavailable_reason()}")
-    from kernel_variants.kernels import vllm_cpu
-
-    kernels = vllm_cpu.OPS.kernel()
+    if args.allocator == "reusing":
+        restart_under_reusing_allocator(from_command_line=argv is None)
     if args.grid:
-        return grid(args, kernels)
+        args.windows = args.windows or 41
+        args.threads = args.threads or [1, 2]
+        return grid_in_throwaway_table(args)
+    args.windows = args.windows or 5
+    ours = built_cpu_native()
+    theirs = {op: dispatcher().registry.get(op, "vllm_cpu") for op in ours}
+    kernels = vllm_cpu.OPS.kernel()
     if args.threads:
         torch.set_num_threads(args.threads[0])
     timing = TimingConfig(warmup=2, windows=args.windows, iters=20, window_budget_s=0.2)
