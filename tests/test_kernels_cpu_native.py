@@ -162,6 +162,52 @@ def test_big_decode_in_place_matches(threads):
     _same(pool, want_pool)
 
 
+@pytest.mark.parametrize("op", ["fwd", "update", "rms_norm"])
+def test_any_team_writes_every_item_once(op):
+    """However the items are shared out (more threads than cores included, and item counts no
+    team size divides), every output and state row is written once, exactly as one thread
+    writes it: bit for bit the same at 1, 2, 3 and 5 threads."""
+    g = _gen(11)
+    if op == "fwd":  # 3 sequences x time chunks x 66 channel tiles: ragged everywhere
+        x = torch.randn(3, 301, 4163, generator=g).to(torch.bfloat16)
+        w, b = _filter(4163, 4, torch.bfloat16, g)
+        state = torch.randn(5, 3, 4163, generator=g).to(torch.bfloat16)
+
+        def call(st):
+            return cpu_native.causal_conv1d_fn(x, w, b, activation="silu", conv_states=st,
+                                               cache_indices=torch.tensor([4, 0, 2], dtype=torch.int32),
+                                               has_initial_state=torch.tensor([True, False, True]))
+    elif op == "update":
+        x = torch.randn(37, 4163, generator=g).to(torch.bfloat16)
+        w, b = _filter(4163, 4, torch.bfloat16, g)
+        state = torch.randn(40, 3, 4163, generator=g).to(torch.bfloat16)
+
+        def call(st):
+            return cpu_native.causal_conv1d_update(x, st, w, b, activation="silu",
+                                                   conv_state_indices=torch.randperm(40, generator=g)[:37].int())
+    else:
+        x = torch.randn(1031, 2048, generator=g).to(torch.bfloat16)
+        w = torch.randn(2048, generator=g).to(torch.bfloat16)
+        state = torch.zeros(1)
+
+        def call(st):
+            return cpu_native.gemma_rms_norm(x, w, 1e-6)
+
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            g.manual_seed(5)  # the same slot permutation for every team
+            st = state.clone()
+            results.append((call(st), st))
+    finally:
+        torch.set_num_threads(before)
+    for got, st in results[1:]:
+        _same(got, results[0][0])
+        _same(st, results[0][1])
+
+
 def test_partial_overlap_is_refused():
     w = torch.randn(16, 4)
     flat = torch.randn(2 * 9 * 16 + 16)
