@@ -41,6 +41,18 @@ def fresh_build_dir(monkeypatch, tmp_path):
     kv.reload()
 
 
+def test_each_torch_install_builds_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    # Two virtualenvs with the same torch release and checkout: their ninja files name
+    # different torch headers, so one shared folder would be rebuilt each time they take turns.
+    import torch
+
+    mine = _build._name_and_dir()
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    other = _build._name_and_dir()
+    assert mine[0] != other[0] and mine[1] != other[1]
+    assert mine[1].parent == other[1].parent  # the same cache, a folder each
+
+
 def test_listing_and_explaining_never_build(fresh_build_dir, capsys):
     assert main(["list", "--op", "fn"]) == 0
     out = capsys.readouterr().out

@@ -84,16 +84,18 @@ def source_files(ext: Extension = CONV) -> list[Path]:
     return [_CSRC / name for name in ext.sources + ext.headers]
 
 
-def _build_tag(torch_version: str, ext: Extension) -> str:
+def _build_tag(torch_version: str, torch_dir: str, ext: Extension) -> str:
     # The .so links against this torch build and this Python's ABI, so both
     # (plus compiler and flags) key the cache along with the sources.
     h = hashlib.sha256()
     for path in source_files(ext):
         h.update(path.name.encode())
         h.update(path.read_bytes())
-    # The source directory too: ninja's build file names the sources by path, so a second
-    # install (another virtualenv) sharing the cache would otherwise recompile in silence.
-    for part in (*_CFLAGS, os.environ.get("CXX", ""), torch_version,
+    # The source directory and torch's own too: ninja's build file names the sources and
+    # torch's headers by path, so a second checkout or virtualenv sharing the cache would
+    # otherwise rewrite it and recompile in silence (2 minutes on 2 cores), each time the two
+    # take turns.
+    for part in (*_CFLAGS, os.environ.get("CXX", ""), torch_version, torch_dir,
                  sys.implementation.cache_tag or "", platform.machine(), str(_CSRC)):
         h.update(part.encode() + b"\0")
     return f"{torch_version.split('+')[0]}-{h.hexdigest()[:16]}"
@@ -139,7 +141,7 @@ def _log_summary(text: str) -> tuple[str, str]:
 def _name_and_dir(ext: Extension = CONV) -> tuple[str, Path]:
     import torch
 
-    tag = _build_tag(str(torch.__version__), ext)
+    tag = _build_tag(str(torch.__version__), str(Path(torch.__file__).resolve().parent), ext)
     return f"kv_{ext.name}_cpu_" + tag.rsplit("-", 1)[1][:12], _build_dir(tag)
 
 
