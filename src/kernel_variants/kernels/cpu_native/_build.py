@@ -190,7 +190,7 @@ def _notice(build_dir: Path, ext: Extension) -> Iterator[None]:
     start = time.monotonic()
     print(f"kernel_variants: building the cpu_native {ext.what} ({len(ext.sources)} files) in "
           f"{build_dir}; "
-          "this takes about a minute, once per machine and torch version "
+          "this takes about a minute, once per machine and torch install "
           "(`kv build` does it ahead of time)", file=sys.stderr, flush=True)
     done = threading.Event()
 
