@@ -162,36 +162,43 @@ def test_big_decode_in_place_matches(threads):
     _same(pool, want_pool)
 
 
-@pytest.mark.parametrize("op", ["fwd", "update", "rms_norm"])
+@pytest.mark.parametrize("op", ["fwd", "update", "rms_norm", "add_rms_norm"])
 def test_any_team_writes_every_item_once(op):
-    """However the items are shared out (more threads than cores included, and item counts no
-    team size divides), every output and state row is written once, exactly as one thread
-    writes it: bit for bit the same at 1, 2, 3 and 5 threads."""
+    """However the items are shared out (more threads than cores included), every output and
+    state row is written once, exactly as one thread writes it: bit for bit the same at 1, 2, 3
+    and 5 threads. The sizes make the item counts ragged at every team size (the kernels' own
+    splitting rules: 2048-channel tiles, time chunks halved to 4 items per thread, update rows
+    in up to 4 chunks per thread), with a ragged channel tail too."""
     g = _gen(11)
-    if op == "fwd":  # 3 sequences x time chunks x 66 channel tiles: ragged everywhere
-        x = torch.randn(3, 301, 4163, generator=g).to(torch.bfloat16)
-        w, b = _filter(4163, 4, torch.bfloat16, g)
-        state = torch.randn(5, 3, 4163, generator=g).to(torch.bfloat16)
+    d = 1999  # one channel tile
+    if op == "fwd":  # varlen 333 + 301 + 95 rows: 13 items at 2 and 3 threads, 24 at 5
+        lens = [333, 301, 95]
+        x = torch.randn(sum(lens), d, generator=g).to(torch.bfloat16)
+        w, b = _filter(d, 4, torch.bfloat16, g)
+        state = torch.randn(5, 3, d, generator=g).to(torch.bfloat16)
+        starts = torch.tensor([0, 333, 634, 729], dtype=torch.int32)
 
         def call(st):
-            return cpu_native.causal_conv1d_fn(x, w, b, activation="silu", conv_states=st,
+            return cpu_native.causal_conv1d_fn(x, w, b, activation="silu", conv_states=st, query_start_loc=starts,
                                                cache_indices=torch.tensor([4, 0, 2], dtype=torch.int32),
                                                has_initial_state=torch.tensor([True, False, True]))
-    elif op == "update":
-        x = torch.randn(37, 4163, generator=g).to(torch.bfloat16)
-        w, b = _filter(4163, 4, torch.bfloat16, g)
-        state = torch.randn(40, 3, 4163, generator=g).to(torch.bfloat16)
+    elif op == "update":  # 41 rows: 7, 11 and 14 items at 2, 3 and 5 threads
+        x = torch.randn(41, d, generator=g).to(torch.bfloat16)
+        w, b = _filter(d, 4, torch.bfloat16, g)
+        state = torch.randn(45, 3, d, generator=g).to(torch.bfloat16)
 
         def call(st):
             return cpu_native.causal_conv1d_update(x, st, w, b, activation="silu",
-                                                   conv_state_indices=torch.randperm(40, generator=g)[:37].int())
-    else:
+                                                   conv_state_indices=torch.randperm(45, generator=g)[:41].int())
+    else:  # 1031 rows (a prime) in grains of 8 (4 with the residual) rows
         x = torch.randn(1031, 2048, generator=g).to(torch.bfloat16)
         w = torch.randn(2048, generator=g).to(torch.bfloat16)
-        state = torch.zeros(1)
+        state = torch.randn(1031, 2048, generator=g).to(torch.bfloat16)  # the residual
 
         def call(st):
-            return cpu_native.gemma_rms_norm(x, w, 1e-6)
+            if op == "rms_norm":
+                return cpu_native.gemma_rms_norm(x, w, 1e-6)
+            return torch.cat(cpu_native.add_gemma_rms_norm(x, w, st, 1e-6))
 
     before = torch.get_num_threads()
     try:

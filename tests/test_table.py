@@ -74,6 +74,25 @@ def test_an_unusable_directory_keeps_the_table_in_memory(tmp_path, monkeypatch):
     assert kv.table(FN)[0].winner == "reference"
 
 
+def _open_files_under(folder) -> list[str]:
+    fds = "/proc/self/fd"
+    return [t for t in (os.path.realpath(f"{fds}/{fd}") for fd in os.listdir(fds)) if t.startswith(str(folder))]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc/self/fd")
+def test_reload_lets_go_of_the_previous_table_file(tmp_path, monkeypatch):
+    # A benchmark measures into a throwaway table and removes its folder; a server reloads on a
+    # signal: neither may keep the old database open (one connection leaked per reload).
+    monkeypatch.setenv("KV_CACHE_DIR", str(tmp_path / "first"))
+    kv.reload()
+    kv.calibrate(FN, SHAPES[:1], variants=["reference"], **QUICK)
+    assert _open_files_under(tmp_path / "first")
+    monkeypatch.setenv("KV_CACHE_DIR", str(tmp_path / "second"))
+    kv.reload()
+    assert _open_files_under(tmp_path / "first") == []
+    assert len(kv.table(FN)) == 0  # the new dispatcher reads its own table
+
+
 def test_a_pickled_row_is_never_unpickled(tmp_path):
     t = CalibrationTable(tmp_path / "t")
     t.record(measurement("a", 100.0, "1"))

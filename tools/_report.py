@@ -56,6 +56,13 @@ ALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": s
              "MALLOC_TOP_PAD_": str(1 << 28)}
 
 
+#: The environment variables glibc's malloc reads (GLIBC_TUNABLES too, where it names
+#: glibc.malloc.*); other MALLOC_* names (MALLOC_CONF is jemalloc's) leave glibc at its defaults.
+GLIBC_MALLOC_ENV = frozenset(f"MALLOC_{n}" for n in (
+    "ARENA_MAX", "ARENA_TEST", "CHECK_", "MMAP_MAX_", "MMAP_THRESHOLD_", "PERTURB_", "TOP_PAD_",
+    "TRIM_THRESHOLD_"))
+
+
 def allocator() -> str:
     """The malloc this process runs: a preloaded tcmalloc or jemalloc, or glibc's, tuned as
     ALLOC_ENV or with its defaults (under which an output of 32 MiB or more is mapped afresh and
@@ -72,7 +79,8 @@ def allocator() -> str:
         return f"the system's ({platform.system()}, not glibc)"
     if all(os.environ.get(k) == v for k, v in ALLOC_ENV.items()):
         return "glibc, tuned (" + " ".join(f"{k}={v}" for k, v in ALLOC_ENV.items()) + ")"
-    own = sorted(k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")
+    own = sorted(k for k in os.environ if k in GLIBC_MALLOC_ENV or
+                 (k == "GLIBC_TUNABLES" and "glibc.malloc." in os.environ[k]))
     if own:
         return "glibc, user-set (" + " ".join(f"{k}={os.environ[k]}" for k in own) + ")"
     return "glibc defaults"

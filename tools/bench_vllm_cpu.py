@@ -290,13 +290,25 @@ REEXEC = "KV_BENCH_REEXEC"
 
 def restart_under_reusing_allocator(from_command_line: bool) -> None:
     """Restart this tool under ALLOC_ENV where it runs glibc's malloc with its defaults (glibc
-    reads its tunables at start-up only). Only a command-line run restarts: one called from code
-    (``main(argv)``) would take its caller's process with it, so it keeps the allocator and says
-    so, as does a run whose tunables did not take after one restart."""
-    if allocator() != "glibc defaults":  # tcmalloc/jemalloc, tuned or user-set: theirs stands
+    reads its tunables at start-up only). Only a command-line run of the script restarts: one
+    called from code (``main(argv)``) would take its caller's process with it, and one read from
+    stdin cannot be read again; they keep the allocator and say so, as does a run whose tunables
+    did not take after one restart. The user's own malloc settings stand, named in the report."""
+    which = allocator()
+    if which.startswith("glibc, user-set"):
+        print(f"note: measuring under {which}, not the docs' tuning; where they leave large outputs "
+              "to mmap, those are page-faulted afresh on every call", file=sys.stderr)
+    if which != "glibc defaults":  # tcmalloc/jemalloc, tuned or user-set: theirs stands
         return
-    if not from_command_line or os.environ.get(REEXEC):
-        why = "called from code" if not from_command_line else "a restart under the tunables did not take"
+    if not from_command_line:
+        why = "called from code"
+    elif sys.argv[0] in ("", "-"):
+        why = "read from stdin, it cannot be restarted"
+    elif os.environ.get(REEXEC):
+        why = "a restart under the tunables did not take"
+    else:
+        why = None
+    if why is not None:
         print(f"note: measuring under glibc's default malloc ({why}): outputs of 32 MiB or more are "
               "page-faulted afresh on every call; see --allocator", file=sys.stderr)
         return
@@ -311,7 +323,8 @@ def restart_under_reusing_allocator(from_command_line: bool) -> None:
               file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, restart: bool = False) -> int:
+    """The tool; ``restart`` (its command line only) lets it restart under a reusing allocator."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--windows", type=int, default=None, help="rounds (default 5; 41 with --grid)")
     p.add_argument("--threads", type=int, nargs="+", default=None,
@@ -329,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_vllm_cpu: skipped, vllm_cpu is unavailable here: {why}")
         return 0
     if args.allocator == "reusing":
-        restart_under_reusing_allocator(from_command_line=argv is None)
+        restart_under_reusing_allocator(from_command_line=restart)
     if args.grid:
         args.windows = args.windows or 41
         args.threads = args.threads or [1, 2]
@@ -371,4 +384,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(restart=True))

@@ -306,7 +306,11 @@ def dispatcher() -> Dispatcher:
 def reset(registry: Registry | None = None) -> Dispatcher:
     """Start over: re-read the environment and plugins (or use ``registry``), forget decisions."""
     global _current
-    _current = Dispatcher(registry)
+    old, _current = _current, Dispatcher(registry)
+    if old is not None and old._table is not None:
+        # Its connection would stay open until collected: a table in a folder the caller then
+        # removes (a benchmark's throwaway table) would be held open, and each reload leak one.
+        old._table.close()
     callcore.rearm()  # the cores held the old memo's entries; KV_CALL_CORE is read again
     return _current
 

@@ -95,6 +95,11 @@ class Store:
         len(cache)  # touches the database, so a corrupt file fails here rather than mid-call
         return cache
 
+    def close(self) -> None:
+        """Close this thread's database connection (diskcache opens another if used again)."""
+        if self.cache is not None:
+            self.cache.close()
+
     def to_memory(self, exc: BaseException) -> None:
         """Keep the table in memory for this process, starting from what the file holds when it
         can still be read: a table shipped read-only (an image, a shared mount) is used as is."""

@@ -81,6 +81,12 @@ class CalibrationTable:
                 self._store = Store(self.directory)
             return self._store
 
+    def close(self) -> None:
+        """Let go of the table file (a later read or write opens it again)."""
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+
     @property
     def in_memory(self) -> bool:
         return self.store.cache is None

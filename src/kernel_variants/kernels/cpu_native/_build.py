@@ -141,7 +141,9 @@ def _log_summary(text: str) -> tuple[str, str]:
 def _name_and_dir(ext: Extension = CONV) -> tuple[str, Path]:
     import torch
 
-    tag = _build_tag(str(torch.__version__), str(Path(torch.__file__).resolve().parent), ext)
+    # The folder as cpp_extension names it in the build file's include paths (not resolved: two
+    # virtualenvs whose torch is one linked install still write two different build files).
+    tag = _build_tag(str(torch.__version__), os.path.dirname(os.path.abspath(torch.__file__)), ext)
     return f"kv_{ext.name}_cpu_" + tag.rsplit("-", 1)[1][:12], _build_dir(tag)
 
 
@@ -212,7 +214,7 @@ def _notice(build_dir: Path, ext: Extension) -> Iterator[None]:
 
 @functools.cache
 def load_extension(ext: Extension = CONV) -> ModuleType:
-    """Compile (once per source/flags/torch version) and import the extension.
+    """Compile (once per source, flags and torch install) and import the extension.
 
     Raises RuntimeError with a one-line reason (plus the build log tail) if
     the toolchain is missing or the build fails. A build announces itself on stderr.
