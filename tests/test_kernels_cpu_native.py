@@ -162,7 +162,7 @@ def test_big_decode_in_place_matches(threads):
     _same(pool, want_pool)
 
 
-@pytest.mark.parametrize("op", ["fwd", "update", "rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("op", ["fwd", "update", "update_tiles", "rms_norm", "add_rms_norm"])
 def test_any_team_writes_every_item_once(op):
     """However the items are shared out (more threads than cores included), every output and
     state row is written once, exactly as one thread writes it: bit for bit the same at 1, 2, 3
@@ -182,14 +182,24 @@ def test_any_team_writes_every_item_once(op):
             return cpu_native.causal_conv1d_fn(x, w, b, activation="silu", conv_states=st, query_start_loc=starts,
                                                cache_indices=torch.tensor([4, 0, 2], dtype=torch.int32),
                                                has_initial_state=torch.tensor([True, False, True]))
-    elif op == "update":  # 41 rows: 7, 11 and 14 items at 2, 3 and 5 threads
+    elif op.startswith("update"):
+        # 41 rows, a few of them pads (so some items start on a pad: the taps, kept while the
+        # tile stays, are converted at the first real row). One tile: 7, 11 and 14 items at 2,
+        # 3 and 5 threads; five tiles (D=9000): 5, 10 and 20, a thread's items changing tile.
+        d = d if op == "update" else 9000
         x = torch.randn(41, d, generator=g).to(torch.bfloat16)
         w, b = _filter(d, 4, torch.bfloat16, g)
         state = torch.randn(45, 3, d, generator=g).to(torch.bfloat16)
+        slots = torch.randperm(45, generator=_gen(5))[:41].int()
+        slots[[0, 1, 9, 20, 40]] = -1
 
         def call(st):
-            return cpu_native.causal_conv1d_update(x, st, w, b, activation="silu",
-                                                   conv_state_indices=torch.randperm(45, generator=g)[:41].int())
+            return cpu_native.causal_conv1d_update(x, st, w, b, activation="silu", conv_state_indices=slots)
+
+        from kernel_variants.ops.causal_conv1d import _reference
+
+        want_state = state.clone()
+        want = _reference.causal_conv1d_update(x, want_state, w, b, activation="silu", conv_state_indices=slots)
     else:  # 1031 rows (a prime) in grains of 8 (4 with the residual) rows
         x = torch.randn(1031, 2048, generator=g).to(torch.bfloat16)
         w = torch.randn(2048, generator=g).to(torch.bfloat16)
@@ -205,7 +215,6 @@ def test_any_team_writes_every_item_once(op):
         results = []
         for n in (1, 2, 3, 5):
             torch.set_num_threads(n)
-            g.manual_seed(5)  # the same slot permutation for every team
             st = state.clone()
             results.append((call(st), st))
     finally:
@@ -213,6 +222,10 @@ def test_any_team_writes_every_item_once(op):
     for got, st in results[1:]:
         _same(got, results[0][0])
         _same(st, results[0][1])
+    if op.startswith("update"):  # and one thread's items are the reference's rows
+        atol, rtol = TOLERANCES[torch.bfloat16]
+        torch.testing.assert_close(results[0][0], want, atol=atol, rtol=rtol)
+        _same(results[0][1], want_state)
 
 
 def test_partial_overlap_is_refused():
