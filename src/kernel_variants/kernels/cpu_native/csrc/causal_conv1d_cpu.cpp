@@ -56,11 +56,11 @@ namespace kv_cconv {
 namespace {
 
 // Below this many output elements a parallel region costs more than it
-// saves (decode with small B). A 2-thread team costs 1-1.5 us to start and
-// join (AMD EPYC, KVM): at 8K elements serial won (0.79-0.92x) but one shape, at 16K
-// it was a toss-up (0.96-1.14x), at 32K the team won every decode and
-// prefill shape with more than one item (1.09-1.35x).
-constexpr int64_t kSerialWork = int64_t{1} << 15;
+// saves (decode with small B). Not lower: what a 2-thread team costs to start
+// and join varies in stretches on a shared VM (AMD EPYC, KVM): at 32K elements
+// the team won by 1.09-1.35x in one stretch and lost by 0.75-0.79x in the
+// next (B=8 D=4096 decode), where the serial call is the same in both.
+constexpr int64_t kSerialWork = int64_t{1} << 16;
 constexpr int64_t kChunkT = 256;
 constexpr int64_t kMinChunkT = 32;
 // Largest x (bytes) for the kernel's alias-safe block path (see the kernel header); above it
