@@ -53,6 +53,38 @@ def test_each_torch_install_builds_in_a_folder_of_its_own(monkeypatch, tmp_path)
     assert mine[1].parent == other[1].parent  # the same cache, a folder each
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="flock semantics as on Linux")
+def test_a_new_build_removes_the_folders_it_supersedes_and_no_other(fresh_build_dir, monkeypatch, tmp_path):
+    # Every edit of the sources (or upgrade) builds a new folder of a few MB: the ones built
+    # for the same checkout, torch install and flags go; another install's, one with a build
+    # under way (its lock held) and one of unknown origin stay.
+    import fcntl
+    import json
+
+    first = _build.build(_build.CONV)
+    assert json.loads((_build._name_and_dir()[1] / _build._ORIGIN).read_text()) == _build._origin(_build.CONV)
+    cache = _build._name_and_dir()[1].parent
+    busy = cache / "busy"
+    unknown = cache / "unknown"
+    other_torch = cache / "other-torch"
+    for folder in (busy, unknown, other_torch):
+        folder.mkdir()
+    (busy / _build._ORIGIN).write_text(json.dumps(_build._origin(_build.CONV)))
+    (other_torch / _build._ORIGIN).write_text(json.dumps({**_build._origin(_build.CONV), "torch": "/elsewhere"}))
+    real_tag = _build._build_tag
+    monkeypatch.setattr(_build, "_build_tag", lambda *a: real_tag(*a) + "0")  # the sources edited
+    _build.load_extension.cache_clear()
+    with open(busy / "kv-build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        second = _build.build(_build.CONV)
+    assert second != first and len(fresh_build_dir) == 2
+    assert sorted(p.name for p in cache.iterdir()) == sorted([os.path.basename(second), "busy", "unknown",
+                                                             "other-torch"])
+    _build.load_extension.cache_clear()
+    _build.build(_build.CONV)  # loading what is built removes nothing
+    assert len(list(cache.iterdir())) == 4
+
+
 def test_listing_and_explaining_never_build(fresh_build_dir, capsys):
     assert main(["list", "--op", "fn"]) == 0
     out = capsys.readouterr().out

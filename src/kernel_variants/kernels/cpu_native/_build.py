@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -138,13 +139,52 @@ def _log_summary(text: str) -> tuple[str, str]:
     return first, "\n".join(keep)
 
 
-def _name_and_dir(ext: Extension = CONV) -> tuple[str, Path]:
+def _torch_dir() -> str:
     import torch
 
     # The folder as cpp_extension names it in the build file's include paths (not resolved: two
     # virtualenvs whose torch is one linked install still write two different build files).
-    tag = _build_tag(str(torch.__version__), os.path.dirname(os.path.abspath(torch.__file__)), ext)
+    return os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _name_and_dir(ext: Extension = CONV) -> tuple[str, Path]:
+    import torch
+
+    tag = _build_tag(str(torch.__version__), _torch_dir(), ext)
     return f"kv_{ext.name}_cpu_" + tag.rsplit("-", 1)[1][:12], _build_dir(tag)
+
+
+#: Written in each build folder: what it was built for, its sources' content aside.
+_ORIGIN = "kv-origin.json"
+
+
+def _origin(ext: Extension) -> dict[str, str]:
+    """A build folder's inputs but the sources' content (and torch's version, which the folder
+    of torch's install stands for): a later build with the same origin supersedes it."""
+    return {"ext": ext.name, "sources": str(_CSRC), "torch": _torch_dir(), "cxx": os.environ.get("CXX", ""),
+            "flags": " ".join(_CFLAGS), "python": sys.implementation.cache_tag or "", "machine": platform.machine()}
+
+
+def _prune_superseded(build_dir: Path, origin: dict[str, str]) -> list[Path]:
+    """Remove the other folders built for ``origin``: builds of this checkout's earlier sources
+    for this torch install, which nothing loads again (a process that loaded one keeps its
+    mapping). A folder whose lock is held (a build under way) is left. Returns what went."""
+    import fcntl
+
+    gone = []
+    for other in sorted(build_dir.parent.iterdir()):
+        if other == build_dir or not other.is_dir():
+            continue
+        try:
+            if json.loads((other / _ORIGIN).read_text()) != origin:
+                continue
+            with open(other / "kv-build.lock", "w") as handle:  # held while the folder goes
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(other, ignore_errors=True)
+                gone.append(other)
+        except (OSError, ValueError):  # unreadable, or its lock held: a build under way there
+            continue
+    return gone
 
 
 def toolchain_missing() -> str | None:
@@ -232,7 +272,7 @@ def load_extension(ext: Extension = CONV) -> ModuleType:
             building = not (build_dir / f"{name}.so").exists()
             with _notice(build_dir, ext) if building else contextlib.nullcontext():
                 try:
-                    return cpp_extension.load(
+                    module = cpp_extension.load(
                         name=name,
                         sources=[str(_CSRC / s) for s in ext.sources],
                         extra_cflags=list(_CFLAGS),
@@ -247,6 +287,14 @@ def load_extension(ext: Extension = CONV) -> ModuleType:
                     raise RuntimeError(
                         f"cpu_native {ext.name} build failed ({reason}) [build dir {build_dir}]\n{log}"
                     ) from exc
+            # Each edit of the sources (or upgrade of this package) builds a new folder of a few
+            # MB; the ones it supersedes go, so that the cache does not grow with every version.
+            origin = _origin(ext)
+            with contextlib.suppress(OSError):
+                (build_dir / _ORIGIN).write_text(json.dumps(origin, sort_keys=True) + "\n")
+                if building:
+                    _prune_superseded(build_dir, origin)
+            return module
 
 
 def build(ext: Extension = CONV) -> str:
