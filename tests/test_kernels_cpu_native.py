@@ -162,7 +162,7 @@ def test_big_decode_in_place_matches(threads):
     _same(pool, want_pool)
 
 
-@pytest.mark.parametrize("op", ["fwd", "update", "update_tiles", "rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("op", ["fwd", "update", "update_tiles", "update_spec", "rms_norm", "add_rms_norm"])
 def test_any_team_writes_every_item_once(op):
     """However the items are shared out (more threads than cores included), every output and
     state row is written once, exactly as one thread writes it: bit for bit the same at 1, 2, 3
@@ -185,21 +185,28 @@ def test_any_team_writes_every_item_once(op):
     elif op.startswith("update"):
         # 41 rows, a few of them pads (so some items start on a pad: the taps, kept while the
         # tile stays, are converted at the first real row). One tile: 7, 11 and 14 items at 2,
-        # 3 and 5 threads; five tiles (D=9000): 5, 10 and 20, a thread's items changing tile.
-        d = d if op == "update" else 9000
-        x = torch.randn(41, d, generator=g).to(torch.bfloat16)
+        # 3 and 5 threads; seven tiles (D=13000): 7, 7 and 14, a thread's items changing tile.
+        # The speculative case (3 tokens, accepted counts) takes the general path, whose
+        # window is refilled per row.
+        d = 13000 if op == "update_tiles" else d
+        spec = op == "update_spec"
+        x = torch.randn(41, 3, d, generator=g).to(torch.bfloat16) if spec else \
+            torch.randn(41, d, generator=g).to(torch.bfloat16)
         w, b = _filter(d, 4, torch.bfloat16, g)
-        state = torch.randn(45, 3, d, generator=g).to(torch.bfloat16)
+        state = torch.randn(45, 5 if spec else 3, d, generator=g).to(torch.bfloat16)
         slots = torch.randperm(45, generator=_gen(5))[:41].int()
         slots[[0, 1, 9, 20, 40]] = -1
+        extra = {"num_accepted_tokens": torch.randint(1, 4, (41,), generator=_gen(6)).int()} if spec else {}
 
         def call(st):
-            return cpu_native.causal_conv1d_update(x, st, w, b, activation="silu", conv_state_indices=slots)
+            return cpu_native.causal_conv1d_update(x, st, w, b, activation="silu", conv_state_indices=slots,
+                                                   **extra)
 
         from kernel_variants.ops.causal_conv1d import _reference
 
         want_state = state.clone()
-        want = _reference.causal_conv1d_update(x, want_state, w, b, activation="silu", conv_state_indices=slots)
+        want = _reference.causal_conv1d_update(x, want_state, w, b, activation="silu", conv_state_indices=slots,
+                                               **extra)
     else:  # 1031 rows (a prime) in grains of 8 (4 with the residual) rows
         x = torch.randn(1031, 2048, generator=g).to(torch.bfloat16)
         w = torch.randn(2048, generator=g).to(torch.bfloat16)

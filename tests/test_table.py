@@ -84,9 +84,13 @@ def test_reload_lets_go_of_the_previous_table_file(tmp_path, monkeypatch):
     # A benchmark measures into a throwaway table and removes its folder; a server reloads on a
     # signal: neither may keep the old database open (one connection leaked per reload).
     monkeypatch.setenv("KV_CACHE_DIR", str(tmp_path / "first"))
+    monkeypatch.setenv("KV_RECORD", "1")  # the record of uncalibrated calls, beside the table
     kv.reload()
     kv.calibrate(FN, SHAPES[:1], variants=["reference"], **QUICK)
-    assert _open_files_under(tmp_path / "first")
+    args, kw = conv_call()
+    kv.causal_conv1d_fn(*args, **kw)
+    assert len(kv.recorded()) == 1
+    assert len(_open_files_under(tmp_path / "first")) >= 2
     monkeypatch.setenv("KV_CACHE_DIR", str(tmp_path / "second"))
     kv.reload()
     assert _open_files_under(tmp_path / "first") == []

@@ -302,7 +302,7 @@ def restart_under_reusing_allocator(from_command_line: bool) -> None:
         return
     if not from_command_line:
         why = "called from code"
-    elif sys.argv[0] in ("", "-"):
+    elif sys.argv[0] in ("", "-") or sys.argv[0].startswith(("/dev/fd/", "/proc/self/fd/", "/dev/stdin")):
         why = "read from stdin, it cannot be restarted"
     elif os.environ.get(REEXEC):
         why = "a restart under the tunables did not take"

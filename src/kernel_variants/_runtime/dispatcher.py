@@ -307,10 +307,16 @@ def reset(registry: Registry | None = None) -> Dispatcher:
     """Start over: re-read the environment and plugins (or use ``registry``), forget decisions."""
     global _current
     old, _current = _current, Dispatcher(registry)
-    if old is not None and old._table is not None:
-        # Its connection would stay open until collected: a table in a folder the caller then
-        # removes (a benchmark's throwaway table) would be held open, and each reload leak one.
-        old._table.close()
+    if old is not None:
+        # This thread's connections to the old table and record would stay open until
+        # collected: a folder the caller then removes (a benchmark's throwaway table) would be
+        # held open, and each reload leak one. (diskcache keeps one per thread: other threads'
+        # go with their threads or at collection.)
+        if old._table is not None:
+            old._table.close()
+        with old._record_lock:  # `add` writes under it
+            if old._recorder is not None:
+                old._recorder.close()
     callcore.rearm()  # the cores held the old memo's entries; KV_CALL_CORE is read again
     return _current
 

@@ -82,7 +82,8 @@ class CalibrationTable:
             return self._store
 
     def close(self) -> None:
-        """Let go of the table file (a later read or write opens it again)."""
+        """Close this thread's connection to the table file (a later read or write opens it
+        again)."""
         with self._lock:
             if self._store is not None:
                 self._store.close()

@@ -57,9 +57,9 @@ namespace {
 
 // Below this many output elements a parallel region costs more than it
 // saves (decode with small B). Not lower: what a 2-thread team costs to start
-// and join varies in stretches on a shared VM (AMD EPYC, KVM): at 32K elements
-// the team won by 1.09-1.35x in one stretch and lost by 0.75-0.79x in the
-// next (B=8 D=4096 decode), where the serial call is the same in both.
+// and join varies in stretches on a shared VM (AMD EPYC, KVM): from 32K
+// elements the team won (B=8 D=4096 decode: 1.18x) in one stretch and lost
+// (0.75-0.79x) in the next, where the serial call is the same in both.
 constexpr int64_t kSerialWork = int64_t{1} << 16;
 constexpr int64_t kChunkT = 256;
 constexpr int64_t kMinChunkT = 32;
@@ -424,8 +424,8 @@ at::Tensor update(const at::Tensor& x, const at::Tensor& conv_state,
   p.n_tiles = (D + kTileC - 1) / kTileC;
   p.seqs = seqs.data();
   p.nseq = B;
-  // Batch rows per item: all of them when the step runs serially (taps are
-  // converted once per item), else enough items to balance the threads.
+  // Batch rows per item: all of them below kSerialWork (one serial item),
+  // else enough items to balance the threads (cut so even at 1 thread).
   const int64_t work = B * std::max<int64_t>(L, 1) * D;
   int64_t rows_per_item = B;
   if (work >= kSerialWork) {

@@ -441,7 +441,7 @@ inline void copy_row(const T* src, int64_t ssd, T* dst, int64_t dsd,
 
 // Taps -> fp32 [W][kTileC]. The contiguous [D, W] case has compile-time
 // strides so the compiler vectorises the de-interleave; it runs once per
-// item, which is most of the fixed cost of a decode step.
+// tile a thread meets, which is most of the fixed cost of a decode step.
 template <int W, typename WT>
 inline void fill_taps(const WT* w, int64_t sd, int64_t sk, int64_t c0,
                       int64_t n, float* wt /* [W][kTileC] */) {
