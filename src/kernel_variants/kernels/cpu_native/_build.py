@@ -85,20 +85,14 @@ def source_files(ext: Extension = CONV) -> list[Path]:
     return [_CSRC / name for name in ext.sources + ext.headers]
 
 
-def _build_tag(torch_version: str, torch_dir: str, ext: Extension) -> str:
-    # The .so links against this torch build and this Python's ABI, so both
-    # (plus compiler and flags) key the cache along with the sources.
+def _build_tag(torch_version: str, origin: dict[str, str], ext: Extension) -> str:
+    # The .so links against this torch build and this Python's ABI, so both (plus compiler and
+    # flags: the origin) key the cache along with the sources' content.
     h = hashlib.sha256()
     for path in source_files(ext):
         h.update(path.name.encode())
         h.update(path.read_bytes())
-    # The source directory and torch's own too: ninja's build file names the sources and
-    # torch's headers by path, so a second checkout or virtualenv sharing the cache would
-    # otherwise rewrite it and recompile in silence (2 minutes on 2 cores), each time the two
-    # take turns.
-    for part in (*_CFLAGS, os.environ.get("CXX", ""), torch_version, torch_dir,
-                 sys.implementation.cache_tag or "", platform.machine(), str(_CSRC)):
-        h.update(part.encode() + b"\0")
+    h.update(json.dumps({**origin, "torch_version": torch_version}, sort_keys=True).encode())
     return f"{torch_version.split('+')[0]}-{h.hexdigest()[:16]}"
 
 
@@ -150,7 +144,7 @@ def _torch_dir() -> str:
 def _name_and_dir(ext: Extension = CONV) -> tuple[str, Path]:
     import torch
 
-    tag = _build_tag(str(torch.__version__), _torch_dir(), ext)
+    tag = _build_tag(str(torch.__version__), _origin(ext), ext)
     return f"kv_{ext.name}_cpu_" + tag.rsplit("-", 1)[1][:12], _build_dir(tag)
 
 
@@ -159,19 +153,21 @@ _ORIGIN = "kv-origin.json"
 
 
 def _origin(ext: Extension) -> dict[str, str]:
-    """A build folder's inputs but the sources' content (and torch's version, which the folder
-    of torch's install stands for): a later build with the same origin supersedes it."""
+    """A build's inputs but the sources' content (and torch's version, which the folder of
+    torch's install stands for): a later build with the same origin supersedes it. The source
+    directory and torch's are in it because ninja's build file names the sources and torch's
+    headers by path: a second checkout or virtualenv sharing the cache would otherwise rewrite
+    it and recompile in silence (2 minutes on 2 cores), each time the two take turns."""
     return {"ext": ext.name, "sources": str(_CSRC), "torch": _torch_dir(), "cxx": os.environ.get("CXX", ""),
             "flags": " ".join(_CFLAGS), "python": sys.implementation.cache_tag or "", "machine": platform.machine()}
 
 
-def _prune_superseded(build_dir: Path, origin: dict[str, str]) -> list[Path]:
+def _prune_superseded(build_dir: Path, origin: dict[str, str]) -> None:
     """Remove the other folders built for ``origin``: builds of this checkout's earlier sources
     for this torch install, which nothing loads again (a process that loaded one keeps its
-    mapping). A folder whose lock is held (a build under way) is left. Returns what went."""
+    mapping). A folder whose lock is held (a build under way) is left."""
     import fcntl
 
-    gone = []
     for other in sorted(build_dir.parent.iterdir()):
         if other == build_dir or not other.is_dir():
             continue
@@ -181,10 +177,8 @@ def _prune_superseded(build_dir: Path, origin: dict[str, str]) -> list[Path]:
             with open(other / "kv-build.lock", "w") as handle:  # held while the folder goes
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 shutil.rmtree(other, ignore_errors=True)
-                gone.append(other)
         except (OSError, ValueError):  # unreadable, or its lock held: a build under way there
             continue
-    return gone
 
 
 def toolchain_missing() -> str | None:
