@@ -46,9 +46,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _report import markdown_table, write_report  # a sibling module: tools/ is sys.path[0]
+from _report import cpu_model, markdown_table, write_report  # tools/ is sys.path[0]
 
 import kernel_variants as kv
+from kernel_variants._runtime import callcore
 from kernel_variants._runtime import custom_ops as _custom_ops
 from kernel_variants._runtime.bind import _params_source
 from kernel_variants._runtime.call import call
@@ -380,8 +381,10 @@ def main(argv: list[str] | None = None) -> int:
              "Inductor wrappers; `floor` adds the graph's inputs and one call of an op with a Python kernel.")
     data["trivial graph"] = {"compiled_us": trivial_us, "eager_us": best[("trivial", "eager")]}
     variants = "; ".join(f"{k}: {v}" for k, v in chosen.items())
+    on, where = callcore.status()
     text = (f"# torch.compile against eager (per call, {args.threads} thread(s), median of {rounds} "
-            f"alternating rounds)\n\n{table}{note}\n\n"
+            f"alternating rounds)\n\n{cpu_model()}; the op's call path: "
+            f"{'compiled call core' if on else where + ' (the figures time the Python path)'}\n\n{table}{note}\n\n"
             "`compiled - plain`: the median difference of calls paired one by one (the two called "
             "alternately), with its quartiles; both modes compiled twice, in the order compiled, plain, "
             "plain, compiled, the pairs alternating between the copies and which call comes first.\n\n"
