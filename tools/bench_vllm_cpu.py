@@ -12,8 +12,9 @@ decode the ``kv.bind`` of that call, against vLLM's kernel called bare, at B in 
 x D in {2048, 4096, 8192}, decode (one token, N = B+3 slots, int32 indices) and varlen prefill
 (``--tokens`` in all), at each of ``--threads``. The compiled call core is built first where
 ``kv build`` has not built it (``KV_CALL_CORE=0`` times the Python path; the header says which
-path served). Every call is checked against the reference before it is timed. A shape's ratio is the median over alternating rounds of bare / dispatched
-in the same round (> 1: the dispatched op is faster); the medians beside it are each form's own,
+path served). Every call is checked against the reference before it is timed. A shape's ratio
+is the median over alternating rounds of bare / dispatched in the same round (> 1: the
+dispatched op is faster); the medians beside it are each form's own,
 and ``noise`` the worst form's (median window - best) / best: figures taken while other work held
 the cores (the load average is printed) are flagged in the verdicts rather than trusted. With
 more than one thread each shape also times a control just before it, a 256x256 fp32 matmul at
