@@ -448,3 +448,97 @@ def test_every_builtin_qualifies_in_every_conv_class_it_claims(op, features):
     verdicts = kv.qualify(op, dtype="bfloat16", **features)
     assert verdicts, "no built-in claims this class"
     assert [f"{v.variant}: {v.failed_case}: {v.reason}" for v in verdicts if not v.passed] == []
+
+
+def _stored_verdict(op="evil"):
+    return next(v for v in kv.verdicts() if v.variant == op)
+
+
+def test_a_verdict_of_another_suite_is_qualified_again(with_variants):
+    """A verdict says which suite it ran: once the op's cases, check options, reference or the
+    judging code change, an old pass is no pass, and the variant runs the new suite once."""
+    import dataclasses
+
+    from kernel_variants._tuning.cases import suite_of
+
+    with_variants(_variant(FN, lambda op: FAST[op]))
+    first = kv.qualify(FN, variants=["evil"], dtype="float32")[0]
+    spec = dispatcher().registry.spec(FN)
+    assert first.passed and first.suite == suite_of(spec)
+    table = dispatcher().table
+    table.store.set(first.storage_key(), first.model_copy(update={"suite": "an-older-one"}).model_dump_json())
+    kv.reload()
+    with_variants(_variant(FN, lambda op: FAST[op]))
+    assert kv.verdicts() == []  # the old suite's pass is not listed as a qualification
+    again = kv.qualify(FN, variants=["evil"], dtype="float32")[0]
+    assert again.qualified_at > first.qualified_at and again.suite == suite_of(spec)
+    # A new trap is a new suite; the same cases are the same suite.
+    more = dict(spec.edge_cases, **{"another": dict(shape=(2, 16, 3), pad=True)})
+    assert suite_of(dataclasses.replace(spec, edge_cases=more)) != suite_of(spec)
+    assert suite_of(dataclasses.replace(spec, edge_cases=dict(spec.edge_cases))) == suite_of(spec)
+
+
+def test_a_failure_written_while_a_pass_ran_stands(with_variants, monkeypatch):
+    """Two processes qualify one class: the one whose check failed at a calibrated shape wrote
+    its failure while the other still ran the edge cases. The later pass does not clear it."""
+    from kernel_variants._tuning import qualify as q
+
+    with_variants(_variant(FN, lambda op: FAST[op]))
+    real = q.run_qualification
+
+    def meanwhile(spec, rv, features, **kw):
+        outcome = real(spec, rv, features, **kw)
+        table = dispatcher().table
+        theirs = q.verdict_from({"cases": 1, "failed_case": "check at B=2, D=1024, L=16", "reason": "output: wrong"},
+                                key=key, rv=rv, fingerprint={}, fingerprint_id=fpid, where="process", seconds=1.0)
+        table.store.set(theirs.storage_key(), theirs.model_dump_json())
+        return outcome
+
+    monkeypatch.setattr(q, "run_qualification", meanwhile)
+    case = make_case(FN, 2, 32, 4)
+    key = kv.explain(FN, *case.args, **case.kwargs).key
+    rv = dispatcher().registry.get(FN, "evil")
+    _, fpid = dispatcher().qualifier._where(key)
+    v = dispatcher().qualifier.qualify(rv, key)
+    assert not v.passed and v.failed_case.startswith("check at")
+    kv.reload()
+    with_variants(_variant(FN, lambda op: FAST[op]))
+    assert not _stored_verdict().passed
+
+
+def test_redo_keeps_a_failure_at_a_calibrated_shape_until_that_check_passes(with_variants):
+    """``qualify(redo=True)`` runs the edge cases again, and the check that failed: a variant
+    wrong only at a calibrated size stays failed; one whose failing check now passes (a forged
+    or transient failure) is cleared, with what it covered before."""
+    with_variants(_variant(FN, lambda o: wrong_above(o, 512)))
+    kv.calibrate(FN, [(2, 1024, 16)], variants=["evil", "cpu_native"], **TIMING)
+    failed = _stored_verdict()
+    assert not failed.passed and failed.failed_shape == (2, 1024, 16)
+    redone = kv.qualify(FN, variants=["evil"], dtype="float32", redo=True)[0]
+    assert not redone.passed and redone.failed_shape == (2, 1024, 16) and "check at" in redone.summary()
+    # The same failure on a right kernel: the redo runs that check, it passes, the pass stands.
+    with_variants(_variant(FN, lambda op: FAST[op]))
+    right = kv.qualify(FN, variants=["evil"], dtype="float32")[0]
+    forged = right.model_copy(update={"passed": False, "failed_case": "check at B=2, D=1024, L=16",
+                                      "failed_shape": (2, 1024, 16), "reason": "output: wrong"})
+    dispatcher().table.store.set(forged.storage_key(), forged.model_dump_json())
+    dispatcher().qualifier.forget()
+    assert not _stored_verdict().passed
+    cleared = kv.qualify(FN, variants=["evil"], dtype="float32", redo=True)[0]
+    assert cleared.passed and cleared.largest[1] >= 1024 and cleared.cases == right.cases + 1
+
+
+def test_an_imported_pass_that_ran_no_case_is_refused(with_variants, tmp_path):
+    import json
+
+    with_variants(_variant(FN, lambda op: FAST[op]))
+    kv.qualify(FN, variants=["evil"], dtype="float32")
+    doc = tmp_path / "table.json"
+    kv.export_table(doc)
+    data = json.loads(doc.read_text())
+    for v in data["verdicts"]:
+        v["cases"] = 0
+    doc.write_text(json.dumps(data))
+    assert kv.clear_verdicts() == 1
+    report = kv.import_table(doc)
+    assert report.verdicts == 0 and report.verdicts_empty == 1 and kv.verdicts() == []

@@ -28,7 +28,9 @@ def qualify(
     (default: the op's, what a calibration measures) in ``dtype`` (default: each of fp32, bf16
     and fp16 it claims), runs the op's edge cases against the reference (see ``_tuning/qualify.py``). A
     stored verdict of the variant's current version is kept unless ``redo``. Returns the
-    verdicts; a variant with a failed one is never chosen for that class here.
+    verdicts; a variant with a failed one is never chosen for that class here. With ``redo`` a
+    stored failure is replaced only when its failing case (a check at a calibrated shape, say)
+    passes when run again.
     """
     from kernel_variants._dtypes import dtype_name
 
@@ -57,7 +59,7 @@ def qualify(
                     if shape is None or rv.why_not(key) is not None:
                         continue  # does not claim this class here, or cannot run here
                     v = None if redo else d.qualifier.stored(rv, key)
-                    out.append(v if v is not None else d.qualifier.qualify(rv, key))
+                    out.append(v if v is not None else d.qualifier.qualify(rv, key, redo=redo))
     finally:
         d.invalidate()
     return out
@@ -74,8 +76,10 @@ def clear_verdicts(op: str | None = None, variant: str | None = None) -> int:
 
 
 def verdicts(device: str = "cpu") -> list[Verdict]:
-    """Every stored verdict of ``device`` whose variant is registered at that version now."""
+    """Every stored verdict of ``device`` whose variant is registered at that version now and
+    that ran its op's current qualification suite."""
     from kernel_variants._table.rows import VERDICT_PREFIX, parse_verdict, verdict_fingerprint
+    from kernel_variants._tuning.cases import suite_of
 
     d = dispatcher()
     fpid = fingerprint_id(verdict_fingerprint(fingerprint(str(torch.device(device)))))
@@ -85,6 +89,7 @@ def verdicts(device: str = "cpu") -> list[Verdict]:
         if not skey.startswith(f"{VERDICT_PREFIX}{fpid}|"):
             continue
         v = parse_verdict(raw)
-        if v is not None and versions.get((v.group.op, v.variant)) == v.version:
+        if v is not None and versions.get((v.group.op, v.variant)) == v.version \
+                and v.suite == suite_of(d.registry.spec(v.group.op)):
             out.append(v)
     return sorted(out, key=lambda v: (v.group.slug(), v.variant))

@@ -27,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
         print_json({"file": args.file, "fingerprint_id": rep.fingerprint_id, "forced": rep.forced,
                     "added": rep.added, "updated": rep.updated, "kept": rep.kept,
                     "stale": {v: list(vs) for v, vs in rep.stale.items()}, "unknown": rep.unknown,
-                    "verdicts": rep.verdicts, "verdicts_left": rep.verdicts_left})
+                    "verdicts": rep.verdicts, "verdicts_left": rep.verdicts_left,
+                    "verdicts_empty": rep.verdicts_empty})
         return 0
     forced = " (fingerprint differed; imported under this machine's with --force)" if rep.forced else ""
     print(f"imported {args.file}: {rep.added} added, {rep.updated} updated, {rep.kept} kept as newer here, "
@@ -35,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
     if rep.verdicts_left:
         print(f"kv import: {rep.verdicts_left} qualification verdicts left out: they were taken on another "
               "fingerprint (each variant qualifies here before it is chosen)", file=sys.stderr)
+    if rep.verdicts_empty:
+        print(f"kv import: {rep.verdicts_empty} qualification verdicts refused: they say passed but ran no "
+              "case (each such variant qualifies here before it is chosen)", file=sys.stderr)
     for v, (theirs, ours) in sorted(rep.stale.items()):
         print(f"kv import: warning: {v} was measured at version {theirs}, this machine has {ours}; "
               "its imported timings are ignored until recalibrated", file=sys.stderr)

@@ -276,6 +276,7 @@ class ImportReport:
     verdicts: int = 0  # qualification verdicts taken (newer than the local ones)
     # A forced import brings no verdicts: they say what is right on the device they came from.
     verdicts_left: int = 0
+    verdicts_empty: int = 0  # passes that ran no case: refused (a qualification runs at least one)
 
 
 def _differences(theirs: dict[str, str], ours: dict[str, str]) -> str:
@@ -340,10 +341,14 @@ def import_document(doc: TableDocument, table: CalibrationTable, versions: dict[
                 report.added += 1
             store.set(key, text)
         for v in verdicts:
+            if v.passed and v.cases < 1:  # a pass that ran nothing is no qualification
+                report.verdicts_empty += 1
+                continue
             mine = parse_verdict(store.get(v.storage_key()))
             # A failure seen here stands: a pass from elsewhere does not clear a kernel that was
             # wrong on this machine (same fingerprint or not, its hardware may differ in flags).
-            if mine is not None and mine.version == v.version and not mine.passed and v.passed:
+            if mine is not None and (mine.version, mine.suite) == (v.version, v.suite) and not mine.passed \
+                    and v.passed:
                 continue
             if mine is None or mine.qualified_at < v.qualified_at:
                 store.set(v.storage_key(), v.model_dump_json())

@@ -206,9 +206,11 @@ class Verdict(BaseModel):
     group: Group
     variant: str
     version: str  # the variant's full version it was qualified at
+    suite: str = ""  # the suite it ran (``_tuning.cases.suite_of``); "": written before suites were kept
     passed: bool
     cases: int  # cases run (each out= form of a case counts as one)
     failed_case: str = ""
+    failed_shape: Shape = ()  # where a check at a calibrated shape failed (the edge cases: empty)
     reason: str = ""
     where: Literal["process", "child"] = "process"
     seconds: float = 0.0

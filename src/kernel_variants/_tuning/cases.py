@@ -1,10 +1,13 @@
 """A variant's edge cases for one class of calls, each judged by the one verify: what a
 qualification runs (``run_cases``), and the check a calibration runs at each shape it times
-(``check_at``)."""
+(``check_at``); and the fingerprint of that suite (``suite_of``), which every verdict records."""
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +17,38 @@ from kernel_variants._registry.keys import Features
 from kernel_variants._registry.registry import RegisteredVariant
 from kernel_variants._registry.spec import OpSpec, Shape
 from kernel_variants._tuning.verify import copy_case, out_forms, reference_result, verify
+
+# The modules whose code decides what a qualification runs and how it judges: a change to any of
+# them is a new suite, and every verdict of the old one qualifies again.
+_JUDGES = ("_tuning/cases.py", "_tuning/verify.py", "_tolerances.py")
+_SUITES: dict[int, tuple[OpSpec, str]] = {}
+
+
+def suite_of(spec: OpSpec) -> str:
+    """A hash of everything that decides what qualifying for ``spec`` checks: its named edge
+    cases and check options, the source of its case builder and of its reference, and this
+    package's judging code. A verdict is valid for the suite it ran; a stronger suite (a new
+    trap, a tighter tolerance, a corrected reference) re-qualifies every variant once."""
+    known = _SUITES.get(id(spec))
+    if known is not None and known[0] is spec:
+        return known[1]
+    h = hashlib.sha256()
+    h.update(repr(sorted((k, sorted(v.items())) for k, v in spec.edge_cases.items())).encode())
+    h.update(repr(sorted(spec.check_options.items())).encode())
+    package = Path(__file__).resolve().parent.parent
+    files = {package / p for p in _JUDGES}
+    for fn in (spec.make_case, spec.reference.fn, spec.conformance):
+        try:
+            files.add(Path(inspect.getsourcefile(inspect.unwrap(fn)) or ""))
+        except TypeError:  # a builtin: no source of its own
+            continue
+    for path in sorted(files):
+        if path.is_file():
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    suite = h.hexdigest()[:12]
+    _SUITES[id(spec)] = (spec, suite)
+    return suite
 
 
 def class_cases(spec: OpSpec, caps: Any, features: Features, *, dtype: Any, device: str) -> Iterator[tuple[str, Case]]:

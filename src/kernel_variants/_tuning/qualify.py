@@ -33,7 +33,7 @@ from kernel_variants._table.rows import (
     verdict_fingerprint,
     verdict_key,
 )
-from kernel_variants._tuning.cases import check_at, error
+from kernel_variants._tuning.cases import check_at, error, suite_of
 from kernel_variants._tuning.isolate import run_qualification
 
 SLOW_S = 1.0  # a qualification that takes longer is announced on stderr
@@ -43,7 +43,7 @@ def verdict_from(outcome: Mapping[str, Any], *, key: CallKey, rv: RegisteredVari
                  fingerprint_id: str, where: str, seconds: float) -> Verdict:
     passed = not outcome.get("reason") and outcome.get("cases", 0) > 0
     return Verdict(fingerprint=fingerprint, fingerprint_id=fingerprint_id, group=Group.of(key), variant=rv.id,
-                   version=rv.version, passed=passed, cases=int(outcome.get("cases", 0)),
+                   version=rv.version, suite=suite_of(key.spec), passed=passed, cases=int(outcome.get("cases", 0)),
                    failed_case=str(outcome.get("failed_case", "")), reason=str(outcome.get("reason", "")),
                    where=where, seconds=round(seconds, 4),  # type: ignore[arg-type]
                    largest=tuple(outcome.get("largest") or ()), qualified_at=time.time())
@@ -72,7 +72,8 @@ class Qualifier:
         return fp, fingerprint_id(fp)
 
     def stored(self, rv: RegisteredVariant, key: CallKey) -> Verdict | None:
-        """The current verdict of ``rv`` for ``key``'s class (None: none, or of another version)."""
+        """The current verdict of ``rv`` for ``key``'s class (None: none, or of another version of
+        the variant or of the op's qualification suite)."""
         _, fpid = self._where(key)
         skey = verdict_key(fpid, Group.of(key), rv.id)
         v = self._errors.get(skey)
@@ -81,14 +82,28 @@ class Qualifier:
                 table = self._table()
                 self._cache[skey] = parse_verdict(table._guard(table.store.get, skey))
             v = self._cache[skey]
-        return v if v is not None and v.version == rv.version else None
+        return v if v is not None and v.version == rv.version and v.suite == suite_of(key.spec) else None
 
-    def _keep(self, v: Verdict, *, persist: bool = True) -> Verdict:
+    def _keep(self, v: Verdict, *, persist: bool = True, replace_failure: bool = False) -> Verdict:
+        """Store ``v`` and return the verdict that stands. A stored failure of the same version
+        and suite stands against a pass (read again as the pass is written: another process may
+        have failed the class while this one ran), unless ``replace_failure``: the pass re-ran
+        the case that failed (``qualify(redo=True)``)."""
         skey = v.storage_key()
         before = self._errors.get(skey) or self._cache.get(skey)
         if persist:
             table = self._table()
-            table._guard(table.store.set, skey, v.model_dump_json())
+
+            def write() -> Verdict:
+                with table.store.transaction():
+                    now = parse_verdict(table.store.get(skey))
+                    if v.passed and not replace_failure and now is not None and not now.passed \
+                            and (now.version, now.suite) == (v.version, v.suite):
+                        return now
+                    table.store.set(skey, v.model_dump_json())
+                    return v
+
+            v = table._guard(write)
             self._cache[skey] = v
             self._errors.pop(skey, None)
         else:
@@ -97,16 +112,21 @@ class Qualifier:
             self._on_failure()
         return v
 
-    def qualify(self, rv: RegisteredVariant, key: CallKey, *, announce: bool = False) -> Verdict:
+    def qualify(self, rv: RegisteredVariant, key: CallKey, *, announce: bool = False, redo: bool = False) -> Verdict:
         """Run ``rv``'s cases for ``key``'s class now (building it first) and keep the verdict.
         ``announce`` (a call's first use): say on stderr what ran, when it took longer than a
         second, ran in a child process or failed (kv qualify and kv calibrate report their own).
         An outcome that says nothing about the variant (its build failed, the child was killed
-        by the system, the check itself broke) bars it in this process only: not stored."""
+        by the system, the check itself broke) bars it in this process only: not stored.
+
+        A stored failure stands against the new outcome unless ``redo``; then a pass replaces
+        it only once the failing case passed too (a check at a calibrated shape is run again),
+        and the shapes the earlier verdict covered stay covered."""
         from kernel_variants._dtypes import as_dtype
 
         with self._lock:
             fp, fpid = self._where(key)
+            earlier = self.stored(rv, key) if redo else None
             t0 = time.perf_counter()
             why = rv.ensure_built()
             if why is not None:
@@ -114,13 +134,33 @@ class Qualifier:
             else:
                 outcome, where = run_qualification(key.spec, rv, key.features, dtype=as_dtype(key.dtype),
                                                    device=key.where)
+            v = verdict_from(outcome, key=key, rv=rv, fingerprint=fp, fingerprint_id=fpid, where=where,
+                             seconds=time.perf_counter() - t0)
+            if v.passed and earlier is not None:
+                v = self._again(rv, key, earlier, v)
             seconds = time.perf_counter() - t0
-            v = self._keep(verdict_from(outcome, key=key, rv=rv, fingerprint=fp, fingerprint_id=fpid, where=where,
-                                        seconds=seconds), persist=not outcome.get("error"))
+            v = self._keep(v.model_copy(update={"seconds": round(seconds, 4)}), persist=not outcome.get("error"),
+                           replace_failure=redo)
         if announce and (seconds > SLOW_S or where == "child" or not v.passed):
             print(f"kernel_variants: {rv.id} for {_describe(key)}: {v.summary()} "
                   f"({'in a child process, ' if where == 'child' else ''}{seconds:.1f} s)", file=sys.stderr)
         return v
+
+    def _again(self, rv: RegisteredVariant, key: CallKey, earlier: Verdict, now: Verdict) -> Verdict:
+        """``now`` (a pass of the edge cases) with what ``earlier`` covered: the failed check at a
+        calibrated shape run again, the largest shapes it passed at kept."""
+        from kernel_variants._dtypes import as_dtype
+
+        if not earlier.passed and earlier.failed_shape:
+            at = earlier.failed_shape
+            try:
+                why = check_at(key.spec, rv, at, key.features, dtype=as_dtype(key.dtype), device=key.where)
+            except Exception as exc:  # as in check(): no verdict on the kernel, the failure stands
+                why = f"qualification itself failed at {at}: {type(exc).__name__}: {exc}"
+            if why is not None:
+                return earlier.model_copy(update={"reason": why, "qualified_at": time.time()})
+            return now.model_copy(update={"cases": now.cases + 1, "largest": _widest(now.largest, at)})
+        return now.model_copy(update={"largest": _widest(now.largest, earlier.largest)})
 
     def barred(self, rv: RegisteredVariant, key: CallKey, *, may_run: bool, announce: bool = False) -> str | None:
         """Why ``rv`` may not be chosen for ``key`` (None: it may), by ``_policy.admit``.
@@ -173,8 +213,9 @@ class Qualifier:
         at = ", ".join(f"{a}={s}" for a, s in zip(key.spec.axes, shape, strict=True))
         if why is not None:
             return self._keep(v.model_copy(update={"passed": False, "failed_case": f"check at {at}",
-                                                   "reason": why, "qualified_at": time.time()}))
-        largest = tuple(max(a, b) for a, b in zip(v.largest or shape, shape, strict=True))
+                                                   "failed_shape": tuple(shape), "reason": why,
+                                                   "qualified_at": time.time()}))
+        largest = _widest(v.largest, shape)
         return v if largest == v.largest else self._keep(v.model_copy(update={"largest": largest}))
 
     def clear(self, op: str | None = None, variant: str | None = None) -> int:
@@ -197,6 +238,13 @@ class Qualifier:
         """Drop the stored verdicts read so far (another process may have written since); the
         errors of this process stay (its machine has not changed)."""
         self._cache.clear()
+
+
+def _widest(a: Shape, b: Shape) -> Shape:
+    """Per axis the larger of two shapes (either may be empty: none yet)."""
+    if not a or not b:
+        return tuple(a or b)
+    return tuple(max(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _describe(key: CallKey) -> str:
