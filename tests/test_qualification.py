@@ -133,8 +133,31 @@ def crashes(op):
     return fn
 
 
-CONV_BAD = [nan_on_pads, writes_input, state_outside_view, ignores_initial_state, zeros, slightly_off, wrong_dtype]
-RMS_BAD = [zeros, writes_input]
+def reads_indices_as_int32(op):
+    """A kernel written for int32 slot ids, handed the caller's int64 ones as they come."""
+    name = "cache_indices" if op == FN else "conv_state_indices"
+
+    def fn(*args, **kwargs):
+        idx = kwargs.get(name)
+        if idx is not None and idx.dtype == torch.int64:
+            kwargs = {**kwargs, name: idx.view(torch.int32)[: idx.shape[0]]}
+        return FAST[op](*args, **kwargs)
+    return fn
+
+
+def ignores_x_offset(op):
+    """A kernel that takes x's data pointer as the start of its allocation (a slice of a larger
+    projection is read from the wrong place)."""
+    def fn(*args, **kwargs):
+        x = args[0]
+        at_base = torch.empty(0, dtype=x.dtype).set_(x.untyped_storage(), 0, x.shape, x.stride())
+        return FAST[op](at_base, *args[1:], **kwargs)
+    return fn
+
+
+CONV_BAD = [nan_on_pads, writes_input, state_outside_view, ignores_initial_state, zeros, slightly_off, wrong_dtype,
+            reads_indices_as_int32, ignores_x_offset]
+RMS_BAD = [zeros, writes_input, ignores_x_offset]
 
 
 def _variant(op, make, *, isolate=False, priority=100):
@@ -148,11 +171,13 @@ def _calls(op):
     if op == FN:
         return [make_case(FN, 4, 64, 5, pad=True, poison=True), make_case(FN, 4, 64, 5, pad=True, pad_slot_id=0,
                                                                             noncontig=True, poison=True),
-                make_case(FN, 4, 64, 3, varlen=True, pad=True, poison=True)]
+                make_case(FN, 4, 64, 3, varlen=True, pad=True, poison=True),
+                make_case(FN, 4, 64, 5, pad=True, index_dtype=torch.int64, offset=True, poison=True)]
     if op == UPDATE:
         return [make_case(UPDATE, 4, 64, 1, pad=True, poison=True),
                 make_case(UPDATE, 4, 64, 1, pad=True, pad_slot_id=0, noncontig=True, poison=True),
-                make_case(UPDATE, 4, 64, 3, spec=True, pad=True, extra_rows=1, poison=True)]
+                make_case(UPDATE, 4, 64, 3, spec=True, pad=True, extra_rows=1, poison=True),
+                make_case(UPDATE, 4, 64, 1, pad=True, index_dtype=torch.int64, offset=True, poison=True)]
     spec = dispatcher().registry.spec(op)
     return [spec.make_case((6, 96), dtype=torch.float32), spec.make_case((1, 64), dtype=torch.float32)]
 
@@ -542,3 +567,66 @@ def test_an_imported_pass_that_ran_no_case_is_refused(with_variants, tmp_path):
     assert kv.clear_verdicts() == 1
     report = kv.import_table(doc)
     assert report.verdicts == 0 and report.verdicts_empty == 1 and kv.verdicts() == []
+
+
+@pytest.mark.parametrize("op", [FN, UPDATE])
+def test_a_one_sequence_variant_meets_the_pad_too(with_variants, op):
+    """A variant limited to B=1 runs the edge cases moved to B=1, the pad case included (the
+    only sequence is the pad): one that takes the pad id for a slot fails there."""
+    def takes_pad_for_a_slot(*args, **kwargs):
+        name = "cache_indices" if op == FN else "conv_state_indices"
+        idx = kwargs.get(name)
+        if idx is not None:
+            pool = kwargs["conv_states"] if op == FN else args[1]
+            kwargs = {**kwargs, name: torch.where(idx == kwargs.get("pad_slot_id", -1), pool.shape[0] - 1, idx),
+                      "pad_slot_id": -7}
+        return FAST[op](*args, **kwargs)
+
+    caps = ConvCapabilities(limits={"B": (1, 1)}, varlen=op == FN, num_accepted_tokens=op == UPDATE, **CONV_CAPS)
+    with_variants(variant("evil", op, takes_pad_for_a_slot, capabilities=caps, priority=100))
+    v = kv.qualify(op, variants=["evil"], dtype="float32")[0]
+    assert not v.passed and "pad" in v.failed_case, v.summary()
+    case = make_case(op, 1, 64, 5 if op == FN else 1, pad=True, poison=True)
+    assert verify(getattr(kv, op), case) is None
+    assert kv.explain(op, *case.args, **case.kwargs).chosen.id != "evil"
+
+
+@pytest.mark.parametrize("op", [FN, RMS])
+def test_an_out_written_from_its_allocation_s_start_fails(with_variants, op):
+    """A caller's out= may start inside its allocation: a kernel writing from the allocation's
+    start instead writes outside the tensor it was given."""
+    def at_base(*args, out=None, **kwargs):
+        y = FAST[op](*args, **kwargs)
+        if out is None:
+            return y
+        torch.empty(0, dtype=out.dtype).set_(out.untyped_storage(), 0, out.shape, out.stride()).copy_(y)
+        return out
+
+    caps = (ConvCapabilities(takes_out=True, **CONV_CAPS) if op == FN
+            else Capabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, takes_out=True))
+    with_variants(variant("evil", op, at_base, capabilities=caps, priority=100))
+    v = kv.qualify(op, variants=["evil"], dtype="float32")[0]
+    assert not v.passed and "out= dense" in v.failed_case, v.summary()
+
+
+def test_a_variant_declaring_autograd_with_a_wrong_backward_fails(with_variants):
+    """``autograd=True`` is a claim like any other: its gradients are checked on the edge cases
+    before it is handed a call whose inputs require grad."""
+    class HalfGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 0.5
+
+    def wrong_backward(x, weight, eps=1e-6, *, out=None):
+        return HalfGrad.apply(dispatcher().registry.get(RMS, "aten").variant.fn(x, weight, eps))
+
+    caps = Capabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, autograd=True)
+    with_variants(variant("evil", RMS, wrong_backward, capabilities=caps, priority=100))
+    v = kv.qualify(RMS, variants=["evil"], dtype="float32")[0]
+    assert not v.passed and "gradients" in v.failed_case and "d/dx" in v.reason, v.summary()
+    h = torch.randn(4, 64, requires_grad=True)
+    assert kv.explain(RMS, h, torch.zeros(64)).chosen.id != "evil"

@@ -16,6 +16,7 @@ from kernel_variants._registry.case import Case
 from kernel_variants._registry.keys import Features
 from kernel_variants._registry.registry import RegisteredVariant
 from kernel_variants._registry.spec import OpSpec, Shape
+from kernel_variants._tolerances import gradient_mismatch
 from kernel_variants._tuning.verify import copy_case, out_forms, reference_result, verify
 
 # The modules whose code decides what a qualification runs and how it judges: a change to any of
@@ -91,6 +92,11 @@ def run_cases(spec: OpSpec, rv: RegisteredVariant, features: Features, dtype: An
             if why is not None:
                 name = label if form is None else f"{label}, out= {form.replace('_', ' ')}"
                 return {"cases": ran, "failed_case": f"{name} ({str(dtype)[6:]})", "reason": why}
+        if caps.autograd:  # it may be handed calls whose inputs require grad: its gradients count too
+            ran += 1
+            why = gradient_problem(rv.variant.fn, case)
+            if why is not None:
+                return {"cases": ran, "failed_case": f"{label}, gradients ({str(dtype)[6:]})", "reason": why}
         largest = [max(a, b) for a, b in zip(largest, spec.key_of_case(case).shape, strict=True)]
     if ran == 0:
         return failed("no edge case of this class fits its declared limits")
@@ -100,6 +106,45 @@ def run_cases(spec: OpSpec, rv: RegisteredVariant, features: Features, dtype: An
         if why is not None:
             return {"cases": ran, "failed_case": f"two calls in a row ({str(dtype)[6:]})", "reason": why}
     return {"cases": ran, "failed_case": "", "reason": "", "largest": largest}
+
+
+def gradient_problem(fn: Callable[..., Any], case: Case) -> str | None:
+    """Why ``fn``'s gradients on ``case`` are not the reference's, or None: every floating input
+    the op does not write requires grad, a fixed cotangent weighs each output element, and each
+    input's gradient is held to the dtype's gradient tolerance (``_tolerances``)."""
+    spec = case.spec
+    names = [n for n in spec.params if isinstance(case.get(n), torch.Tensor) and case.get(n).is_floating_point()
+             and n not in spec.mutates]
+    if not names:
+        return None
+    grads = []
+    for f in (spec.reference.fn, fn):
+        mine = case.fresh()
+        args = [mine.get(n) for n in spec.params]
+        inputs = [args[spec.params.index(n)].detach().clone().requires_grad_() for n in names]
+        for n, t in zip(names, inputs, strict=True):
+            args[spec.params.index(n)] = t
+        with torch.enable_grad():
+            try:
+                got = spec.invoke(f, args)
+            except Exception as exc:  # as in verify: a raising variant is a verdict
+                return f"raised {type(exc).__name__} with inputs that require grad: {exc}".splitlines()[0]
+            outs = [o for o in (got if isinstance(got, tuple | list) else (got,)) if isinstance(o, torch.Tensor)]
+            if f is fn and any(o.numel() and o.grad_fn is None for o in outs):
+                return "an output is detached from the graph (its inputs require grad)"
+            weights = [torch.linspace(-1, 1, o.numel(), device=o.device).view_as(o).to(o.dtype) for o in outs]
+            loss = sum(((o * w).float().sum() for o, w in zip(outs, weights, strict=True) if o.numel()),
+                       torch.zeros((), device=inputs[0].device))
+            if not loss.requires_grad:
+                grads.append([torch.zeros_like(t) for t in inputs])
+                continue
+            got_grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        grads.append([torch.zeros_like(t) if g is None else g for t, g in zip(inputs, got_grads, strict=True)])
+    for n, want, have in zip(names, grads[0], grads[1], strict=True):
+        why = gradient_mismatch(have, want, f"d/d{n}")
+        if why is not None:
+            return why
+    return None
 
 
 def _reused_output(fn: Callable[..., Any], first: Case, second: Case) -> str | None:

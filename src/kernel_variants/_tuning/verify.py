@@ -130,7 +130,8 @@ def verify(fn: Callable[..., Any], case: Case, expected: Expected | None = None,
     """None when ``fn`` is right on ``case``, else the first thing it got wrong, in one line.
 
     ``out`` calls it with ``out=``: ``"dense"`` hands it fresh contiguous tensors filled with
-    NaN (so rows it leaves unwritten show up), ``"in_place"`` the inputs the op lets ``out`` be
+    NaN, each starting inside a larger allocation (so rows it leaves unwritten, and writes
+    outside it, show up), ``"in_place"`` the inputs the op lets ``out`` be
     (``x``: in place). ``layout=False`` leaves the outputs' strides to ``fn`` (a caller's own
     ``out=`` comes back with its own). A raising variant is a verdict, not a crash."""
     spec = case.spec
@@ -138,9 +139,10 @@ def verify(fn: Callable[..., Any], case: Case, expected: Expected | None = None,
     mine = copy_case(case)
     untouched = {n: mine.allocation(n).clone() for n in mine.storages if n not in spec.mutates}
     outs: tuple[torch.Tensor, ...] | None = None
+    guards: list[tuple[torch.Tensor, ...]] = []
     extra: dict[str, Any] = {}
     if out is not None:
-        outs = _outs(spec, mine, out)
+        outs, guards = _outs(spec, mine, out)
         extra["out"] = outs[0] if len(outs) == 1 else outs
         written_by_out = {n for n in spec.out_aliases.values()} if out == "in_place" else set()
         untouched = {n: b for n, b in untouched.items() if n not in written_by_out}
@@ -159,6 +161,10 @@ def verify(fn: Callable[..., Any], case: Case, expected: Expected | None = None,
         why = _output_problem("output" if len(names) == 1 else name, a, e, outs[k] if outs else None, layout)
         if why is not None:
             return why
+    for allocation, before in guards:
+        edge = len(before) // 2
+        if not torch.equal(torch.cat([allocation[:edge], allocation[len(allocation) - edge:]]), before):
+            return "out: wrote outside the out= tensor it was given (bytes of its allocation around it changed)"
     for name, after in ref_written.items():
         view = mine.tensor(spec, name)
         ref_view = torch.empty(0, dtype=view.dtype, device=view.device).set_(
@@ -177,18 +183,31 @@ def verify(fn: Callable[..., Any], case: Case, expected: Expected | None = None,
     return None
 
 
-def _outs(spec: OpSpec, mine: _Copy, form: str) -> tuple[torch.Tensor, ...]:
-    """The out tensors of one ``out=`` form for the copied call ``mine``."""
+# A fresh out= starts this many elements into an allocation of NaN: odd, so that a kernel that
+# writes at the allocation's start, or assumes an aligned one, shows up.
+_OUT_OFFSET = 3
+
+
+def _outs(spec: OpSpec, mine: _Copy, form: str) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
+    """The out tensors of one ``out=`` form for the copied call ``mine``, and for each fresh one
+    its whole allocation as bytes with a copy of the bytes around the out tensor, taken before
+    the call (they may not change)."""
     like = mine.tensor(spec, spec.params[spec.out_like_index])
-    outs = []
+    outs, guards = [], []
     for name in spec.outputs:
         alias = spec.out_aliases.get(name) if form == "in_place" else None
         if alias is not None:
             outs.append(mine.tensor(spec, alias))
         else:
             fill = float("nan") if like.is_floating_point() else 0
-            outs.append(torch.full(like.shape, fill, dtype=like.dtype, device=like.device))
-    return tuple(outs)
+            n = like.numel()
+            whole = torch.full((n + 2 * _OUT_OFFSET,), fill, dtype=like.dtype, device=like.device)
+            outs.append(whole[_OUT_OFFSET:_OUT_OFFSET + n].view(like.shape))
+            allocation = _bytes(whole.untyped_storage(), whole.device)
+            edge = _OUT_OFFSET * whole.element_size()
+            around = torch.cat([allocation[:edge], allocation[edge + n * whole.element_size():]])
+            guards.append((allocation, around))
+    return tuple(outs), guards
 
 
 def out_forms(spec: OpSpec, caps: Any, case: Case) -> Sequence[str]:

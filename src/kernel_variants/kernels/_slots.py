@@ -69,6 +69,15 @@ class Slots:
             return self.kernel.long()
         return torch.where(self.live, self.kernel, 0).long()
 
+    def history(self, pool: torch.Tensor) -> torch.Tensor:
+        """``pool[slot_b]`` for each sequence, ``[B, S, D]`` (a gathered copy), zeros for pad
+        entries: a pad's stand-in slot holds whatever it holds, NaN included, and nothing of it
+        may reach an output or, through an activation's derivative, a gradient."""
+        rows = pool[self.safe]
+        if self.live is None:
+            return rows
+        return rows.masked_fill(~self.live.view(-1, 1, 1), 0)
+
     @functools.cached_property
     def ids(self) -> torch.Tensor:
         return self.safe if self.indices is None else self.indices.long()

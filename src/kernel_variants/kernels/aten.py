@@ -82,7 +82,7 @@ def causal_conv1d_update(
     keep = weight.shape[1] - 1
     rows = conv_state.shape[1]
     s = Slots(conv_state_indices, batch, pad_slot_id, x.device)
-    stream = torch.cat([conv_state[s.safe], x3], dim=1)  # [B, S+L, D]
+    stream = torch.cat([s.history(conv_state), x3], dim=1)  # [B, S+L, D]
     h = stream[:, rows - keep :].transpose(1, 2)
     out = _depthwise(h, weight, bias, activation is not None)
     return finish_decode(out, conv_state, s, stream[:, stream.shape[1] - rows :], x)

@@ -89,7 +89,7 @@ def causal_conv1d_update(
     rows = conv_state.shape[1]
     acc = acc_dtype(x.dtype)
     s = Slots(conv_state_indices, batch, pad_slot_id, x.device)
-    state = conv_state[s.safe].to(acc)  # [B, S, D]
+    state = s.history(conv_state).to(acc)  # [B, S, D]
     xa = x3.to(acc)
     if num_accepted_tokens is None:
         hist = state[:, rows - keep :]

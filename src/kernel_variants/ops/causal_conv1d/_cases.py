@@ -51,6 +51,8 @@ def make_case(
     spec: bool = False,
     noncontig: bool = False,
     strided: bool = False,
+    offset: bool = False,
+    index_dtype: torch.dtype = torch.int32,
     slot_indices: bool = True,
     initial_flags: bool = True,
     pad: bool = False,
@@ -62,8 +64,11 @@ def make_case(
     """A call of ``op`` on (B=batch, D=dim, L=seqlen) with real slot indices into a larger pool.
 
     ``noncontig`` makes the pool a view of a bigger one (extra leading rows and a slot stride of
-    two), ``strided`` makes x, weight and bias strided views too, ``pad`` maps one sequence to the
-    pad slot, ``spec`` adds num_accepted_tokens (update). Without ``slot_indices`` sequence b uses
+    two), ``strided`` makes x, weight and bias strided views too, ``offset`` starts x, weight,
+    bias and the index tensors a few elements into their allocations (a slice of a larger
+    projection, as engines pass them), ``index_dtype`` is the index tensors' dtype (int32 or
+    int64: the contract takes both), ``pad`` maps one sequence to the pad slot (the middle one;
+    the only one at B=1), ``spec`` adds num_accepted_tokens (update). Without ``slot_indices`` sequence b uses
     slot b (no index tensor); without ``initial_flags`` no has_initial_state is passed (prefill).
     ``pad_slot_id`` is the call's pad id; one inside the pool (``0``, say) is then never a live
     slot (and, with ``poison``, holds NaN like every slot no sequence uses), so a variant that
@@ -80,13 +85,26 @@ def make_case(
         return torch.randn(*shape, generator=values, device=values.device).to(dtype=dtype, device=device)
 
     def maybe_strided(t: torch.Tensor) -> torch.Tensor:
-        """The same values as a view with every stride doubled (last dim included)."""
-        if not strided:
+        """The same values as a view with every stride doubled (last dim included), and with
+        ``offset`` one that starts inside its allocation (an odd number of elements in, so a
+        kernel that assumes an aligned or zero-offset start shows up)."""
+        if strided:
+            big = torch.zeros(*[2 * s for s in t.shape], dtype=t.dtype, device=t.device)
+            view = big[tuple(slice(1 if offset else 0, None, 2) for _ in t.shape)]
+        elif offset:
+            view = torch.zeros(t.numel() + 3, dtype=t.dtype, device=t.device)[3:].view(t.shape)
+        else:
             return t
-        big = torch.zeros(*[2 * s for s in t.shape], dtype=t.dtype, device=t.device)
-        view = big[tuple(slice(None, None, 2) for _ in t.shape)]
         view.copy_(t)
         return view
+
+    def shifted(t: torch.Tensor) -> torch.Tensor:
+        """A 1-D host tensor on the device, one element into its allocation with ``offset``."""
+        t = t.to(device)
+        return torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].copy_(t) if offset else t
+
+    def index(t: torch.Tensor) -> torch.Tensor:
+        return shifted(t.to(index_dtype))
 
     keep = width - 1
     weight = maybe_strided(randn(dim, width) * (1.0 / width))
@@ -110,9 +128,9 @@ def make_case(
             perm = free[torch.randperm(n_slots - 1, generator=gen)[:batch]]
         else:
             perm = torch.randperm(n_slots, generator=gen)[:batch]
-        if pad and batch > 1 and slot_indices:
+        if pad and slot_indices:
             perm[batch // 2] = pad_slot_id
-        indices = perm.to(device=device, dtype=torch.int32) if slot_indices else None
+        indices = index(perm) if slot_indices else None
         if poison:
             used = set(perm.tolist()) - {pad_slot_id}
             for s in range(n_slots):
@@ -127,7 +145,7 @@ def make_case(
                 for slot, n in zip(perm.tolist(), accepted.tolist(), strict=True):
                     if slot != pad_slot_id and n > 1:
                         pool[slot, : n - 1] = float("nan")
-            nat = accepted.to(device=device, dtype=torch.int32)
+            nat = index(accepted)
         kwargs = dict(activation=activation, conv_state_indices=indices, num_accepted_tokens=nat,
                       pad_slot_id=pad_slot_id)
         return Case(_spec(op), (x, pool, weight, b), kwargs, {"conv_state": base})
@@ -135,7 +153,7 @@ def make_case(
     if varlen:
         lengths = _lengths(gen, batch, seqlen)
         x = maybe_strided(randn(sum(lengths), dim))
-        qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        qsl = index(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]))
     else:
         x = maybe_strided(randn(batch, seqlen, dim))
     init = None
@@ -154,7 +172,7 @@ def make_case(
                     pool[slot] = float("nan")
                 elif rows > keep:
                     pool[slot, : rows - keep] = float("nan")
-        init = init.to(device) if initial_flags else None
+        init = shifted(init) if initial_flags else None
     kwargs = dict(conv_states=pool, cache_indices=indices, has_initial_state=init,
                   query_start_loc=qsl, activation=activation, pad_slot_id=pad_slot_id)
     return Case(_spec(op), (x, weight, b), kwargs, {"conv_states": base} if states else {})
@@ -199,6 +217,16 @@ FN_CASES: dict[str, dict[str, Any]] = {
     # (adapters that compact sequences 0..B-1 then must not hand a kernel pad id 0), and packed.
     "pad-in-range": dict(shape=(4, 48, 5), pad=True, pad_slot_id=0, noncontig=True, poison=True),
     "pad-in-range-varlen": dict(shape=(4, 32, 3), varlen=True, pad=True, pad_slot_id=0, poison=True),
+    # Engines hand int64 indices as often as int32 (the contract takes both), and slices of a
+    # larger projection (x starts inside its allocation): a kernel that reads either as the other
+    # is wrong on every such call.
+    "int64-indices-varlen": dict(shape=(4, 40, 5), varlen=True, pad=True, index_dtype=torch.int64, poison=True),
+    "int64-pad-in-range": dict(shape=(4, 48, 5), pad=True, pad_slot_id=0, index_dtype=torch.int64, noncontig=True,
+                               poison=True),
+    "offset": dict(shape=(3, 40, 6), offset=True, pad=True, noncontig=True, poison=True),
+    "offset-varlen-strided": dict(shape=(3, 24, 4), varlen=True, offset=True, strided=True, poison=True),
+    # One sequence, the pad: a variant limited to B=1 meets the pad too.
+    "B=1-pad": dict(shape=(1, 48, 5), pad=True, poison=True),
     # The only empty call the contract has: packed sequences that are all empty (T = 0). The
     # pool must come back untouched but for the history each sequence carries over.
     "empty-varlen": dict(shape=(3, 32, 0), varlen=True, poison=True),
@@ -221,6 +249,12 @@ UPDATE_CASES: dict[str, dict[str, Any]] = {
     "pad-in-range-noncontig": dict(shape=(4, 40, 2), pad=True, pad_slot_id=0, noncontig=True, extra_rows=1,
                                    poison=True),
     "spec-pad-in-range": dict(shape=(4, 24, 3), spec=True, pad=True, pad_slot_id=0, extra_rows=1, poison=True),
+    # int64 indices and inputs inside their allocations (see FN_CASES); the pad alone at B=1.
+    "int64-indices": dict(shape=(4, 32, 1), pad=True, index_dtype=torch.int64, poison=True),
+    "spec-int64": dict(shape=(3, 40, 4), spec=True, pad=True, index_dtype=torch.int64, poison=True),
+    "offset": dict(shape=(3, 40, 2), offset=True, pad=True, noncontig=True, poison=True),
+    "spec-offset-strided": dict(shape=(2, 32, 3), spec=True, offset=True, strided=True, poison=True),
+    "B=1-pad": dict(shape=(1, 40, 1), pad=True, poison=True),
 }
 
 

@@ -114,10 +114,12 @@ def reference_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
 
 
 def make_case(op: str, shape: tuple[int, ...], *, dtype: torch.dtype, device: str | torch.device = "cpu",
-              seed: int = 0, batched: bool = False, strided: bool = False, eps: float = 1e-6) -> Case:
+              seed: int = 0, batched: bool = False, strided: bool = False, offset: bool = False,
+              eps: float = 1e-6) -> Case:
     """A call on (T, D): x [T, D] (or [2, T/2, D] when ``batched``), a Gemma-like weight near 0
     (the scale is 1 + weight), and for the add op a residual; ``strided`` makes x a view with a
-    row stride of 2D (and the weight a stride-2 view)."""
+    row stride of 2D (and the weight a stride-2 view); ``offset`` starts every tensor three
+    elements into an allocation of NaN (a slice of a larger buffer, as engines pass them)."""
     tokens, dim = shape
     # Drawn on the device itself (a host-made prefill would cost host time and a copy per case).
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -132,13 +134,21 @@ def make_case(op: str, shape: tuple[int, ...], *, dtype: torch.dtype, device: st
             t = t.reshape(2, tokens // 2, *t.shape[1:]) if not strided else t.unflatten(0, (2, tokens // 2))
         return t
 
-    x = rows(randn(tokens, dim, scale=3.0))
+    def inside(t: torch.Tensor) -> torch.Tensor:
+        if not offset:
+            return t
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) if t.numel() else 0
+        whole = torch.full((span + 6,), float("nan"), dtype=t.dtype, device=t.device)
+        return whole.as_strided(t.shape, t.stride(), 3).copy_(t)
+
+    x = inside(rows(randn(tokens, dim, scale=3.0)))
     weight = randn(dim, scale=0.5)
     if strided:
         weight = torch.stack([weight, torch.full_like(weight, float("nan"))], dim=1)[:, 0]
+    weight = inside(weight)
     if op == FN:
         return Case(SPECS[op], (x, weight), {"eps": eps})
-    return Case(SPECS[op], (x, weight, rows(randn(tokens, dim))), {"eps": eps})
+    return Case(SPECS[op], (x, weight, inside(rows(randn(tokens, dim)))), {"eps": eps})
 
 
 def spec_case(op: str):
@@ -158,6 +168,8 @@ CASES: dict[str, dict[str, Any]] = {
     "T=0": dict(shape=(0, 16)),
     "eps=0.1": dict(shape=(3, 24), eps=0.1),
     "wide": dict(shape=(2, 8200)),
+    "offset": dict(shape=(5, 40), offset=True),
+    "offset-strided-batched": dict(shape=(4, 24), offset=True, strided=True, batched=True),
 }
 
 
