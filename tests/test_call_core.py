@@ -665,3 +665,49 @@ def test_the_engine_adapters_fast_steps_call_the_core_below_the_entry(reference_
             results[on] = [first, calls(1)]
         assert (len(entered), python_calls[0]) == ((0, 0) if on else (6, 6))
     _same(results[True], results[False])
+
+
+def test_sglang_prefill_s_host_lengths_are_checked_in_the_core_as_in_python(reference_only, path, monkeypatch):
+    """sglang hands its host lengths: the core serves the call where they hold no zero and sum
+    to T, as a list or a tuple, with a plain int pad id; anything else (an empty sequence,
+    padding tokens past the lengths, an int subclass) takes the general path. Both paths agree
+    on which, and on the results."""
+    from kernel_variants.integrations import _sglang_adapters
+    from kernel_variants.integrations import sglang as kv_sglang
+
+    class Slot(int):
+        pass
+
+    general = []
+    real = _sglang_adapters.prefill
+    monkeypatch.setattr(_sglang_adapters, "prefill", lambda *a, **k: general.append(1) or real(*a, **k))
+    forms = {  # name: (query_start_loc, host lengths, pad id, served by the step)
+        "list": ([0, 3, 4, 10], [3, 1, 6], -1, True),
+        "tuple": ([0, 3, 4, 10], (3, 1, 6), -1, True),
+        "an empty sequence": ([0, 3, 3, 10], [3, 0, 7], -1, False),
+        "padding tokens": ([0, 3, 4, 9], [3, 1, 5], -1, False),
+        "an int subclass": ([0, 3, 4, 10], [3, 1, 6], Slot(-1), False),
+        "a non-int length": ([0, 3, 4, 10], [3, 1.0, 6], -1, False),
+    }
+
+    def run(qsl, lengths, pad):
+        g = torch.Generator().manual_seed(0)
+        pool = torch.randn(N, W - 1, D, generator=g)
+        weight, bias = torch.randn(D, W, generator=g), torch.randn(D, generator=g)
+        x = torch.randn(10, D, generator=g)
+        y = kv_sglang.causal_conv1d_fn(x.t(), weight, bias, pool.transpose(1, 2), torch.tensor(qsl, dtype=torch.int32),
+                                       lengths, torch.tensor([4, 1, 2], dtype=torch.int32),
+                                       torch.tensor([True, False, True]), "silu", pad)
+        return [y.clone(), pool]
+
+    results = {}
+    for on in (True, False):
+        path(on)
+        with torch.no_grad():
+            for name, (qsl, lengths, pad, _) in forms.items():
+                run(qsl, lengths, pad)  # the signature decides once
+                general.clear()
+                results[on, name] = run(qsl, lengths, pad)
+                assert (not general) == forms[name][3], (name, on)
+    for name in forms:
+        _same(results[True, name], results[False, name])

@@ -60,18 +60,25 @@ def _decode_step_py(core: Any, entry: Any, x: Any, pool: Any, weight: Any, bias:
     return entry(x, pool.transpose(-1, -2), weight, bias, act, indices, None, sentinel, None)
 
 
+def _host_lengths_fill(lengths: Any, total: int) -> bool:
+    return (isinstance(lengths, list | tuple) and all(type(n) is int and 0 < n <= total for n in lengths)
+            and sum(lengths) == total)
+
+
 def _prefill_step_py(core: Any, entry: Any, x: Any, weight: Any, bias: Any, pool: Any, qsl: Any, indices: Any,
-                     init: Any, act: Any, sentinel: int, table: bool, known_nonempty: bool) -> Any:
-    if not all(isinstance(t, torch.Tensor) for t in (x, weight, qsl)):
+                     init: Any, act: Any, sentinel: Any, table: bool, lengths: Any) -> Any:
+    if type(sentinel) is not int or not all(isinstance(t, torch.Tensor) for t in (x, weight, qsl)):
         return None
     if x.ndim != 2 or weight.ndim != 2 or qsl.ndim != 1 or qsl.shape[0] < 1 or x.dtype != weight.dtype:
         return None
     batch = qsl.shape[0] - 1
     if init is not None and (not isinstance(init, torch.Tensor) or init.ndim != 1 or init.shape[0] != batch):
         return None
+    if lengths is not None and not _host_lengths_fill(lengths, x.shape[1]):
+        return None
     if pool is not None:
         if (not isinstance(pool, torch.Tensor) or pool.ndim != 3 or pool.shape[2] != weight.shape[1] - 1
-                or pool.dtype != x.dtype or not (known_nonempty or _no_empty_py(qsl) is True)):
+                or pool.dtype != x.dtype or not (lengths is not None or _no_empty_py(qsl) is True)):
             return None
         pool = pool.transpose(-1, -2)
     indices = _slot_ids_py(indices, batch, table)
@@ -128,15 +135,18 @@ def decode_step(
 def prefill_step(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pool: torch.Tensor | None,
     query_start_loc: torch.Tensor, indices: torch.Tensor | None, has_initial_state: torch.Tensor | None,
-    activation: object, sentinel: int, *, known_nonempty: bool = False, table: bool = True,
+    activation: object, sentinel: object, table: bool = True, lengths: list[int] | None = None,
 ) -> torch.Tensor | None:
     """x ``(dim, T)`` (a view of ``[T, dim]``), pool ``(N, dim, W-1)`` or None, query_start_loc
-    ``[B+1]`` with exactly B slot ids (``[B]``, or with ``table`` ``[B, k]`` at column 0) and flags, no empty
-    sequence (read here on the CPU unless ``known_nonempty``), one dtype throughout: the op's varlen
-    prefill on the channel-last views; returns ``(dim, T)``. None where :func:`._common.prefill`
-    serves (an empty sequence is skipped there, extra slot entries cut, more state rows narrowed)."""
+    ``[B+1]`` with exactly B slot ids (``[B]``, or with ``table`` ``[B, k]`` at column 0) and flags,
+    a plain int pad id ``sentinel``, no empty sequence (read here from query_start_loc on the CPU;
+    given the engine's host ``lengths``, from them, and they must sum to T), one dtype
+    throughout: the op's varlen prefill on the channel-last views; returns ``(dim, T)``. None
+    where :func:`._common.prefill` serves (an empty sequence is skipped there, extra slot entries
+    cut, more state rows narrowed, tokens past the lengths zeroed, another pad id converted).
+    Positional all through: a keyword costs a call here more than the check it names."""
     if _compiling():
         return None
     act = activation if activation == "silu" else as_activation(activation)
     return _C.prefill_step(_FN_SLOT.core, _FN, x, weight, bias, pool, query_start_loc, indices, has_initial_state,
-                           act, sentinel, table, known_nonempty)
+                           act, sentinel, table, lengths)

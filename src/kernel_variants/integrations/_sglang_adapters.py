@@ -87,9 +87,9 @@ def causal_conv1d_fn(
 
     Returns ``(dim, T)``, the transpose of a ``[T, dim]`` tensor.
     """
-    if seq_lens_cpu is not None and sum(seq_lens_cpu) == x.shape[-1] and 0 not in seq_lens_cpu:
+    if seq_lens_cpu is not None:  # the lengths (none zero, summing to T) are checked in the call core
         y = prefill_step(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
-                         activation, int(pad_slot_id), known_nonempty=True, table=False)
+                         activation, pad_slot_id, False, seq_lens_cpu)
         if y is not None:
             return y
     if x.ndim != 2:

@@ -156,7 +156,7 @@ def gdn_causal_conv1d_fwd_cpu(
     one, 0 included, is processed. Returns ``(dim, T)``."""
     weight = _unpacked(weight, is_weight_packed)
     y = prefill_step(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
-                     "silu" if silu_activation else None, PAD_SLOT_ID, table=False)
+                     "silu" if silu_activation else None, PAD_SLOT_ID, False)
     if y is not None:
         return y
     return prefill(

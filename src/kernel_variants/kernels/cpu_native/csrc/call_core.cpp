@@ -1328,21 +1328,42 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// Whether `lengths`, an engine's host list (or tuple) of sequence lengths, holds only plain
+// ints, none zero, summing to `total`: 1 yes, 0 no (the general path serves), -1 an error set.
+int host_lengths_fill(PyObject* lengths, int64_t total) {
+  if (!PyList_Check(lengths) && !PyTuple_Check(lengths)) return 0;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(lengths);
+  PyObject** items = PySequence_Fast_ITEMS(lengths);
+  int64_t sum = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!PyLong_CheckExact(items[i])) return 0;
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (overflow != 0 || v <= 0 || v > total) return 0;
+    sum += v;
+    if (sum > total) return 0;
+  }
+  return sum == total ? 1 : 0;
+}
+
 // prefill_step(core, entry, x, weight, bias, pool, query_start_loc, indices, has_initial_state,
-// activation, sentinel, table, known_nonempty): a channel-first engine's varlen prefill (x
-// (dim, T), weight [dim, W], pool (N, dim, W-1) or None, one dtype; query_start_loc [B+1]; slot
-// ids and flags of exactly B entries, slot ids [B] or with `table` [B, k] read at column 0; with
-// a pool, no empty sequence: `known_nonempty`, or read here on the CPU) as the op's prefill on
-// the channel-last views, returning the (dim, T) view of its [T, dim] result; or None where the
+// activation, sentinel, table, lengths): a channel-first engine's varlen prefill (x (dim, T),
+// weight [dim, W], pool (N, dim, W-1) or None, one dtype; query_start_loc [B+1]; slot ids and
+// flags of exactly B entries, slot ids [B] or with `table` [B, k] read at column 0; a plain int
+// pad id; with a pool, no empty sequence: read here from query_start_loc on the CPU, or, given
+// the engine's host `lengths`, from them, which must then sum to T) as the op's prefill on the
+// channel-last views, returning the (dim, T) view of its [T, dim] result; or None where the
 // adapter's general path must serve.
 PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 13) {
     PyErr_SetString(PyExc_TypeError,
                     "prefill_step(core, entry, x, weight, bias, pool, query_start_loc, indices, has_initial_state, "
-                    "activation, sentinel, table, known_nonempty)");
+                    "activation, sentinel, table, lengths)");
     return nullptr;
   }
+  if (!PyLong_CheckExact(args[10])) Py_RETURN_NONE;  // a pad id the general path converts
   PyObject *xo = args[2], *wo = args[3], *po = args[5], *qo = args[6], *io = args[7], *ho = args[8];
   if (!THPVariable_Check(xo) || !THPVariable_Check(wo) || !THPVariable_Check(qo)) Py_RETURN_NONE;
   const at::Tensor& x = THPVariable_Unpack(xo);
@@ -1356,8 +1377,14 @@ PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                         THPVariable_Unpack(ho).size(0) != batch)) {
     Py_RETURN_NONE;
   }
-  const int table = PyObject_IsTrue(args[11]), known = PyObject_IsTrue(args[12]);
-  if (table < 0 || known < 0) return nullptr;
+  const int table = PyObject_IsTrue(args[11]);
+  if (table < 0) return nullptr;
+  int known = 0;
+  if (args[12] != Py_None) {
+    known = host_lengths_fill(args[12], x.size(1));
+    if (known < 0) return nullptr;
+    if (known == 0) Py_RETURN_NONE;
+  }
   THPObjectPtr pv;
   if (po == Py_None) {
     pv = THPObjectPtr(Py_NewRef(po));
@@ -1392,7 +1419,7 @@ PyMethodDef module_methods[] = {
      "decode_step(core, entry, x, pool, weight, bias, activation, indices, sentinel, table) -> [B, dim] or None"},
     {"prefill_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(prefill_step)), METH_FASTCALL,
      "prefill_step(core, entry, x, weight, bias, pool, query_start_loc, indices, has_initial_state, activation, "
-     "sentinel, table, known_nonempty) -> (dim, T) or None"},
+     "sentinel, table, lengths) -> (dim, T) or None"},
     {"unaliased", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unaliased)), METH_FASTCALL,
      "unaliased(result, *args) -> result, each output sharing storage with a tensor argument cloned"},
     {nullptr, nullptr, 0, nullptr},
