@@ -374,3 +374,23 @@ def test_a_prefill_without_a_state_pool_compiles_with_inductor():
         "kernel_variants::causal_conv1d_fn.no_conv_states(Tensor x, Tensor weight, Tensor? bias, Tensor? conv_states, ")
     torch.library.opcheck(_custom_ops.op_overload(FN, "no_conv_states"), (x, w, b, None, None, None, None, "silu", -1),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_graph_guards_on_nothing_of_the_op_s_own():
+    """Each global a traced call reads is a guard the graph checks before every run, a cache
+    miss after a large kernel. The op's public function is replaced by its traced twin, whose
+    defaults carry what it reads: the graph guards on the public function's identity (as for
+    any function it calls) and on the tensors, never on the entry, the custom op, grad mode's
+    function or the public function's defaults."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    case = make_case("causal_conv1d_fn", batch=3, dim=16, seqlen=5, pad=True)
+    with torch.no_grad():
+        torch.compile(step, fullgraph=True)(*_inputs(case.fresh()))  # the first trace imports the custom ops
+        torch._dynamo.reset()
+        torch.compile(step, fullgraph=True)(*_inputs(case.fresh()))
+    text = "\n".join(str(e.guard_manager) for e in _debug_get_cache_entry_list(step.__code__))
+    text = "\n".join(line.split("  # ")[0] for line in text.splitlines())  # the guards, not the source they cite
+    assert "causal_conv1d_fn" in text  # the public functions' identity is guarded, as it must be
+    for internal in ("_FN", "_UPDATE", "_grad_enabled", "_op_default", "__kwdefaults__", "__defaults__"):
+        assert internal not in text, f"the graph guards on {internal}:\n{text}"

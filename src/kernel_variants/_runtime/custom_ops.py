@@ -33,9 +33,11 @@ call does) registers every op made so far; later ops register as they are made.
 
 Each object a traced call reads becomes a guard that the compiled graph evaluates before every
 run, and after a large kernel each one is a cache miss. So Dynamo is told to inline the traced
-function in place of the op's entry (``torch.compiler.substitute_in_graph``): a graph guards on
-the entry's identity, the traced function's op and ``torch.is_grad_enabled``, besides the
-public function's own code and defaults.
+function in place of the op's public function and of its entry
+(``torch.compiler.substitute_in_graph``), and the traced function takes what it reads (the
+custom op, ``torch.is_grad_enabled``) as defaults of its own, which Dynamo reads as constants:
+a graph guards on the public function's identity and the tensors, and on nothing of the op's
+own (no entry, no custom op, no default of the public function).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import torch
 from kernel_variants._codegen import define
 from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime import callcore
+from kernel_variants._runtime.bind import _params_source
 from kernel_variants._runtime.call import MADE, ON_MADE, call
 
 NAMESPACE = "kernel_variants"
@@ -60,6 +63,7 @@ NAMESPACE = "kernel_variants"
 LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 OPS: dict[str, Callable[..., Any]] = {}  # op name -> what a traced call of it invokes
+_PUBLIC: dict[str, Callable[..., Any]] = {}  # op name -> the same, with the public function's signature
 
 _TYPES: dict[Any, str] = {torch.Tensor: "Tensor", bool: "bool", int: "int", float: "float", str: "str"}
 
@@ -73,14 +77,16 @@ def register(spec: OpSpec) -> Callable[..., Any]:
     if slot.traced is None:
         slot.traced = op
         _substitute(slot.entry, op)
+        _substitute(spec.signature, _PUBLIC[spec.name])
     return op
 
 
 def _substitute(entry: Callable[..., Any] | None, traced: Callable[..., Any]) -> None:
-    """Dynamo inlines ``traced`` where a traced call reaches ``entry`` (the op's public function
-    calls it with the same arguments): the graph then guards on the entry's identity alone, not
-    on its code, its closure and the slot it reads (torch >= 2.5; the entry's own compile branch
-    serves the first trace, which imports this module, and older torch)."""
+    """Dynamo inlines ``traced`` where a traced call reaches ``entry`` (the op's public function,
+    or its entry, which the engine adapters call), with the same arguments: the graph then
+    guards on that function's identity alone, not on its code, defaults, closure and the
+    globals it reads (torch >= 2.5; the entry's own compile branch serves the first trace, which
+    imports this module, and older torch)."""
     substitute = getattr(torch.compiler, "substitute_in_graph", None)
     if entry is None or substitute is None:
         return
@@ -220,19 +226,33 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
            f"    return {empty if n_out == 1 else '(' + ', '.join([empty] * n_out) + ',)'}\n"
            f"def fake_out({names}, {outs}):\n"
            f"    return None\n"
-           f"def traced({names}, out):\n"
-           f"    if _grad_enabled() and ({_grad_source(spec)}):\n"
-           f"        return _eager(({names},), out)\n"
-           f"    if out is not None:\n"
-           f"{''.join(out_branches)}"
-           f"        _into_default({names}, {pass_out})\n"
-           f"        return out\n"
-           f"{''.join(branches)}"
-           f"    return _op_default({names})\n")
+           )
+    # What a traced call runs, twice: ``traced`` as the entry is called (every parameter, then
+    # out), ``public`` with the public function's signature (Dynamo inlines it in place of that
+    # function: its body, the entry's global and its defaults are never read, so never guarded).
+    # What the body reads comes in as defaults of its own: Dynamo takes a substitute's defaults
+    # as constants, where each global it read would be a guard the graph checks before every
+    # run, a cache miss after a large kernel. Grad mode is asked last: no tensor requiring grad
+    # (every inference call) settles the test from the tensors' guards alone.
+    hidden = ["_grad_enabled", "_eager", "_op_default", "_into_default",
+              *(f"_{kind}_{overload}" for _, overload in overloads[1:] for kind in ("op", "into"))]
+    body = (f"    if ({_grad_source(spec)}) and _grad_enabled():\n"
+            f"        return _eager(({names},), out)\n"
+            f"    if out is not None:\n"
+            f"{''.join(out_branches)}"
+            f"        _into_default({names}, {pass_out})\n"
+            f"        return out\n"
+            f"{''.join(branches)}"
+            f"    return _op_default({names})\n")
+    own = ", ".join(f"{h}={h}" for h in hidden)
+    keyword_only = any(p.kind is p.KEYWORD_ONLY for p in spec.py_signature.parameters.values())
+    src += (f"def traced({names}, out, {own}):\n{body}"
+            f"def public({_params_source(spec, namespace)}, {'' if keyword_only else '*, '}{own}):\n{body}")
     define("traced", src, namespace, what=spec.name)
     kernel, fake, traced = namespace["kernel"], namespace["fake"], namespace["traced"]
     kernel_out, fake_out = namespace["kernel_out"], namespace["fake_out"]
-    for fn in (kernel, fake, traced, kernel_out, fake_out):
+    _PUBLIC[spec.name] = namespace["public"]
+    for fn in (kernel, fake, traced, kernel_out, fake_out, namespace["public"]):
         fn.__qualname__ = fn.__name__ = f"{spec.name}_{fn.__name__}"
     for _, overload in overloads:
         for name, k, f in ((spec.name, kernel, fake), (into, kernel_out, fake_out)):
