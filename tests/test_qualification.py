@@ -155,8 +155,22 @@ def ignores_x_offset(op):
     return fn
 
 
+def pads_only_negative(op):
+    """A kernel that takes only negative ids for pads and clamps the rest into the pool: a pad id
+    past the pool's end becomes its last slot."""
+    name = "cache_indices" if op == FN else "conv_state_indices"
+
+    def fn(*args, **kwargs):
+        idx, pad = kwargs.get(name), kwargs.get("pad_slot_id", -1)
+        if idx is not None and pad >= 0:
+            pool = kwargs["conv_states"] if op == FN else args[1]
+            kwargs = {**kwargs, name: idx.clamp(max=pool.shape[0] - 1), "pad_slot_id": -1}
+        return FAST[op](*args, **kwargs)
+    return fn
+
+
 CONV_BAD = [nan_on_pads, writes_input, state_outside_view, ignores_initial_state, zeros, slightly_off, wrong_dtype,
-            reads_indices_as_int32, ignores_x_offset]
+            reads_indices_as_int32, ignores_x_offset, pads_only_negative]
 RMS_BAD = [zeros, writes_input, ignores_x_offset]
 
 

@@ -227,6 +227,8 @@ FN_CASES: dict[str, dict[str, Any]] = {
     "offset-varlen-strided": dict(shape=(3, 24, 4), varlen=True, offset=True, strided=True, poison=True),
     # One sequence, the pad: a variant limited to B=1 meets the pad too.
     "B=1-pad": dict(shape=(1, 48, 5), pad=True, poison=True),
+    # A pad id past the pool's end: a kernel that tests only for negative pads writes there.
+    "pad-past-pool": dict(shape=(4, 40, 5), pad=True, pad_slot_id=1 << 20, poison=True),
     # The only empty call the contract has: packed sequences that are all empty (T = 0). The
     # pool must come back untouched but for the history each sequence carries over.
     "empty-varlen": dict(shape=(3, 32, 0), varlen=True, poison=True),
@@ -255,6 +257,7 @@ UPDATE_CASES: dict[str, dict[str, Any]] = {
     "offset": dict(shape=(3, 40, 2), offset=True, pad=True, noncontig=True, poison=True),
     "spec-offset-strided": dict(shape=(2, 32, 3), spec=True, offset=True, strided=True, poison=True),
     "B=1-pad": dict(shape=(1, 40, 1), pad=True, poison=True),
+    "pad-past-pool": dict(shape=(4, 32, 1), pad=True, pad_slot_id=1 << 20, poison=True),
 }
 
 
