@@ -121,3 +121,26 @@ def test_aliased_memory_is_refused_before_anything_is_written():
     assert torch.equal(pool, before)
     other = torch.randn(8, 3, 16)
     kv.causal_conv1d_fn(other[4:6], w, conv_states=other[:4])  # same allocation, apart: fine
+
+
+@pytest.mark.parametrize("op", ["causal_conv1d_fn", "causal_conv1d_update"])
+def test_a_call_of_pads_only_that_needs_grad_still_gets_an_attached_output(op):
+    """Every sequence a pad: nothing is computed from the inputs, yet the output must be in the
+    graph (a detached one makes the caller's backward raise), with zero gradients."""
+    x = torch.randn(2, 3, 16) if op == "causal_conv1d_fn" else torch.randn(2, 16)
+    x.requires_grad_()
+    w = torch.randn(16, 4, requires_grad=True)
+    pool = torch.zeros(4, 3, 16)
+    pads = torch.tensor([-1, -1], dtype=torch.int32)
+    claiming = [rv.id for rv in kv.variants(op) if rv.variant.capabilities.autograd and rv.unavailable_reason() is None]
+    assert "reference" in claiming and len(claiming) >= 2, claiming
+    for vid in claiming:
+        x.grad = w.grad = None
+        with kv.force(**{op: vid}):
+            if op == "causal_conv1d_fn":
+                y = kv.causal_conv1d_fn(x, w, conv_states=pool, cache_indices=pads, activation="silu")
+            else:
+                y = kv.causal_conv1d_update(x, pool, w, activation="silu", conv_state_indices=pads)
+        assert y.grad_fn is not None and torch.equal(y, torch.zeros_like(y)), vid
+        y.sum().backward()
+        assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(x.grad, torch.zeros_like(x)), vid

@@ -41,10 +41,10 @@ def mismatch(actual: torch.Tensor, expected: torch.Tensor, what: str, *, exact: 
 # gradient sums what every output an input reaches contributes (a bias's, over every token),
 # each term rounded in the dtype by autograd, so two correct backward passes in half precision
 # land further apart than their outputs do. Measured between the built-in autograd variants and
-# the reference on every edge case of every conv class (widths 2-4, with and without bias and
-# SiLU, packed and speculative) and of both RMSNorm ops: at worst bf16 3.1%, fp16 0.44%, fp32
-# 3.8e-6 (a bias gradient at width 2); the bounds leave about 3x. A wrong derivative is off by
-# the gradient's own size.
+# the reference on the edge cases of every class the conformance list reaches (widths 1-5, with
+# and without bias and SiLU, states, speculative) and of both RMSNorm ops, by
+# tools/gradient_spread.py: at worst bf16 3.1%, fp16 0.42%, fp32 3.5e-6 (a bias gradient); the
+# bounds leave about 3x. A wrong derivative is off by the gradient's own size.
 GRADIENT_TOLERANCES: dict[torch.dtype, float] = {
     torch.float64: 1e-8,
     torch.float32: 1e-4,

@@ -108,40 +108,50 @@ def run_cases(spec: OpSpec, rv: RegisteredVariant, features: Features, dtype: An
     return {"cases": ran, "failed_case": "", "reason": "", "largest": largest}
 
 
-def gradient_problem(fn: Callable[..., Any], case: Case) -> str | None:
-    """Why ``fn``'s gradients on ``case`` are not the reference's, or None: every floating input
-    the op does not write requires grad, a fixed cotangent weighs each output element, and each
-    input's gradient is held to the dtype's gradient tolerance (``_tolerances``)."""
+class _Detached(Exception):
+    """An output of a variant handed inputs that require grad has no gradient function."""
+
+
+def gradients(fn: Callable[..., Any], case: Case) -> dict[str, torch.Tensor]:
+    """``fn``'s gradients on ``case``, by parameter: every floating input the op does not write
+    requires grad, and a fixed cotangent (-1..1 over each output's elements) weighs the outputs.
+    Raises what ``fn`` raises, and ``_Detached`` where an output left the graph."""
     spec = case.spec
     names = [n for n in spec.params if isinstance(case.get(n), torch.Tensor) and case.get(n).is_floating_point()
              and n not in spec.mutates]
     if not names:
-        return None
-    grads = []
-    for f in (spec.reference.fn, fn):
-        mine = case.fresh()
-        args = [mine.get(n) for n in spec.params]
-        inputs = [args[spec.params.index(n)].detach().clone().requires_grad_() for n in names]
-        for n, t in zip(names, inputs, strict=True):
-            args[spec.params.index(n)] = t
-        with torch.enable_grad():
-            try:
-                got = spec.invoke(f, args)
-            except Exception as exc:  # as in verify: a raising variant is a verdict
-                return f"raised {type(exc).__name__} with inputs that require grad: {exc}".splitlines()[0]
-            outs = [o for o in (got if isinstance(got, tuple | list) else (got,)) if isinstance(o, torch.Tensor)]
-            if f is fn and any(o.numel() and o.grad_fn is None for o in outs):
-                return "an output is detached from the graph (its inputs require grad)"
-            weights = [torch.linspace(-1, 1, o.numel(), device=o.device).view_as(o).to(o.dtype) for o in outs]
-            loss = sum(((o * w).float().sum() for o, w in zip(outs, weights, strict=True) if o.numel()),
-                       torch.zeros((), device=inputs[0].device))
-            if not loss.requires_grad:
-                grads.append([torch.zeros_like(t) for t in inputs])
-                continue
-            got_grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-        grads.append([torch.zeros_like(t) if g is None else g for t, g in zip(inputs, got_grads, strict=True)])
-    for n, want, have in zip(names, grads[0], grads[1], strict=True):
-        why = gradient_mismatch(have, want, f"d/d{n}")
+        return {}
+    mine = case.fresh()
+    args = [mine.get(n) for n in spec.params]
+    inputs = [args[spec.params.index(n)].detach().clone().requires_grad_() for n in names]
+    for n, t in zip(names, inputs, strict=True):
+        args[spec.params.index(n)] = t
+    with torch.enable_grad():
+        got = spec.invoke(fn, args)
+        outs = [o for o in (got if isinstance(got, tuple | list) else (got,)) if isinstance(o, torch.Tensor)]
+        if any(o.numel() and o.grad_fn is None for o in outs):
+            raise _Detached
+        weights = [torch.linspace(-1, 1, o.numel(), device=o.device).view_as(o).to(o.dtype) for o in outs]
+        loss = sum(((o * w).float().sum() for o, w in zip(outs, weights, strict=True) if o.numel()),
+                   torch.zeros((), device=inputs[0].device))
+        if not loss.requires_grad:
+            return {n: torch.zeros_like(t) for n, t in zip(names, inputs, strict=True)}
+        got_grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    return {n: torch.zeros_like(t) if g is None else g for n, t, g in zip(names, inputs, got_grads, strict=True)}
+
+
+def gradient_problem(fn: Callable[..., Any], case: Case) -> str | None:
+    """Why ``fn``'s gradients on ``case`` (``gradients``) are not the reference's, or None: each
+    input's gradient is held to the dtype's gradient tolerance (``_tolerances``)."""
+    want = gradients(case.spec.reference.fn, case)
+    try:
+        have = gradients(fn, case)
+    except _Detached:
+        return "an output is detached from the graph (its inputs require grad)"
+    except Exception as exc:  # as in verify: a raising variant is a verdict
+        return f"raised {type(exc).__name__} with inputs that require grad: {exc}".splitlines()[0]
+    for n, w in want.items():
+        why = gradient_mismatch(have[n], w, f"d/d{n}")
         if why is not None:
             return why
     return None

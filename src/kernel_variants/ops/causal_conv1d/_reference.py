@@ -34,6 +34,17 @@ def _conv(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     return F.silu(y) if silu else y
 
 
+def _attached(out: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """``out`` as it is, joined (with a zero gradient) to the inputs that require grad where no
+    sequence wrote it from them (every one a pad): a call that needs a gradient never gets a
+    detached output, whose backward would raise. A select, so NaN in an input stays out."""
+    needing = [t for t in inputs if t is not None and t.requires_grad]
+    if out.grad_fn is not None or not needing or not torch.is_grad_enabled():
+        return out
+    anchor = sum(t.sum().to(out.dtype) for t in needing)
+    return torch.where(torch.zeros((), dtype=torch.bool, device=out.device), anchor, out)
+
+
 def causal_conv1d_fn(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -63,6 +74,7 @@ def causal_conv1d_fn(
     if conv_states is not None:
         _in_pool(slots, conv_states.shape[0], pad_slot_id if cache_indices is not None else None, "cache_indices")
     init = has_initial_state.tolist() if has_initial_state is not None else [False] * len(bounds)
+    given = out
     out = torch.zeros_like(x) if out is None else out.zero_()
     writes: list[tuple[int, torch.Tensor]] = []
     for b, start, end in bounds:
@@ -84,7 +96,7 @@ def causal_conv1d_fn(
             writes.append((slot, h[h.shape[0] - keep :].detach()))  # states never join a graph
     for slot, rows in writes:
         conv_states[slot, conv_states.shape[1] - keep :] = rows.to(conv_states.dtype)
-    return out
+    return out if given is not None else _attached(out, x, weight, bias)
 
 
 def causal_conv1d_update(
@@ -138,4 +150,4 @@ def causal_conv1d_update(
         conv_state[slot] = new_state.to(conv_state.dtype)
     if given is not None:
         return given
-    return out.squeeze(1) if x.ndim == 2 else out
+    return _attached(out.squeeze(1) if x.ndim == 2 else out, x, weight, bias)
