@@ -126,8 +126,10 @@ def test_aliased_memory_is_refused_before_anything_is_written():
 @pytest.mark.parametrize("op", ["causal_conv1d_fn", "causal_conv1d_update"])
 def test_a_call_of_pads_only_that_needs_grad_still_gets_an_attached_output(op):
     """Every sequence a pad: nothing is computed from the inputs, yet the output must be in the
-    graph (a detached one makes the caller's backward raise), with zero gradients."""
+    graph (a detached one makes the caller's backward raise), with zero gradients, NaN in a
+    pad's tokens notwithstanding."""
     x = torch.randn(2, 3, 16) if op == "causal_conv1d_fn" else torch.randn(2, 16)
+    x[0, 0] = float("nan")
     x.requires_grad_()
     w = torch.randn(16, 4, requires_grad=True)
     pool = torch.zeros(4, 3, 16)

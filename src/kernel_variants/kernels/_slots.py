@@ -78,6 +78,14 @@ class Slots:
             return rows
         return rows.masked_fill(~self.live.view(-1, 1, 1), 0)
 
+    def live_only(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (leading dimension B) with the pad sequences' rows zeroed: a pad's tokens may
+        be anything, NaN included, and none of it may reach an output or, through a weight's
+        gradient (a sum over every token), the caller's backward."""
+        if self.live is None:
+            return x
+        return x.masked_fill(~self.live.view(-1, *([1] * (x.ndim - 1))), 0)
+
     @functools.cached_property
     def ids(self) -> torch.Tensor:
         return self.safe if self.indices is None else self.indices.long()

@@ -49,6 +49,7 @@ def causal_conv1d_fn(
     rows = conv_states.shape[1]
     s = Slots(cache_indices, batch, pad_slot_id, x.device)
     slots, live = s.ids, s.live
+    xt = s.live_only(x).transpose(1, 2)
     init = initial(has_initial_state, s)
     hist = conv_states[s.safe, rows - keep :].transpose(1, 2)  # [B, D, W-1] (a gathered copy)
     hist = torch.where(init[:, None, None], hist, torch.zeros((), dtype=x.dtype, device=x.device))
@@ -82,7 +83,7 @@ def causal_conv1d_update(
     keep = weight.shape[1] - 1
     rows = conv_state.shape[1]
     s = Slots(conv_state_indices, batch, pad_slot_id, x.device)
-    stream = torch.cat([s.history(conv_state), x3], dim=1)  # [B, S+L, D]
+    stream = torch.cat([s.history(conv_state), s.live_only(x3)], dim=1)  # [B, S+L, D]
     h = stream[:, rows - keep :].transpose(1, 2)
     out = _depthwise(h, weight, bias, activation is not None)
     return finish_decode(out, conv_state, s, stream[:, stream.shape[1] - rows :], x)

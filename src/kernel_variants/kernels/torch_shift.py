@@ -56,6 +56,7 @@ def causal_conv1d_fn(
         init = initial(has_initial_state, s)
         rows = conv_states.shape[1]
         hist = torch.where(init[:, None, None], conv_states[s.safe, rows - keep :].to(acc), hist)
+        x = s.live_only(x)
     h = torch.cat([hist, x.to(acc)], dim=1)
     out = _taps(h, weight, bias, activation in ("silu", "swish")).to(x.dtype)
     if conv_states is not None:
@@ -90,7 +91,7 @@ def causal_conv1d_update(
     acc = acc_dtype(x.dtype)
     s = Slots(conv_state_indices, batch, pad_slot_id, x.device)
     state = s.history(conv_state).to(acc)  # [B, S, D]
-    xa = x3.to(acc)
+    xa = s.live_only(x3).to(acc)
     if num_accepted_tokens is None:
         hist = state[:, rows - keep :]
         stream = torch.cat([state, xa], dim=1)

@@ -2,8 +2,9 @@
 
 Calibration times variants on these; the conformance tests check every variant on them. With
 ``poison=True`` every state row a variant must not read (slots of other sequences, history of
-sequences without initial state, rows before the history) holds NaN, so reading one shows up in
-the output, and every row it must not write is compared bit for bit afterwards.
+sequences without initial state, rows before the history) and the pad sequence's tokens hold
+NaN, so reading one shows up in the output (or, for a variant declaring autograd, in a
+gradient), and every row it must not write is compared bit for bit afterwards.
 """
 
 from __future__ import annotations
@@ -136,8 +137,11 @@ def make_case(
             for s in range(n_slots):
                 if s not in used:
                     pool[s] = float("nan")
+    pad_at = batch // 2 if states and pad and slot_indices else None  # the pad sequence, if any
     if op == "causal_conv1d_update":
         x = maybe_strided(randn(batch, dim) if seqlen == 1 and not spec else randn(batch, seqlen, dim))
+        if poison and pad_at is not None:  # a pad's tokens may be anything: none may reach a result
+            x[pad_at] = float("nan")
         nat = None
         if spec:
             accepted = torch.randint(1, seqlen + 1, (batch,), generator=gen)
@@ -154,8 +158,13 @@ def make_case(
         lengths = _lengths(gen, batch, seqlen)
         x = maybe_strided(randn(sum(lengths), dim))
         qsl = index(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]))
+        if poison and pad_at is not None:
+            start = sum(lengths[:pad_at])
+            x[start:start + lengths[pad_at]] = float("nan")
     else:
         x = maybe_strided(randn(batch, seqlen, dim))
+        if poison and pad_at is not None:
+            x[pad_at] = float("nan")
     init = None
     if states:
         init = torch.rand(batch, generator=gen) < 0.7
