@@ -139,7 +139,7 @@ def verify(fn: Callable[..., Any], case: Case, expected: Expected | None = None,
     mine = copy_case(case)
     untouched = {n: mine.allocation(n).clone() for n in mine.storages if n not in spec.mutates}
     outs: tuple[torch.Tensor, ...] | None = None
-    guards: list[tuple[torch.Tensor, ...]] = []
+    guards: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []
     extra: dict[str, Any] = {}
     if out is not None:
         outs, guards = _outs(spec, mine, out)
@@ -161,9 +161,8 @@ def verify(fn: Callable[..., Any], case: Case, expected: Expected | None = None,
         why = _output_problem("output" if len(names) == 1 else name, a, e, outs[k] if outs else None, layout)
         if why is not None:
             return why
-    for allocation, before in guards:
-        edge = len(before) // 2
-        if not torch.equal(torch.cat([allocation[:edge], allocation[len(allocation) - edge:]]), before):
+    for allocation, start, stop, before in guards:
+        if not torch.equal(_around(allocation, start, stop), before):
             return "out: wrote outside the out= tensor it was given (bytes of its allocation around it changed)"
     for name, after in ref_written.items():
         view = mine.tensor(spec, name)
@@ -188,10 +187,11 @@ def verify(fn: Callable[..., Any], case: Case, expected: Expected | None = None,
 _OUT_OFFSET = 3
 
 
-def _outs(spec: OpSpec, mine: _Copy, form: str) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
+def _outs(spec: OpSpec, mine: _Copy,
+          form: str) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, int, int, torch.Tensor]]]:
     """The out tensors of one ``out=`` form for the copied call ``mine``, and for each fresh one
-    its whole allocation as bytes with a copy of the bytes around the out tensor, taken before
-    the call (they may not change)."""
+    its whole allocation as bytes, the out tensor's byte range in it and a copy of the bytes
+    around that range, taken before the call (they may not change)."""
     like = mine.tensor(spec, spec.params[spec.out_like_index])
     outs, guards = [], []
     for name in spec.outputs:
@@ -204,10 +204,15 @@ def _outs(spec: OpSpec, mine: _Copy, form: str) -> tuple[tuple[torch.Tensor, ...
             whole = torch.full((n + 2 * _OUT_OFFSET,), fill, dtype=like.dtype, device=like.device)
             outs.append(whole[_OUT_OFFSET:_OUT_OFFSET + n].view(like.shape))
             allocation = _bytes(whole.untyped_storage(), whole.device)
-            edge = _OUT_OFFSET * whole.element_size()
-            around = torch.cat([allocation[:edge], allocation[edge + n * whole.element_size():]])
-            guards.append((allocation, around))
+            start = _OUT_OFFSET * whole.element_size()
+            stop = start + n * whole.element_size()
+            guards.append((allocation, start, stop, _around(allocation, start, stop)))
     return tuple(outs), guards
+
+
+def _around(allocation: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The bytes of ``allocation`` outside ``[start, stop)``, copied."""
+    return torch.cat([allocation[:start], allocation[stop:]])
 
 
 def out_forms(spec: OpSpec, caps: Any, case: Case) -> Sequence[str]:

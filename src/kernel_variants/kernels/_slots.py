@@ -73,10 +73,7 @@ class Slots:
         """``pool[slot_b]`` for each sequence, ``[B, S, D]`` (a gathered copy), zeros for pad
         entries: a pad's stand-in slot holds whatever it holds, NaN included, and nothing of it
         may reach an output or, through an activation's derivative, a gradient."""
-        rows = pool[self.safe]
-        if self.live is None:
-            return rows
-        return rows.masked_fill(~self.live.view(-1, 1, 1), 0)
+        return self.live_only(pool[self.safe])
 
     def live_only(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (leading dimension B) with the pad sequences' rows zeroed: a pad's tokens may

@@ -116,6 +116,7 @@ def make_case(
     else:
         rows = keep + extra_rows
     n_slots = batch + 3
+    pad_at = batch // 2 if states and pad and slot_indices else None  # the pad sequence, if any
     pool = base = None
     indices = None
     if states:
@@ -129,15 +130,14 @@ def make_case(
             perm = free[torch.randperm(n_slots - 1, generator=gen)[:batch]]
         else:
             perm = torch.randperm(n_slots, generator=gen)[:batch]
-        if pad and slot_indices:
-            perm[batch // 2] = pad_slot_id
+        if pad_at is not None:
+            perm[pad_at] = pad_slot_id
         indices = index(perm) if slot_indices else None
         if poison:
             used = set(perm.tolist()) - {pad_slot_id}
             for s in range(n_slots):
                 if s not in used:
                     pool[s] = float("nan")
-    pad_at = batch // 2 if states and pad and slot_indices else None  # the pad sequence, if any
     if op == "causal_conv1d_update":
         x = maybe_strided(randn(batch, dim) if seqlen == 1 and not spec else randn(batch, seqlen, dim))
         if poison and pad_at is not None:  # a pad's tokens may be anything: none may reach a result
