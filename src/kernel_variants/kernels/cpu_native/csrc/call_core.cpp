@@ -444,8 +444,23 @@ PyObject* run(State* st, Entry* e, PyObject* const* args, const at::Tensor* cons
   return r;
 }
 
-struct Inputs;
-PyObject* unalias_graph(PyObject* res, const State* st, const at::Tensor* const* ts);
+// A tensor argument's storage (data: its first byte; present: a tensor with storage there).
+struct Base {
+  const void* data;
+  bool present;
+};
+PyObject* unalias_graph(PyObject* res, const State* st, const Base* bases);
+
+// The storages a graph call's outputs are compared with, read before the variant runs: after a
+// large kernel the inputs' TensorImpls and StorageImpls are cache misses again (two per tensor),
+// where the variant is about to read them now.
+void storage_bases(const State* st, const at::Tensor* const* ts, Base* bases) {
+  for (int i = 0; i < st->n; ++i) {
+    const at::Tensor* t = st->kind[i] == kValue ? nullptr : ts[i];
+    const bool present = t != nullptr && t->has_storage();
+    bases[i] = {present ? t->storage().data() : nullptr, present};
+  }
+}
 
 PyObject* serve(State* st, PyObject* const* args, PyObject* out) {
   const at::Tensor* ts[kMaxParams];
@@ -461,11 +476,13 @@ PyObject* serve(State* st, PyObject* const* args, PyObject* out) {
     ~Hold() { release(e); }
   } hold{e};
   ++e->refs;
+  Base bases[kMaxParams];
+  if (graph) storage_bases(st, ts, bases);
   PyObject* r = run(st, e, args, ts);
   if (!graph || r == nullptr || r == st->miss) return r;
   // The variant ran: from here an error is raised, never a miss (the Python path would run
   // the variant again and write the state twice).
-  PyObject* u = unalias_graph(r, st, ts);
+  PyObject* u = unalias_graph(r, st, bases);
   Py_DECREF(r);
   return u;
 }
@@ -1116,24 +1133,25 @@ inline bool is_tensor(PyObject* o) {
   return THPVariable_CheckExact(o) || (o != Py_None && THPVariable_Check(o));
 }
 
-// The tensors an output is compared with: the Python arguments (unaliased), or the ones a core
-// call already unpacked (ts[i], nullptr for None and for a non-tensor parameter).
+// The tensors an output is compared with: the Python arguments (unaliased), or the storages a
+// core call read before its variant ran (bases, by position).
 struct Inputs {
   PyObject* const* args = nullptr;
-  const at::Tensor* const* ts = nullptr;
+  const Base* bases = nullptr;
   Py_ssize_t n = 0;
-  const at::Tensor* at(Py_ssize_t i) const {
-    if (ts != nullptr) return ts[i];
-    return is_tensor(args[i]) ? &THPVariable_Unpack(args[i]) : nullptr;
-  }
 };
 
 bool shares_storage(const at::Tensor& o, const Inputs& in) {
   if (!o.has_storage()) return false;
   const void* mine = o.storage().data();
   for (Py_ssize_t i = 0; i < in.n; ++i) {
-    const at::Tensor* t = in.at(i);
-    if (t != nullptr && t->has_storage() && t->storage().data() == mine) return true;
+    if (in.bases != nullptr) {
+      if (in.bases[i].present && in.bases[i].data == mine) return true;
+      continue;
+    }
+    if (!is_tensor(in.args[i])) continue;
+    const at::Tensor& t = THPVariable_Unpack(in.args[i]);
+    if (t.has_storage() && t.storage().data() == mine) return true;
   }
   return false;
 }
@@ -1174,13 +1192,11 @@ PyObject* unaliased(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return unalias_checked(args[0], in);
 }
 
-// A core's graph call: the output compared with the tensors build_key unpacked, by position
-// (no Python type test per argument: after a large kernel each would be a cache miss).
-PyObject* unalias_graph(PyObject* res, const State* st, const at::Tensor* const* ts) {
-  const at::Tensor* tensors[kMaxParams];
+// A core's graph call: the output compared with the storages read before the variant ran, by
+// position (no Python type test or TensorImpl read per argument after the kernel).
+PyObject* unalias_graph(PyObject* res, const State* st, const Base* bases) {
   Inputs in;
-  for (int i = 0; i < st->n; ++i) tensors[i] = st->kind[i] == kValue ? nullptr : ts[i];
-  in.ts = tensors;
+  in.bases = bases;
   in.n = st->n;
   return unalias_checked(res, in);
 }
