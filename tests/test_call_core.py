@@ -446,12 +446,12 @@ def _bind_calls():
     calls = [
         ((x, w, b), example),
         ((x, w), {**example, "bias": b}),
-        ((x, w, b), {**example, "cache_indices": torch.tensor([1, 0, 3], dtype=torch.int64)}),
+        ((x, w, b), {**example, "cache_indices": torch.tensor([1, 0, 3], dtype=torch.int64)}),  # not int32: refused
         ((x, w, b), {**example, "activation": "swish"}),  # another value: refused
         ((x, w, b), {**example, "pad_slot_id": 0}),
         ((x, w, b), {**example, "cache_indices": torch.tensor([1, 6, 3], dtype=torch.int32)}),
         ((x, w, b), {**example, "cache_indices": torch.tensor([1, 1, 3], dtype=torch.int32)}),
-        ((x, w, b), {**example, "cache_indices": None}),  # not what the example had: Python says so
+        ((x, w, b), {**example, "cache_indices": None}),  # not what the example had: refused
         ((x, w, b), {**example, "out": torch.zeros(B, L, D)}),
         ((x, w, b), {**example, "out": pool}),  # overlaps the written pool
         ((x, w, b, pool), {}),  # too many positional arguments
@@ -474,8 +474,8 @@ def test_kv_bind_is_c_level_on_the_core_and_behaves_as_the_python_bound_function
         assert inspect.signature(bound) == FN_SPEC.py_signature
         outcomes[on] = [*_bound_outcomes(bound, calls), ("pool after", calls[0][1]["conv_states"].clone())]
     _same(outcomes[True], outcomes[False])
-    assert [o[0] for o in outcomes[True][:-1]] == ["ok", "ok", "ok", ValueError, ValueError, ValueError, ValueError,
-                                                   AttributeError, "ok", ValueError, TypeError, TypeError, TypeError]
+    assert [o[0] for o in outcomes[True][:-1]] == ["ok", "ok", TypeError, ValueError, ValueError, ValueError, ValueError,
+                                                   TypeError, "ok", ValueError, TypeError, TypeError, TypeError]
 
 
 def test_a_bound_variant_that_raises_is_reported_the_same_on_both_paths(with_variants, path):
@@ -540,6 +540,55 @@ def test_a_compiled_graph_takes_the_core_as_an_eager_call_does(reference_only, p
                 got = compiled(**{k: v.clone() for k, v in call.items()})
             torch.testing.assert_close(got, expected)
             assert python_calls[0] == python, f"core {'on' if on else 'off'}"
+
+
+UNLIKE = {  # a bound call's change to its example -> the error
+    "another dtype": ({"x": lambda c: c["x"].bfloat16(), "weight": lambda c: c["weight"].bfloat16(),
+                       "bias": lambda c: c["bias"].bfloat16(), "conv_states": lambda c: c["conv_states"].bfloat16()},
+                      TypeError, r"x: .* expected a \[3, 4, 8\] float32 tensor on cpu, got a \[3, 4, 8\] bfloat16"),
+    "another length": ({"x": lambda c: c["x"][:, :2]}, ValueError, r"x: .* got a \[3, 2, 8\] float32"),
+    "None for a tensor": ({"bias": lambda c: None}, TypeError, r"bias: .* got None"),
+    "a smaller pool": ({"conv_states": lambda c: c["conv_states"][:5]}, ValueError,
+                       r"conv_states: .* with strides \[24, 8, 1\], got a \[5, 3, 8\]"),
+    "a transposed pool": ({"conv_states": lambda c: c["conv_states"].transpose(1, 2).contiguous().transpose(1, 2)},
+                          ValueError, r"conv_states: .* got a \[6, 3, 8\] float32 tensor on cpu with strides \[24, 1, 3\]"),
+    "a gradient": ({"weight": lambda c: c["weight"].clone().requires_grad_()}, ValueError,
+                   r"weight: .* expected no tensor that requires grad in grad mode"),
+}
+
+
+@pytest.mark.parametrize("change", list(UNLIKE))
+def test_a_bound_call_unlike_its_example_is_refused_and_runs_nothing(with_variants, path, change):
+    """The bound variant qualified and was chosen for the example's class and shapes (here one
+    that supports fp32 only): a call with other tensors is refused with the same error on both
+    paths, before the variant runs or the pool is written."""
+    changes, error, message = UNLIKE[change]
+    calls = [0]
+
+    def fp32_only(*args, **kwargs):
+        calls[0] += 1
+        return _reference.causal_conv1d_fn(*args, **kwargs)
+
+    errors = []
+    for on in (True, False):
+        path(on)
+        with_variants(Variant(id="fp32_only", op=FN, version="1", fn=fp32_only, capabilities=ConvCapabilities(
+            devices={"cpu"}, dtypes={"float32"}, noncontiguous_states=True, autograd=False)))
+        example = _fn_call()
+        with torch.no_grad(), kv.force(causal_conv1d_fn="fp32_only"):
+            bound = kv.bind(FN, **example)
+        assert bound.variant == "fp32_only" and (type(bound).__name__ == "BoundCore") is on
+        call = {**example, **{k: f(example) for k, f in changes.items()}}
+        before, ran = call["conv_states"].clone() if call["conv_states"] is not None else None, calls[0]
+        with pytest.raises(error, match=message) as info:
+            bound(**call)
+        errors.append(str(info.value))
+        assert calls[0] == ran, "the variant ran"
+        assert torch.equal(call["conv_states"], before), "the pool was written"
+        with torch.no_grad():
+            bound(**_fn_call())  # a call like the example runs
+        assert calls[0] == ran + 1
+    assert errors[0] == errors[1]
 
 
 def test_a_graph_call_to_the_core_copies_an_output_that_aliases_an_input(with_variants, path):

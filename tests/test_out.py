@@ -297,14 +297,18 @@ def test_an_out_that_requires_grad_is_refused_on_a_memoised_signature_too():
         run(**call, out=torch.empty(B, D, requires_grad=True))
 
 
-def test_a_bound_one_sequence_call_given_more_slots_still_checks_them():
-    """Bound calls do not re-check sizes (documented), but a slot check never fails with an
-    unrelated error when an index tensor has another length: it checks every value."""
+def test_a_bound_call_of_another_batch_size_is_refused_before_anything_runs():
+    """The bound variant was chosen (and its index checks set up) for the example's sizes: a call
+    with more sequences is a ValueError naming the tensor, and nothing is written."""
     g = torch.Generator().manual_seed(2)
     one = dict(x=torch.randn(1, D, generator=g), conv_state=torch.randn(N, W - 1, D, generator=g),
                weight=torch.randn(D, W, generator=g), conv_state_indices=torch.tensor([2], dtype=torch.int32))
     run = kv.bind(kv.causal_conv1d_update, **one)
-    two = {**one, "x": torch.randn(2, D, generator=g)}
-    run(**{**two, "conv_state_indices": torch.tensor([0, 1], dtype=torch.int32)})
-    with pytest.raises(ValueError, match=r"conv_state_indices: expected slot indices in \[0, 6\).* got 6 at position 1"):
-        run(**{**two, "conv_state_indices": torch.tensor([0, 6], dtype=torch.int32)})
+    two = {**one, "x": torch.randn(2, D, generator=g), "conv_state_indices": torch.tensor([0, 1], dtype=torch.int32)}
+    before = one["conv_state"].clone()
+    with pytest.raises(ValueError, match=r"x: a bound op runs on tensors like its example's.*expected a \[1, 16\] "
+                                         r"float32 tensor on cpu, got a \[2, 16\]"):
+        run(**two)
+    assert torch.equal(one["conv_state"], before)
+    with pytest.raises(ValueError, match=r"conv_state_indices: expected slot indices in \[0, 6\).* got 6 at position 0"):
+        run(**{**one, "conv_state_indices": torch.tensor([6], dtype=torch.int32)})

@@ -4,8 +4,11 @@ loop whose shapes do not change)."""
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from typing import Any, Protocol
+
+import torch
 
 from kernel_variants._codegen import define
 from kernel_variants._policy import Decision
@@ -14,8 +17,8 @@ from kernel_variants._runtime import call as _call
 from kernel_variants._runtime import callcore
 from kernel_variants._runtime.call import finish, out_runner, with_subs
 from kernel_variants._runtime.dispatcher import dispatcher
-from kernel_variants._runtime.errors import changed_error, variant_failed
-from kernel_variants._runtime.guards import guard_writes
+from kernel_variants._runtime.errors import changed_error, unlike_error, variant_failed
+from kernel_variants._runtime.guards import guard_writes, write_plan
 
 
 def explain(op_name: str, *args: object, **kwargs: object) -> Decision:
@@ -57,15 +60,16 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     signature, for a loop whose shapes do not change.
 
     The example (``out=`` included) is validated and decided once, as the op would. Each call of
-    the result then checks only what can change without changing shapes: index values where the
-    op checks them (always on the CPU; on accelerators when ``KV_CHECK_VALUES`` is on), that
-    every non-tensor argument equals the example's (``ValueError`` otherwise), and a given
-    ``out`` (its shape, dtype, device and overlap). Index values are checked against the
-    example's sizes (slot count, T, L). It does not re-check the tensors' shapes,
-    dtypes, devices, strides, whether they require grad, or overlap with a written state: pass
-    tensors like the example's.
-    The choice is fixed: calibration, ``force`` or ``reload`` after ``bind`` do not change it
-    (bind again). ``op`` is the op's name or its public function; ``.variant`` says what runs.
+    the result checks that it is a call of the same kind, then what can change without that:
+    every tensor like the example's (shape, dtype, device; strides of a tensor the op writes;
+    None where the example had None) and no gradient needed where the example needed none
+    (``TypeError`` for a dtype or None, ``ValueError`` otherwise: the variant qualified and was
+    chosen for the example's class and shape, and may not even support another), every
+    non-tensor argument equal to the example's (``ValueError``), index values where the op
+    checks them (always on the CPU; on accelerators when ``KV_CHECK_VALUES`` is on; against the
+    example's sizes), no overlap with a tensor the op writes, and a given ``out`` (its shape,
+    dtype, device and overlap). The choice is fixed: calibration, ``force`` or ``reload`` after
+    ``bind`` do not change it (bind again). ``op`` is the op's name or its public function; ``.variant`` says what runs.
     Where the compiled call core is built, the result is a C object that behaves as this
     function (and hands it what it does not run itself: ``out=``, a changed value, a bad index).
     """
@@ -83,6 +87,8 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     hit = d.resolve(None, key, args, finish(spec, args, None, values))
     vid, fn, subs, checks, rule = hit.vid, hit.fn, hit.subs, hit.checks, hit.rule
     guard_writes(spec, args, out)
+    guard = write_plan(spec, args, None)
+    grad = spec.needs_grad(args)
     caps = d.registry.get(spec.name, vid).variant.capabilities
     tensors = set(spec.tensor_indices)
     fixed = [i for i in range(len(spec.params)) if i not in tensors]
@@ -90,8 +96,10 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     namespace: dict[str, Any] = {
         "_with": with_subs, "_fn": fn, "_check_values": checks, "_changed": _changed(spec, fixed, tuple(args[i] for i in fixed)),
         "_out": _bound_out(spec, vid, fn, caps, subs, rule), "_variant_failed": variant_failed, "_spec": spec,
-        "_vid": vid, "_rule": rule, "_invoke": spec.invoke, "_subs": subs,
+        "_vid": vid, "_rule": rule, "_invoke": spec.invoke, "_subs": subs, "_guard": guard,
+        "_unlike": lambda got: _unlike(spec, args, grad, got), "_grad_enabled": torch.is_grad_enabled,
     }
+    like = _like_source(spec, args, grad, namespace)
     params = _params_source(spec, namespace)
     pos = set(spec.positional)
     call_args = []
@@ -111,24 +119,88 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     src = (f"def bound({params}):\n"
            f"    if {differs}:\n"
            f"        raise _changed({fixed_src})\n"
+           "    try:\n"
+           f"        like = {like}\n"
+           "    except AttributeError:  # not a tensor where the example had one\n"
+           "        like = False\n"
+           "    if not like:\n"
+           f"        raise _unlike(({names},))\n"
            + (f"    _check_values(({names},))\n" if checks is not None else "")
            + "    if out is not None:\n"
            f"        return _out(({names},), out)\n"
-           "    try:\n"
+           + (f"    _guard(({names},), None)\n" if guard is not None else "")
+           + "    try:\n"
            f"        return {run}\n"
            "    except Exception as exc:\n"
            "        raise _variant_failed(_spec, _vid, exc) from exc\n")
     bound = define("bound", src, namespace, what=spec.name)
     # The same in C where the call core is built: this function then serves only what the C
     # object hands it (out=, a changed value, a bad index value), raising with its messages.
-    fast = None if rule is not None else callcore.bound(spec, bound, vid, fn, subs, checks, fixed,
-                                                         tuple(args[i] for i in fixed))
+    fast = None if rule is not None else callcore.bound(
+        spec, bound, vid, fn, subs, checks, fixed, tuple(args[i] for i in fixed), tuple(args), grad,
+        () if guard is None else guard.declared[0])
     for made in (bound, fast) if fast is not None else (bound,):
         made.__doc__ = f"{spec.name}, bound to variant {vid!r} for calls shaped like the example (kernel_variants.bind)."
         made.__qualname__ = made.__name__ = f"{spec.name}_bound"
         made.__signature__ = spec.py_signature
         made.op, made.variant = spec.name, vid
     return fast if fast is not None else bound
+
+
+def grad_source(spec: OpSpec) -> str:
+    """An expression: whether a tensor argument requires grad (by parameter name)."""
+    hints = typing.get_type_hints(spec.signature)
+    parts = []
+    for i in spec.tensor_indices:
+        name = spec.params[i]
+        parts.append(f"{name}.requires_grad" if hints[name] is torch.Tensor
+                     else f"({name} is not None and {name}.requires_grad)")
+    return " or ".join(parts)
+
+
+def _like_source(spec: OpSpec, example: tuple[Any, ...], grad: bool, namespace: dict[str, Any]) -> str:
+    """An expression: whether a call's tensors are like the example's (what the compiled bound
+    object compares as the memo key's words), and it needs a gradient only if the example did."""
+    parts = []
+    for i in spec.tensor_indices:
+        name, a = spec.params[i], example[i]
+        if a is None:
+            parts.append(f"{name} is None")
+            continue
+        namespace.update({f"_s{i}": a.shape, f"_t{i}": a.dtype, f"_v{i}": a.device})
+        part = f"{name} is not None and {name}.shape == _s{i} and {name}.dtype is _t{i} and {name}.device == _v{i}"
+        if i in spec.mutated_indices:
+            namespace[f"_st{i}"] = a.stride()
+            part += f" and {name}.stride() == _st{i}"
+        parts.append(part)
+    if not grad:
+        parts.append(f"not (_grad_enabled() and ({grad_source(spec)}))")
+    return " and ".join(f"({p})" for p in parts) or "True"
+
+
+def _describe(t: Any, strides: bool) -> str:
+    if not isinstance(t, torch.Tensor):
+        return "None" if t is None else f"a {type(t).__name__}"
+    where = f" with strides {list(t.stride())}" if strides else ""
+    return f"a {list(t.shape)} {str(t.dtype)[6:]} tensor on {t.device}{where}"
+
+
+def _unlike(spec: OpSpec, example: tuple[Any, ...], grad: bool, got: tuple[Any, ...]) -> Exception:
+    """The error of a bound call whose tensors are not like the example's."""
+    for i in spec.tensor_indices:
+        e, g = example[i], got[i]
+        written = i in spec.mutated_indices
+        if e is None or not isinstance(g, torch.Tensor):
+            if (e is None) != (g is None) or not isinstance(g, torch.Tensor | None):
+                return unlike_error(spec.params[i], _describe(e, False), _describe(g, False), type_error=True)
+            continue
+        same = (e.shape == g.shape and e.device == g.device and (not written or e.stride() == g.stride()))
+        if e.dtype != g.dtype or not same:
+            return unlike_error(spec.params[i], _describe(e, written), _describe(g, written),
+                                type_error=e.dtype != g.dtype)
+    needing = [spec.params[i] for i in spec.tensor_indices if got[i] is not None and got[i].requires_grad]
+    return unlike_error(", ".join(needing), "no tensor that requires grad in grad mode (the example's call needed "
+                        "no gradient)", "one that does", type_error=False)
 
 
 def _changed(spec: OpSpec, fixed: list[int], expected: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], ValueError]:

@@ -113,11 +113,17 @@ def status() -> tuple[bool, str]:
     return True, "compiled core"
 
 
-def _make(spec: OpSpec, module: ModuleType) -> Any:
-    """The CallCore of ``spec``: its parameters as the core reads them."""
+def _kinds(spec: OpSpec) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """Per parameter, as the core reads it: its kind (0 a value, 1 a tensor, 2 an optional
+    tensor), and whether the op writes it."""
     optional = dict(spec._tensor_params)
     kinds = tuple(0 if i not in optional else 2 if optional[i] else 1 for i in range(len(spec.params)))
-    mutated = tuple(i in spec.mutated_indices for i in range(len(spec.params)))
+    return kinds, tuple(i in spec.mutated_indices for i in range(len(spec.params)))
+
+
+def _make(spec: OpSpec, module: ModuleType) -> Any:
+    """The CallCore of ``spec``: its parameters as the core reads them."""
+    kinds, mutated = _kinds(spec)
     npos = len(spec.positional)
 
     def fail(vid: str, exc: BaseException) -> None:
@@ -154,15 +160,20 @@ _REQUIRED = object()  # a BoundCore default slot: the parameter has none
 
 def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., Any],
           subs: tuple[tuple[int, Any], ...], checks: Callable[..., None] | None, fixed: list[int],
-          expected: tuple[Any, ...]) -> Any:
+          expected: tuple[Any, ...], example: tuple[Any, ...], grad: bool, guards: tuple[Any, ...]) -> Any:
     """``kv.bind``'s object in C (the op's signature bound there, then the bound call's checks and
     the variant), handing any call it does not run to ``python``, the bound function in Python;
-    None where the core is off or not built, or the signature has positional-only parameters."""
+    None where the core is off or not built, the signature has positional-only parameters, or
+    the example has a tensor subclass. ``example``: the example's arguments in signature order,
+    whose tensors each call's must be like; ``grad``: whether the example needed a gradient;
+    ``guards``: the write guard's data (``write_plan(...).declared[0]``)."""
     if core_for(spec) is None:
         return None
     module, _ = _library()
     params = list(spec.py_signature.parameters.values())
     if module is None or any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in params):
+        return None
+    if any(example[i] is not None and type(example[i]) is not torch.Tensor for i in spec.tensor_indices):
         return None
     data = gate = py_checks = None
     if checks is not None:
@@ -171,8 +182,7 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
             data, gate = declared.core_data(), declared.device
         if data is None:
             py_checks, gate = checks, None
-    optional = dict(spec._tensor_params)
-    kinds = tuple(0 if i not in optional else 2 if optional[i] else 1 for i in range(len(spec.params)))
+    kinds, mutated = _kinds(spec)
     npos = len(spec.positional)
 
     def fail(vid: str, exc: BaseException) -> None:
@@ -180,8 +190,8 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
 
     return module.BoundCore(
         tuple(p.name for p in params), npos, tuple(_REQUIRED if p.default is p.empty else p.default for p in params),
-        _REQUIRED, kinds, tuple(fixed), expected, subs, data, gate, py_checks, _counters, fn, vid,
-        spec.params[npos:], fail, python)
+        _REQUIRED, kinds, mutated, example, grad, guards, tuple(fixed), expected, subs, data, gate, py_checks,
+        _counters, fn, vid, spec.params[npos:], fail, python)
 
 
 class Slot:

@@ -54,7 +54,7 @@ import torch
 from kernel_variants._codegen import define
 from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime import callcore
-from kernel_variants._runtime.bind import _params_source
+from kernel_variants._runtime.bind import _params_source, grad_source
 from kernel_variants._runtime.call import MADE, ON_MADE, call
 
 NAMESPACE = "kernel_variants"
@@ -236,7 +236,7 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
     # (every inference call) settles the test from the tensors' guards alone.
     hidden = ["_grad_enabled", "_eager", "_op_default", "_into_default",
               *(f"_{kind}_{overload}" for _, overload in overloads[1:] for kind in ("op", "into"))]
-    body = (f"    if ({_grad_source(spec)}) and _grad_enabled():\n"
+    body = (f"    if ({grad_source(spec)}) and _grad_enabled():\n"
             f"        return _eager(({names},), out)\n"
             f"    if out is not None:\n"
             f"{''.join(out_branches)}"
@@ -260,18 +260,6 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
             LIB.impl(qualified, k, "CompositeExplicitAutograd")
             torch.library.register_fake(f"{NAMESPACE}::{qualified}", f, lib=LIB)
     return traced
-
-
-def _grad_source(spec: OpSpec) -> str:
-    """An expression: whether a tensor argument requires grad (read while tracing: Dynamo knows it,
-    and guards on it)."""
-    hints = typing.get_type_hints(spec.signature)
-    parts = []
-    for i in spec.tensor_indices:
-        name = spec.params[i]
-        parts.append(f"{name}.requires_grad" if hints[name] is torch.Tensor
-                     else f"({name} is not None and {name}.requires_grad)")
-    return " or ".join(parts)
 
 
 def _eager(spec: OpSpec) -> Callable[[tuple[Any, ...], Any], Any]:

@@ -55,6 +55,14 @@ def changed_error(names: list[str], expected: tuple[Any, ...], got: tuple[Any, .
                       "call kernel_variants.bind again for other values")
 
 
+def unlike_error(name: str, expected: str, got: str, *, type_error: bool) -> TypeError | ValueError:
+    """A bound op called with a tensor unlike its example's (``type_error``: a dtype, or None
+    where a tensor was, or the other way)."""
+    cls = TypeError if type_error else ValueError
+    return cls(f"{name}: a bound op runs on tensors like its example's (its variant was chosen and qualified for "
+               f"them); expected {expected}, got {got}; call kernel_variants.bind again for these, or call the op")
+
+
 def entry_error(spec: OpSpec, got: int) -> TypeError:
     """An op's entry called as the op: ``make_op`` returns the entry, which the op's public
     function calls with every parameter in signature order, then ``out``."""

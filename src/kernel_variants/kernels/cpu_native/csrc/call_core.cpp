@@ -156,6 +156,67 @@ uint64_t hash_words(const int64_t* w, size_t n) {
   return h * kMul;
 }
 
+// A tensor parameter's words in a key (the memo's, and a bound call's comparison with its
+// example): -1 for None; else its dimension count, sizes, dtype and device, and for a tensor the
+// op writes, its strides. Each word goes to `out` (Emit writes them, Match compares them with a
+// bound op's example); *t: the tensor, nullptr for None. False: not an argument the core serves
+// (None for a required tensor, a subclass, which may see its own __torch_function__, another
+// dispatch key unless !served_only), or a word Match found different.
+template <class Out>
+inline bool tensor_words(PyObject* a, int8_t kind, bool mutated, Out& out, const at::Tensor** t,
+                         bool served_only = true) {
+  if (a == Py_None) {
+    *t = nullptr;
+    return kind == kOptionalTensor && out.room(1) && out.put(-1);
+  }
+  if (!THPVariable_CheckExact(a)) return false;
+  const at::Tensor& tensor = THPVariable_Unpack(a);
+  c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  if (served_only && (impl->key_set().raw_repr() & ~kServed) != 0) return false;
+  auto sizes = impl->sizes();
+  size_t nd = sizes.size();
+  if (!out.room(3 + 2 * nd) || !out.put(static_cast<int64_t>(nd))) return false;
+  for (size_t d = 0; d < nd; ++d)
+    if (!out.put(sizes[d])) return false;
+  c10::Device dev = impl->device();
+  if (!out.put(static_cast<int64_t>(impl->dtype().toScalarType())) ||
+      !out.put((static_cast<int64_t>(dev.type()) << 8) | static_cast<uint8_t>(dev.index())))
+    return false;
+  if (mutated) {
+    auto strides = impl->strides();
+    for (size_t d = 0; d < nd; ++d)
+      if (!out.put(strides[d])) return false;
+  }
+  *t = &tensor;
+  return true;
+}
+
+// Writes a key's words into a growing scratch vector, from `pos`.
+struct Emit {
+  std::vector<int64_t>& words;
+  size_t pos;
+  int64_t* w = nullptr;
+  bool room(size_t n) {
+    if (w != nullptr) pos = static_cast<size_t>(w - words.data());
+    if (pos + n > words.size()) words.resize(2 * (pos + n));
+    w = words.data() + pos;
+    return true;
+  }
+  bool put(int64_t v) {
+    *w++ = v;
+    return true;
+  }
+  size_t end() const { return w == nullptr ? pos : static_cast<size_t>(w - words.data()); }
+};
+
+// Compares words with an example's, in order, without writing them.
+struct Match {
+  const int64_t* w;
+  const int64_t* end;
+  bool room(size_t) { return true; }
+  bool put(int64_t v) { return w != end && *w++ == v; }
+};
+
 // The key of a call, into st->words / st->objs. 1: built (hash in *hash, each tensor argument
 // in ts, nullptr for None); 0: not a call the core serves; no Python error is left set.
 int build_key(State* st, PyObject* const* args, PyObject* out, const at::Tensor** ts, uint64_t* hash) {
@@ -179,34 +240,10 @@ int build_key(State* st, PyObject* const* args, PyObject* out, const at::Tensor*
       objs.push_back(a);
       continue;
     }
-    if (a == Py_None) {
-      if (k != kOptionalTensor) return 0;  // validation says what is wrong
-      ts[i] = nullptr;
-      if (pos + 1 > st->words.size()) st->words.resize(2 * st->words.size());
-      st->words[pos++] = -1;
-      continue;
-    }
-    if (!THPVariable_CheckExact(a)) return 0;  // a subclass may see its own __torch_function__
-    const at::Tensor& t = THPVariable_Unpack(a);
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    if ((impl->key_set().raw_repr() & ~kServed) != 0) return 0;
-    auto sizes = impl->sizes();
-    size_t nd = sizes.size();
-    size_t need = pos + 3 + 2 * nd;
-    if (need > st->words.size()) st->words.resize(2 * need);
-    int64_t* w = st->words.data() + pos;
-    *w++ = static_cast<int64_t>(nd);
-    for (size_t d = 0; d < nd; ++d) *w++ = sizes[d];
-    *w++ = static_cast<int64_t>(impl->dtype().toScalarType());
-    c10::Device dev = impl->device();
-    *w++ = (static_cast<int64_t>(dev.type()) << 8) | static_cast<uint8_t>(dev.index());
-    if (st->mutated[i]) {
-      auto strides = impl->strides();
-      for (size_t d = 0; d < nd; ++d) *w++ = strides[d];
-    }
-    pos = static_cast<size_t>(w - st->words.data());
-    if (grad && !requires_grad) requires_grad = impl->requires_grad();
-    ts[i] = &t;
+    Emit emit{st->words, pos};
+    if (!tensor_words(a, k, st->mutated[i], emit, &ts[i])) return 0;
+    pos = emit.end();
+    if (grad && !requires_grad && ts[i] != nullptr) requires_grad = ts[i]->unsafeGetTensorImpl()->requires_grad();
   }
   st->words[0] = requires_grad;
   st->nwords = pos;
@@ -360,10 +397,10 @@ inline int64_t span_bytes(const at::Tensor& t) {
 
 // The write guard of _runtime/guards.py: write_plan: no argument of a written tensor's dtype may start
 // inside it or reach into it; an inference tensor is written only in inference mode.
-bool writes_safe(const Entry& e, const at::Tensor* const* ts) {
-  if (e.guards.empty()) return true;
+bool writes_safe(const std::vector<Guard>& guards, const at::Tensor* const* ts) {
+  if (guards.empty()) return true;
   bool inference = c10::InferenceMode::is_enabled();
-  for (const Guard& g : e.guards) {
+  for (const Guard& g : guards) {
     const at::Tensor* m = ts[g.mutated];
     if (m == nullptr) return false;
     if (!inference && m->is_inference()) return false;
@@ -427,7 +464,7 @@ PyObject* run(State* st, Entry* e, PyObject* const* args, const at::Tensor* cons
     if (gate_counted(st->counters, e->gate)) return Py_NewRef(st->miss);
     if (!values_pass(e->checks, ts)) return Py_NewRef(st->miss);
   }
-  if (!writes_safe(*e, ts)) return Py_NewRef(st->miss);
+  if (!writes_safe(e->guards, ts)) return Py_NewRef(st->miss);
   if (e->py_checks != nullptr) {
     PyObject* r = call_py_checks(st, *e, args);
     if (r == nullptr) return nullptr;  // the Python check's own error
@@ -588,7 +625,7 @@ bool parse_checks(int n, const std::vector<int8_t>& kind, PyObject* seq, std::ve
   return true;
 }
 
-bool parse_guards(State* st, PyObject* seq, Entry& e) {
+bool parse_guards(int n, const std::vector<int8_t>& kind, PyObject* seq, std::vector<Guard>& out) {
   if (!PyTuple_Check(seq)) {
     PyErr_SetString(PyExc_TypeError, "learn: guard must be a tuple of (mutated, span, near) tuples");
     return false;
@@ -603,19 +640,19 @@ bool parse_guards(State* st, PyObject* seq, Entry& e) {
     bool ok_m, ok_s;
     g.mutated = static_cast<int>(as_int64(PyTuple_GET_ITEM(item, 0), &ok_m));
     g.span = as_int64(PyTuple_GET_ITEM(item, 1), &ok_s);
-    bool bad = !ok_m || !ok_s || g.mutated < 0 || g.mutated >= st->n || st->kind[g.mutated] == kValue;
+    bool bad = !ok_m || !ok_s || g.mutated < 0 || g.mutated >= n || kind[g.mutated] == kValue;
     PyObject* near = PyTuple_GET_ITEM(item, 2);
     for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(near) && !bad; ++j) {
       bool ok;
       int i = static_cast<int>(as_int64(PyTuple_GET_ITEM(near, j), &ok));
-      bad = !ok || i < 0 || i >= st->n || st->kind[i] == kValue;
+      bad = !ok || i < 0 || i >= n || kind[i] == kValue;
       g.near.push_back(i);
     }
     if (bad) {
       PyErr_SetString(PyExc_ValueError, "learn: a guard names no tensor parameter");
       return false;
     }
-    e.guards.push_back(std::move(g));
+    out.push_back(std::move(g));
   }
   return true;
 }
@@ -673,7 +710,7 @@ PyObject* core_learn(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
     }
     Py_XSETREF(e->subs[i], Py_NewRef(PyTuple_GET_ITEM(pair, 1)));
   }
-  if (!parse_checks(st->n, st->kind, a[5], e->checks) || !parse_guards(st, a[8], *e)) return nullptr;
+  if (!parse_checks(st->n, st->kind, a[5], e->checks) || !parse_guards(st->n, st->kind, a[8], e->guards)) return nullptr;
   if (a[6] != Py_None) e->gate = Py_NewRef(a[6]);
   if (a[7] != Py_None) e->py_checks = Py_NewRef(a[7]);
   if (st->size >= kMapLimit) clear_map(st);
@@ -859,13 +896,21 @@ int core_clear_refs(PyObject* self) {
 //
 // The op's signature bound in C (positional and keyword arguments, defaults), then what a bound
 // call checks (every non-tensor argument equals the example's; the index values, against the
-// example's sizes), then the variant, called the way OpSpec.invoke does. Anything else (an
-// `out`, a binding error, a changed value, a bad index value, an index tensor it cannot read)
-// goes to the Python bound function it was made with, which runs or raises with its message.
+// example's sizes; every tensor like the example's: the memo key's words and its dispatch keys;
+// no gradient needed where the example needed none; the write guard), then the variant, called
+// the way OpSpec.invoke does. Anything else (an `out`, a binding error, a changed value or
+// tensor, a bad index value, an index tensor it cannot read, an overlap) goes to the Python
+// bound function it was made with, which runs or raises with its message.
 
 struct BoundState {
   int n = 0;  // the op's parameters; names[n] is "out"
   int npos = 0;  // how many may be passed by position
+  std::vector<int8_t> kind;
+  std::vector<uint8_t> mutated;
+  std::vector<int64_t> like;  // the example's tensors' words (tensor_words), in parameter order
+  std::vector<uint64_t> keys;  // per parameter: the example tensor's dispatch key set (0: None, a value)
+  bool grad = false;  // whether the example needed a gradient (a call may need one only then)
+  std::vector<Guard> guards;
   std::vector<PyObject*> names;  // owned
   std::vector<PyObject*> defaults;  // owned; nullptr: required
   std::vector<int> fixed;  // the non-tensor parameters
@@ -926,6 +971,24 @@ inline int differs(PyObject* value, PyObject* expected) {
   return t;
 }
 
+// Whether the call's tensors are like the example's (ts: each, nullptr for None): the same words
+// (shape, dtype, device, a written tensor's strides), the same dispatch keys, and a gradient
+// needed only where the example needed one.
+bool like_example(BoundState* st, PyObject* const* slot, const at::Tensor** ts) {
+  Match match{st->like.data(), st->like.data() + st->like.size()};
+  bool needs_grad = false;
+  const bool grad = !st->grad && c10::GradMode::is_enabled();
+  for (int i = 0; i < st->n; ++i) {
+    if (st->kind[i] == kValue) continue;
+    if (!tensor_words(slot[i], st->kind[i], st->mutated[i], match, &ts[i], false)) return false;
+    if (ts[i] == nullptr) continue;
+    const c10::TensorImpl* impl = ts[i]->unsafeGetTensorImpl();
+    if (impl->key_set().raw_repr() != st->keys[i]) return false;
+    if (grad && impl->requires_grad()) needs_grad = true;
+  }
+  return match.w == match.end && !needs_grad;
+}
+
 PyObject* bound_fallback(BoundState* st, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   return PyObject_Vectorcall(st->fallback, args, nargsf, kwnames);
 }
@@ -959,25 +1022,22 @@ PyObject* bound_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf,
       return bound_fallback(st, args, nargsf, kwnames);
     }
   }
-  if (!st->checks.empty()) {
-    if (gate_counted(st->counters, st->gate)) return bound_fallback(st, args, nargsf, kwnames);
-    const at::Tensor* ts[kMaxParams] = {};
-    for (const Check& c : st->checks) {
-      PyObject* a = slot[c.index];
-      if (!THPVariable_CheckExact(a)) return bound_fallback(st, args, nargsf, kwnames);
-      const at::Tensor& t = THPVariable_Unpack(a);
-      if ((t.unsafeGetTensorImpl()->key_set().raw_repr() & ~kServed) != 0)
-        return bound_fallback(st, args, nargsf, kwnames);
-      ts[c.index] = &t;
+  const at::Tensor* ts[kMaxParams] = {};
+  bool ok = true;
+  try {
+    ok = like_example(st, slot, ts);
+    if (ok && !st->checks.empty()) {
+      for (const Check& c : st->checks) {  // read in place on the host only
+        const at::Tensor* t = ts[c.index];
+        ok = ok && t != nullptr && (t->unsafeGetTensorImpl()->key_set().raw_repr() & ~kServed) == 0;
+      }
+      ok = ok && !gate_counted(st->counters, st->gate) && values_pass(st->checks, ts);
     }
-    bool ok;
-    try {
-      ok = values_pass(st->checks, ts);
-    } catch (const c10::Error&) {
-      ok = false;
-    }
-    if (!ok) return bound_fallback(st, args, nargsf, kwnames);
+    ok = ok && writes_safe(st->guards, ts);
+  } catch (const c10::Error&) {
+    ok = false;
   }
+  if (!ok) return bound_fallback(st, args, nargsf, kwnames);
   if (st->py_checks != nullptr) {
     PyObject* tup = PyTuple_New(st->n);
     if (tup == nullptr) return nullptr;
@@ -1003,18 +1063,21 @@ bool owned_tuple(PyObject* t, std::vector<PyObject*>& out, PyObject* required) {
   return true;
 }
 
-// BoundCore(names, npos, defaults, required, kinds, fixed, expected, subs, checks, gate, py_checks,
-//           counters, fn, vid, kwnames, fail, fallback)
+// BoundCore(names, npos, defaults, required, kinds, mutated, example, grad, guards, fixed, expected,
+//           subs, checks, gate, py_checks, counters, fn, vid, kwnames, fail, fallback)
+// example: the example's arguments in signature order; grad: whether it needed a gradient;
+// guards: its write guard's data (guards.write_plan's declared checks).
 PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  PyObject *names, *defaults, *required, *kinds, *fixed, *expected, *subs, *checks, *gate, *py_checks, *counters, *fn,
-      *vid, *kwnames, *fail, *fallback;
-  int npos;
+  PyObject *names, *defaults, *required, *kinds, *mutated, *example, *guards, *fixed, *expected, *subs, *checks, *gate,
+      *py_checks, *counters, *fn, *vid, *kwnames, *fail, *fallback;
+  int npos, grad;
   if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
     PyErr_SetString(PyExc_TypeError, "BoundCore takes positional arguments only");
     return nullptr;
   }
-  if (!PyArg_ParseTuple(args, "O!iO!OO!O!O!O!OOOO!OOO!OO", &PyTuple_Type, &names, &npos, &PyTuple_Type, &defaults,
-                        &required, &PyTuple_Type, &kinds, &PyTuple_Type, &fixed, &PyTuple_Type, &expected,
+  if (!PyArg_ParseTuple(args, "O!iO!OO!O!O!pO!O!O!O!OOOO!OOO!OO", &PyTuple_Type, &names, &npos, &PyTuple_Type,
+                        &defaults, &required, &PyTuple_Type, &kinds, &PyTuple_Type, &mutated, &PyTuple_Type, &example,
+                        &grad, &PyTuple_Type, &guards, &PyTuple_Type, &fixed, &PyTuple_Type, &expected,
                         &PyTuple_Type, &subs, &checks, &gate, &py_checks, &PyDict_Type, &counters, &fn, &vid,
                         &PyTuple_Type, &kwnames, &fail, &fallback)) {
     return nullptr;
@@ -1022,6 +1085,7 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   Py_ssize_t total = PyTuple_GET_SIZE(names);
   Py_ssize_t n = total - 1;
   if (n < 1 || n > kMaxParams || PyTuple_GET_SIZE(defaults) != total || PyTuple_GET_SIZE(kinds) != n ||
+      PyTuple_GET_SIZE(mutated) != n || PyTuple_GET_SIZE(example) != n ||
       PyTuple_GET_SIZE(fixed) != PyTuple_GET_SIZE(expected) || npos < 0 || npos > n ||
       PyTuple_GET_SIZE(kwnames) != n - npos || !PyCallable_Check(fail) || !PyCallable_Check(fallback)) {
     PyErr_SetString(PyExc_ValueError, "BoundCore: inconsistent signature data");
@@ -1030,12 +1094,34 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   auto st = std::make_unique<BoundState>();
   st->n = static_cast<int>(n);
   st->npos = npos;
-  std::vector<int8_t> kind;
   for (Py_ssize_t i = 0; i < n; ++i) {
     const int k = parse_kind(PyTuple_GET_ITEM(kinds, i), "BoundCore");
     if (k < 0) return nullptr;
-    kind.push_back(static_cast<int8_t>(k));
+    st->kind.push_back(static_cast<int8_t>(k));
+    st->mutated.push_back(PyObject_IsTrue(PyTuple_GET_ITEM(mutated, i)) == 1);
   }
+  // The example's words: what each call's tensors are compared with.
+  std::vector<int64_t> words(64);
+  Emit emit{words, 0};
+  st->keys.assign(n, 0);
+  for (int i = 0; i < st->n; ++i) {
+    if (st->kind[i] == kValue) continue;
+    const at::Tensor* t = nullptr;
+    bool plain;
+    try {
+      plain = tensor_words(PyTuple_GET_ITEM(example, i), st->kind[i], st->mutated[i], emit, &t, false);
+    } catch (const c10::Error&) {
+      plain = false;
+    }
+    if (!plain) {
+      PyErr_SetString(PyExc_ValueError, "BoundCore: the example's tensors are not plain tensors");
+      return nullptr;
+    }
+    if (t != nullptr) st->keys[i] = t->unsafeGetTensorImpl()->key_set().raw_repr();
+  }
+  st->like.assign(words.begin(), words.begin() + static_cast<std::ptrdiff_t>(emit.end()));
+  st->grad = grad != 0;
+  if (!parse_guards(st->n, st->kind, guards, st->guards)) return nullptr;
   for (Py_ssize_t k = 0; k < total; ++k) {
     PyObject* name = PyTuple_GET_ITEM(names, k);
     if (!PyUnicode_Check(name)) {
@@ -1067,7 +1153,7 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     }
     Py_XSETREF(st->subs[i], Py_NewRef(PyTuple_GET_ITEM(pair, 1)));
   }
-  if (!parse_checks(st->n, kind, checks, st->checks)) return nullptr;
+  if (!parse_checks(st->n, st->kind, checks, st->checks)) return nullptr;
   if (gate != Py_None) st->gate = Py_NewRef(gate);
   if (py_checks != Py_None) st->py_checks = Py_NewRef(py_checks);
   st->counters = Py_NewRef(counters);
