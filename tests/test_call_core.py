@@ -591,6 +591,36 @@ def test_a_bound_call_unlike_its_example_is_refused_and_runs_nothing(with_varian
     assert errors[0] == errors[1]
 
 
+def test_a_bound_call_with_inference_tensors_is_served_in_c(reference_only, path, monkeypatch):
+    """A serving loop runs under inference_mode, its tensors inference tensors (no autograd
+    dispatch keys) where the example was made outside it: the C object still serves the call,
+    never its Python fallback. Outside inference_mode the same pool cannot be written."""
+    path(True)
+    fallbacks = [0]
+    made = _callcore.bound
+
+    def counting(spec, python, *rest):
+        def counted(*args, **kwargs):
+            fallbacks[0] += 1
+            return python(*args, **kwargs)
+        return made(spec, counted, *rest)
+
+    monkeypatch.setattr(_callcore, "bound", counting)
+    bound = kv.bind(FN, **_fn_call())
+    assert type(bound).__name__ == "BoundCore"
+    expected = _fn_call(seed=1)
+    want = _reference.causal_conv1d_fn(**expected)
+    with torch.inference_mode():
+        call = _fn_call(seed=1)
+        got = bound(**call)
+    assert call["x"].is_inference() and fallbacks[0] == 0
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(call["conv_states"], expected["conv_states"])
+    with pytest.raises(ValueError, match="conv_states: an inference tensor"):
+        bound(**call)
+    assert fallbacks[0] == 1
+
+
 def test_a_graph_call_to_the_core_copies_an_output_that_aliases_an_input(with_variants, path):
     """A compiled graph's kernel calls the core with ``GRAPH`` for ``out``: the core clones an
     output sharing an input's storage in the same call; an ordinary call hands it back as is."""

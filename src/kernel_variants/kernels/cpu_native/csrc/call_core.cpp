@@ -133,6 +133,13 @@ const uint64_t kServed = c10::DispatchKeySet({c10::DispatchKey::CPU, c10::Dispat
                                               c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU})
                              .raw_repr();
 
+// The dispatch keys a bound call compares with its example's: all but autograd's and autocast's,
+// which an inference tensor lacks (a serving loop's tensors, bound with an example made
+// outside inference_mode) and requires_grad does not change.
+const uint64_t kBoundKeys = ~(c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView) | c10::autograd_dispatch_keyset |
+                              c10::autocast_dispatch_keyset)
+                                 .raw_repr();
+
 constexpr uint64_t kMul = 0x9e3779b97f4a7c15ULL;
 
 inline uint64_t mix(uint64_t h, uint64_t v) {
@@ -908,7 +915,7 @@ struct BoundState {
   std::vector<int8_t> kind;
   std::vector<uint8_t> mutated;
   std::vector<int64_t> like;  // the example's tensors' words (tensor_words), in parameter order
-  std::vector<uint64_t> keys;  // per parameter: the example tensor's dispatch key set (0: None, a value)
+  std::vector<uint64_t> keys;  // per parameter: the example tensor's dispatch keys & kBoundKeys (0: None, a value)
   bool grad = false;  // whether the example needed a gradient (a call may need one only then)
   std::vector<Guard> guards;
   std::vector<PyObject*> names;  // owned
@@ -983,7 +990,7 @@ bool like_example(BoundState* st, PyObject* const* slot, const at::Tensor** ts) 
     if (!tensor_words(slot[i], st->kind[i], st->mutated[i], match, &ts[i], false)) return false;
     if (ts[i] == nullptr) continue;
     const c10::TensorImpl* impl = ts[i]->unsafeGetTensorImpl();
-    if (impl->key_set().raw_repr() != st->keys[i]) return false;
+    if ((impl->key_set().raw_repr() & kBoundKeys) != st->keys[i]) return false;
     if (grad && impl->requires_grad()) needs_grad = true;
   }
   return match.w == match.end && !needs_grad;
@@ -1117,7 +1124,7 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
       PyErr_SetString(PyExc_ValueError, "BoundCore: the example's tensors are not plain tensors");
       return nullptr;
     }
-    if (t != nullptr) st->keys[i] = t->unsafeGetTensorImpl()->key_set().raw_repr();
+    if (t != nullptr) st->keys[i] = t->unsafeGetTensorImpl()->key_set().raw_repr() & kBoundKeys;
   }
   st->like.assign(words.begin(), words.begin() + static_cast<std::ptrdiff_t>(emit.end()));
   st->grad = grad != 0;
