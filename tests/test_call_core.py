@@ -621,6 +621,66 @@ def test_a_bound_call_with_inference_tensors_is_served_in_c(reference_only, path
     assert fallbacks[0] == 1
 
 
+def test_a_bind_with_a_parameter_in_its_example_is_c_level_and_keeps_no_tensor_of_it(reference_only, path):
+    """Module weights are Parameters: the C object serves such a bind; the bound op keeps the
+    example's metadata, not its tensors (a throw-away example's pool is freed)."""
+    import gc
+    import weakref
+
+    path(True)
+    example = _fn_call(weight=torch.nn.Parameter(torch.randn(D, W), requires_grad=False))
+    bound = kv.bind(FN, **example)
+    assert type(bound).__name__ == "BoundCore"
+    pool = weakref.ref(example["conv_states"])
+    call = _fn_call(seed=1, weight=example["weight"])
+    del example
+    gc.collect()
+    assert pool() is None, "the bound op keeps the example's pool"
+    torch.testing.assert_close(bound(**call), _reference.causal_conv1d_fn(**_fn_call(seed=1, weight=call["weight"])))
+
+
+def test_a_bound_call_with_a_value_of_another_type_is_refused_on_both_paths(reference_only, path):
+    """The memo key holds each value's type: -1.0 is not -1, and a bound op says so before its
+    variant sees a float where it was chosen for an int."""
+    errors = []
+    for on in (True, False):
+        path(on)
+        bound = kv.bind(FN, **_fn_call(pad_slot_id=-1))
+        with pytest.raises(ValueError, match=r"pad_slot_id: a bound op runs with the example's values; "
+                                             r"expected \{'pad_slot_id': -1\}, got \{'pad_slot_id': -1\.0\}") as info:
+            bound(**_fn_call(pad_slot_id=-1.0))
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
+
+
+def test_a_bound_variant_not_graph_safe_refuses_a_call_in_a_capture(with_variants, path, monkeypatch):
+    """Captured into a CUDA/NPU graph the op chooses among graph_safe variants only: a bound
+    variant that is not one refuses a call made while a graph is captured, and the bound op is
+    then the Python function (the C object does not read the capture state). Simulated on the
+    CPU: its calls counted as capturable."""
+    from kernel_variants._runtime import bind as _bind
+
+    path(True)
+    monkeypatch.setattr(_bind, "_capturable", lambda device: True)
+    capture = [False]
+    monkeypatch.setattr(_bind, "capturing", lambda device: capture[0])
+    for vid, graph_safe in (("unsafe", False), ("safe", True)):
+        with_variants(Variant(id=vid, op=FN, version="1", fn=_reference.causal_conv1d_fn, capabilities=ConvCapabilities(
+            devices={"cpu"}, dtypes={"float32"}, noncontiguous_states=True, graph_safe=graph_safe)))
+        with kv.force(causal_conv1d_fn=vid):
+            bound = kv.bind(FN, **_fn_call())
+        assert (type(bound).__name__ == "BoundCore") is graph_safe
+        capture[0] = True
+        if graph_safe:
+            bound(**_fn_call())
+        else:
+            with pytest.raises(ValueError, match="the bound variant 'unsafe' is not declared graph_safe, and a cpu graph "
+                                                 "is being captured"):
+                bound(**_fn_call())
+        capture[0] = False
+        bound(**_fn_call())
+
+
 def test_a_graph_call_to_the_core_copies_an_output_that_aliases_an_input(with_variants, path):
     """A compiled graph's kernel calls the core with ``GRAPH`` for ``out``: the core clones an
     output sharing an input's storage in the same call; an ordinary call hands it back as is."""

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kernel_variants._capture import capturing
 from kernel_variants._codegen import define
 from kernel_variants._policy import Decision
 from kernel_variants._registry.spec import OpSpec
@@ -17,7 +18,12 @@ from kernel_variants._runtime import call as _call
 from kernel_variants._runtime import callcore
 from kernel_variants._runtime.call import finish, out_runner, with_subs
 from kernel_variants._runtime.dispatcher import dispatcher
-from kernel_variants._runtime.errors import changed_error, unlike_error, variant_failed
+from kernel_variants._runtime.errors import (
+    capture_error,
+    changed_error,
+    unlike_error,
+    variant_failed,
+)
 from kernel_variants._runtime.guards import guard_writes, write_plan
 
 
@@ -68,10 +74,15 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     non-tensor argument equal to the example's (``ValueError``), index values where the op
     checks them (always on the CPU; on accelerators when ``KV_CHECK_VALUES`` is on; against the
     example's sizes), no overlap with a tensor the op writes, and a given ``out`` (its shape,
-    dtype, device and overlap). The choice is fixed: calibration, ``force`` or ``reload`` after
-    ``bind`` do not change it (bind again). ``op`` is the op's name or its public function; ``.variant`` says what runs.
-    Where the compiled call core is built, the result is a C object that behaves as this
-    function (and hands it what it does not run itself: ``out=``, a changed value, a bad index).
+    dtype, device and overlap). On a CUDA or NPU device, a variant not declared ``graph_safe``
+    refuses a call made while a graph is captured (``ValueError``: bind inside the capture). The
+    choice is fixed: calibration, ``force`` or ``reload`` after ``bind`` do not change it (bind
+    again). ``op`` is the op's name or its public function; ``.variant`` says what runs.
+    Where the compiled call core is built, the result is usually a C object that behaves as this
+    function (and hands it every call it does not run itself, which this function runs or refuses
+    with its message: ``out=``, a changed value or tensor, a bad index, an overlap); a Python
+    function where the op normalises its arguments by a rule, or the variant must check for a
+    graph capture on each call.
     """
     d = dispatcher()
     name = op if isinstance(op, str) else getattr(op, "__name__", None)
@@ -90,6 +101,9 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     guard = write_plan(spec, args, None)
     grad = spec.needs_grad(args)
     caps = d.registry.get(spec.name, vid).variant.capabilities
+    # Captured into a CUDA/NPU graph, the op chooses among graph_safe variants only: a bound
+    # variant that is not must see each call's capture state (which the C object does not read).
+    capture = _capturable(key.device) and not caps.graph_safe
     tensors = set(spec.tensor_indices)
     fixed = [i for i in range(len(spec.params)) if i not in tensors]
     normalized = dict(subs)
@@ -97,7 +111,8 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
         "_with": with_subs, "_fn": fn, "_check_values": checks, "_changed": _changed(spec, fixed, tuple(args[i] for i in fixed)),
         "_out": _bound_out(spec, vid, fn, caps, subs, rule), "_variant_failed": variant_failed, "_spec": spec,
         "_vid": vid, "_rule": rule, "_invoke": spec.invoke, "_subs": subs, "_guard": guard,
-        "_unlike": lambda got: _unlike(spec, args, grad, got), "_grad_enabled": torch.is_grad_enabled,
+        "_unlike": _unlike(spec, args, grad), "_grad_enabled": torch.is_grad_enabled,
+        "_capturing": _capturing(key.device), "_capture_error": capture_error(spec, vid, key.device),
     }
     like = _like_source(spec, args, grad, namespace)
     params = _params_source(spec, namespace)
@@ -112,19 +127,23 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     names = ", ".join(spec.params)
     fixed_src = f"({', '.join(spec.params[i] for i in fixed)},)" if fixed else "()"
     # One comparison per value rather than a tuple built and compared: it is on every call.
+    # A value of another type is another call (the memo key holds each value's type): -1.0 for -1.
     namespace.update({f"_f{k}": args[i] for k, i in enumerate(fixed)})
-    differs = " or ".join(f"{spec.params[i]} != _f{k}" for k, i in enumerate(fixed)) or "False"
+    namespace.update({f"_ft{k}": type(args[i]) for k, i in enumerate(fixed)})
+    differs = " or ".join(f"type({spec.params[i]}) is not _ft{k} or {spec.params[i]} != _f{k}"
+                          for k, i in enumerate(fixed)) or "False"
     run = (f"_invoke(_fn, _rule(_with(({names},), _subs)))" if rule is not None
            else f"_fn({', '.join(call_args)})")
     src = (f"def bound({params}):\n"
            f"    if {differs}:\n"
            f"        raise _changed({fixed_src})\n"
            "    try:\n"
-           f"        like = {like}\n"
+           f"        _like_ok = {like}\n"
            "    except AttributeError:  # not a tensor where the example had one\n"
-           "        like = False\n"
-           "    if not like:\n"
+           "        _like_ok = False\n"
+           "    if not _like_ok:\n"
            f"        raise _unlike(({names},))\n"
+           + ("    if _capturing():\n        raise _capture_error\n" if capture else "")
            + (f"    _check_values(({names},))\n" if checks is not None else "")
            + "    if out is not None:\n"
            f"        return _out(({names},), out)\n"
@@ -135,8 +154,8 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
            "        raise _variant_failed(_spec, _vid, exc) from exc\n")
     bound = define("bound", src, namespace, what=spec.name)
     # The same in C where the call core is built: this function then serves only what the C
-    # object hands it (out=, a changed value, a bad index value), raising with its messages.
-    fast = None if rule is not None else callcore.bound(
+    # object hands it, running it or raising with its messages.
+    fast = None if rule is not None or capture else callcore.bound(
         spec, bound, vid, fn, subs, checks, fixed, tuple(args[i] for i in fixed), tuple(args), grad,
         () if guard is None else guard.declared[0])
     for made in (bound, fast) if fast is not None else (bound,):
@@ -178,29 +197,52 @@ def _like_source(spec: OpSpec, example: tuple[Any, ...], grad: bool, namespace: 
     return " and ".join(f"({p})" for p in parts) or "True"
 
 
-def _describe(t: Any, strides: bool) -> str:
-    if not isinstance(t, torch.Tensor):
+_Meta = tuple[torch.Size, torch.dtype, torch.device, tuple[int, ...]]
+
+
+def _meta(t: Any) -> _Meta | None:
+    """What a bound call compares of a tensor (None for anything else)."""
+    return (t.shape, t.dtype, t.device, t.stride()) if isinstance(t, torch.Tensor) else None
+
+
+def _describe(t: Any, meta: _Meta | None, strides: bool) -> str:
+    if meta is None:
         return "None" if t is None else f"a {type(t).__name__}"
-    where = f" with strides {list(t.stride())}" if strides else ""
-    return f"a {list(t.shape)} {str(t.dtype)[6:]} tensor on {t.device}{where}"
+    shape, dtype, device, stride = meta
+    where = f" with strides {list(stride)}" if strides else ""
+    return f"a {list(shape)} {str(dtype)[6:]} tensor on {device}{where}"
 
 
-def _unlike(spec: OpSpec, example: tuple[Any, ...], grad: bool, got: tuple[Any, ...]) -> Exception:
-    """The error of a bound call whose tensors are not like the example's."""
-    for i in spec.tensor_indices:
-        e, g = example[i], got[i]
-        written = i in spec.mutated_indices
-        if e is None or not isinstance(g, torch.Tensor):
-            if (e is None) != (g is None) or not isinstance(g, torch.Tensor | None):
-                return unlike_error(spec.params[i], _describe(e, False), _describe(g, False), type_error=True)
-            continue
-        same = (e.shape == g.shape and e.device == g.device and (not written or e.stride() == g.stride()))
-        if e.dtype != g.dtype or not same:
-            return unlike_error(spec.params[i], _describe(e, written), _describe(g, written),
-                                type_error=e.dtype != g.dtype)
-    needing = [spec.params[i] for i in spec.tensor_indices if got[i] is not None and got[i].requires_grad]
-    return unlike_error(", ".join(needing), "no tensor that requires grad in grad mode (the example's call needed "
-                        "no gradient)", "one that does", type_error=False)
+def _unlike(spec: OpSpec, example: tuple[Any, ...], grad: bool) -> Callable[[tuple[Any, ...]], Exception]:
+    """``unlike(args)``: the error of a bound call whose tensors are not like the example's. Keeps
+    the example's metadata, not its tensors (a throw-away example's pool is freed)."""
+    metas = {i: _meta(example[i]) for i in spec.tensor_indices}
+
+    def unlike(got: tuple[Any, ...]) -> Exception:
+        for i, e in metas.items():
+            g = _meta(got[i])
+            written = i in spec.mutated_indices
+            if (e is None) != (g is None) or (g is None and got[i] is not None):
+                return unlike_error(spec.params[i], _describe(None, e, False), _describe(got[i], g, False),
+                                    type_error=True)
+            if e is not None and g is not None and (e[:3] != g[:3] or (written and e[3] != g[3])):
+                return unlike_error(spec.params[i], _describe(None, e, written), _describe(got[i], g, written),
+                                    type_error=e[1] != g[1])
+        needing = [spec.params[i] for i in metas if got[i] is not None and got[i].requires_grad]
+        return unlike_error(", ".join(needing), "no tensor that requires grad in grad mode (the example's call "
+                            "needed no gradient)", "one that does", type_error=False)
+
+    return unlike
+
+
+def _capturable(device: str) -> bool:
+    """Whether calls on ``device`` can be captured into a graph (the op's key asks off the CPU)."""
+    return device != "cpu"
+
+
+def _capturing(device: str) -> Callable[[], bool]:
+    """Whether a CUDA/NPU graph is being captured on ``device`` now (what the op's key asks)."""
+    return lambda: capturing(device) and not torch.compiler.is_compiling()
 
 
 def _changed(spec: OpSpec, fixed: list[int], expected: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], ValueError]:

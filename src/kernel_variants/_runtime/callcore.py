@@ -164,7 +164,7 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
     """``kv.bind``'s object in C (the op's signature bound there, then the bound call's checks and
     the variant), handing any call it does not run to ``python``, the bound function in Python;
     None where the core is off or not built, the signature has positional-only parameters, or
-    the example has a tensor subclass. ``example``: the example's arguments in signature order,
+    the example has a tensor subclass (but a Parameter). ``example``: the example's arguments in signature order,
     whose tensors each call's must be like; ``grad``: whether the example needed a gradient;
     ``guards``: the write guard's data (``write_plan(...).declared[0]``)."""
     if core_for(spec) is None:
@@ -173,7 +173,8 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
     params = list(spec.py_signature.parameters.values())
     if module is None or any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in params):
         return None
-    if any(example[i] is not None and type(example[i]) is not torch.Tensor for i in spec.tensor_indices):
+    if any(example[i] is not None and type(example[i]) not in (torch.Tensor, torch.nn.Parameter)
+           for i in spec.tensor_indices):  # a subclass may see its own __torch_function__
         return None
     data = gate = py_checks = None
     if checks is not None:

@@ -48,7 +48,7 @@ def outs_overlap_error(name: str, other: str) -> ValueError:
 
 def changed_error(names: list[str], expected: tuple[Any, ...], got: tuple[Any, ...]) -> ValueError:
     """A bound op called with other values than its example's."""
-    which = [n for n, e, g in zip(names, expected, got, strict=True) if e != g]
+    which = [n for n, e, g in zip(names, expected, got, strict=True) if type(e) is not type(g) or e != g]
     return ValueError(f"{', '.join(which)}: a bound op runs with the example's values; expected "
                       f"{ {n: e for n, e in zip(names, expected, strict=True) if n in which} }, got "
                       f"{ {n: g for n, g in zip(names, got, strict=True) if n in which} }; "
@@ -61,6 +61,13 @@ def unlike_error(name: str, expected: str, got: str, *, type_error: bool) -> Typ
     cls = TypeError if type_error else ValueError
     return cls(f"{name}: a bound op runs on tensors like its example's (its variant was chosen and qualified for "
                f"them); expected {expected}, got {got}; call kernel_variants.bind again for these, or call the op")
+
+
+def capture_error(spec: OpSpec, vid: str, device: str) -> ValueError:
+    """A bound variant not declared graph_safe, called while a graph is captured on its device."""
+    return ValueError(f"{spec.name}: the bound variant {vid!r} is not declared graph_safe, and a {device} graph is "
+                      "being captured; call kernel_variants.bind inside the capture (it then chooses a graph_safe "
+                      "variant), or call the op")
 
 
 def entry_error(spec: OpSpec, got: int) -> TypeError:

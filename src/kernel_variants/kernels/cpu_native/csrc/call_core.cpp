@@ -634,13 +634,13 @@ bool parse_checks(int n, const std::vector<int8_t>& kind, PyObject* seq, std::ve
 
 bool parse_guards(int n, const std::vector<int8_t>& kind, PyObject* seq, std::vector<Guard>& out) {
   if (!PyTuple_Check(seq)) {
-    PyErr_SetString(PyExc_TypeError, "learn: guard must be a tuple of (mutated, span, near) tuples");
+    PyErr_SetString(PyExc_TypeError, "guards must be a tuple of (mutated, span, near) tuples");
     return false;
   }
   for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(seq); ++k) {
     PyObject* item = PyTuple_GET_ITEM(seq, k);
     if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3 || !PyTuple_Check(PyTuple_GET_ITEM(item, 2))) {
-      PyErr_SetString(PyExc_TypeError, "learn: each guard must be a (mutated, span, near) tuple");
+      PyErr_SetString(PyExc_TypeError, "each guard must be a (mutated, span, near) tuple");
       return false;
     }
     Guard g;
@@ -656,7 +656,7 @@ bool parse_guards(int n, const std::vector<int8_t>& kind, PyObject* seq, std::ve
       g.near.push_back(i);
     }
     if (bad) {
-      PyErr_SetString(PyExc_ValueError, "learn: a guard names no tensor parameter");
+      PyErr_SetString(PyExc_ValueError, "a guard names no tensor parameter");
       return false;
     }
     out.push_back(std::move(g));
@@ -966,8 +966,10 @@ inline int param_index(const BoundState* st, PyObject* name) {
   return -1;
 }
 
-// Python's `value != expected` as the Python bound function evaluates it; -1 on an error.
+// The Python bound function's test: another type (as the memo key, which holds each value's
+// type: -1.0 is not -1), or `value != expected`; -1 on an error.
 inline int differs(PyObject* value, PyObject* expected) {
+  if (Py_TYPE(value) != Py_TYPE(expected)) return 1;
   if (value == expected &&
       (PyUnicode_CheckExact(value) || PyLong_CheckExact(value) || value == Py_None || PyBool_Check(value)))
     return 0;  // what != gives for the same str, int, bool or None, without asking
@@ -1105,7 +1107,9 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     const int k = parse_kind(PyTuple_GET_ITEM(kinds, i), "BoundCore");
     if (k < 0) return nullptr;
     st->kind.push_back(static_cast<int8_t>(k));
-    st->mutated.push_back(PyObject_IsTrue(PyTuple_GET_ITEM(mutated, i)) == 1);
+    const int written = PyObject_IsTrue(PyTuple_GET_ITEM(mutated, i));
+    if (written < 0) return nullptr;
+    st->mutated.push_back(written == 1);
   }
   // The example's words: what each call's tensors are compared with.
   std::vector<int64_t> words(64);
