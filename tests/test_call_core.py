@@ -646,6 +646,7 @@ def test_a_bound_call_with_a_value_of_another_type_is_refused_on_both_paths(refe
     for on in (True, False):
         path(on)
         bound = kv.bind(FN, **_fn_call(pad_slot_id=-1))
+        assert (type(bound).__name__ == "BoundCore") is on
         with pytest.raises(ValueError, match=r"pad_slot_id: a bound op runs with the example's values; "
                                              r"expected \{'pad_slot_id': -1\}, got \{'pad_slot_id': -1\.0\}") as info:
             bound(**_fn_call(pad_slot_id=-1.0))
@@ -658,6 +659,9 @@ def test_a_bound_variant_not_graph_safe_refuses_a_call_in_a_capture(with_variant
     variant that is not one refuses a call made while a graph is captured, and the bound op is
     then the Python function (the C object does not read the capture state). Simulated on the
     CPU: its calls counted as capturable."""
+    import gc
+    import weakref
+
     from kernel_variants._runtime import bind as _bind
 
     path(True)
@@ -674,9 +678,13 @@ def test_a_bound_variant_not_graph_safe_refuses_a_call_in_a_capture(with_variant
         if graph_safe:
             bound(**_fn_call())
         else:
+            refused = _fn_call()
             with pytest.raises(ValueError, match="the bound variant 'unsafe' is not declared graph_safe, and a cpu graph "
                                                  "is being captured"):
-                bound(**_fn_call())
+                bound(**refused)
+            x = weakref.ref(refused.pop("x"))
+            gc.collect()
+            assert x() is None, "the error keeps a refused call's tensors"
         capture[0] = False
         bound(**_fn_call())
 

@@ -112,7 +112,7 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
         "_out": _bound_out(spec, vid, fn, caps, subs, rule), "_variant_failed": variant_failed, "_spec": spec,
         "_vid": vid, "_rule": rule, "_invoke": spec.invoke, "_subs": subs, "_guard": guard,
         "_unlike": _unlike(spec, args, grad), "_grad_enabled": torch.is_grad_enabled,
-        "_capturing": _capturing(key.device), "_capture_error": capture_error(spec, vid, key.device),
+        "_capturing": _capturing(key.device), "_capture_error": lambda: capture_error(spec, vid, key.device),
     }
     like = _like_source(spec, args, grad, namespace)
     params = _params_source(spec, namespace)
@@ -143,7 +143,7 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
            "        _like_ok = False\n"
            "    if not _like_ok:\n"
            f"        raise _unlike(({names},))\n"
-           + ("    if _capturing():\n        raise _capture_error\n" if capture else "")
+           + ("    if _capturing():\n        raise _capture_error()\n" if capture else "")
            + (f"    _check_values(({names},))\n" if checks is not None else "")
            + "    if out is not None:\n"
            f"        return _out(({names},), out)\n"
@@ -236,8 +236,8 @@ def _unlike(spec: OpSpec, example: tuple[Any, ...], grad: bool) -> Callable[[tup
 
 
 def _capturable(device: str) -> bool:
-    """Whether calls on ``device`` can be captured into a graph (the op's key asks off the CPU)."""
-    return device != "cpu"
+    """Whether calls on ``device`` can be captured into a graph (what ``capturing`` can say yes to)."""
+    return device in ("cuda", "npu")
 
 
 def _capturing(device: str) -> Callable[[], bool]:
