@@ -985,17 +985,16 @@ inline int differs(PyObject* value, PyObject* expected) {
 // needed only where the example needed one.
 bool like_example(BoundState* st, PyObject* const* slot, const at::Tensor** ts) {
   Match match{st->like.data(), st->like.data() + st->like.size()};
-  bool needs_grad = false;
-  const bool grad = !st->grad && c10::GradMode::is_enabled();
+  const bool refuse_grad = !st->grad && c10::GradMode::is_enabled();
   for (int i = 0; i < st->n; ++i) {
     if (st->kind[i] == kValue) continue;
     if (!tensor_words(slot[i], st->kind[i], st->mutated[i], match, &ts[i], false)) return false;
     if (ts[i] == nullptr) continue;
     const c10::TensorImpl* impl = ts[i]->unsafeGetTensorImpl();
     if ((impl->key_set().raw_repr() & kBoundKeys) != st->keys[i]) return false;
-    if (grad && impl->requires_grad()) needs_grad = true;
+    if (refuse_grad && impl->requires_grad()) return false;
   }
-  return match.w == match.end && !needs_grad;
+  return match.w == match.end;
 }
 
 PyObject* bound_fallback(BoundState* st, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
