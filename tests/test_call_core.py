@@ -542,6 +542,91 @@ def test_a_compiled_graph_takes_the_core_as_an_eager_call_does(reference_only, p
             assert python_calls[0] == python, f"core {'on' if on else 'off'}"
 
 
+def _overload_args(op: str, call: dict) -> tuple:
+    """The op's arguments in signature order, as a compiled graph passes them to its overload."""
+    return tuple(dispatcher().registry.spec(op).bind(**call))
+
+
+def test_the_graph_kernel_is_c_level_and_serves_as_the_eager_call_does(reference_only, path, python_calls):
+    """Where the core is built, the op's graph kernel is its C++ one (no Python frame between the
+    graph and the core): called through the dispatcher it gives the eager call's results and
+    state writes, the Python path serving each signature once; with the core off, the same
+    results from the Python path on every call."""
+    import subprocess
+    import sys
+
+    from kernel_variants._runtime import custom_ops  # noqa: F401 - registers the ops made so far, and later ones
+
+    for name in (FN, UP, "gemma_rms_norm", "add_gemma_rms_norm"):
+        getattr(kv, name)  # makes the op
+        table = torch._C._dispatch_dump(f"kernel_variants::{name}")
+        assert "CompositeExplicitAutograd[alias]: registered at" in table and "call_core.cpp" in table, table
+    calls = {**CALLS, "add_gemma_rms_norm": ("add_gemma_rms_norm", lambda seed=0: {
+        **_rms_call(seed), "residual": torch.randn(4, D, generator=torch.Generator().manual_seed(seed + 7))})}
+    with torch.no_grad():
+        for on in (True, False):
+            path(on)
+            for label, (op, make) in calls.items():
+                expected = _run(op, make(0))
+                overload = getattr(torch.ops.kernel_variants, op).default
+                python_calls[0] = 0
+                for _ in range(2):
+                    call = make(0)
+                    got = overload(*_overload_args(op, call))
+                    _same((got, {k: v for k, v in call.items() if isinstance(v, torch.Tensor)}), expected)
+                assert python_calls[0] == (0 if on else 2), (label, on)  # the eager call above taught the core
+    # A process where the core is off when the ops are registered: the Python kernel, the same results.
+    script = (
+        "import torch, kernel_variants as kv\n"
+        "import kernel_variants._runtime.custom_ops\n"
+        "kv.causal_conv1d_update\n"
+        "table = torch._C._dispatch_dump('kernel_variants::causal_conv1d_update')\n"
+        "assert 'call_core.cpp' not in table and 'custom_ops.py' in table.split('CompositeExplicitAutograd')[1], table\n"
+        "x, s, w = torch.randn(2, 8), torch.randn(3, 3, 8), torch.randn(8, 4)\n"
+        "s2 = s.clone()\n"
+        "y = torch.ops.kernel_variants.causal_conv1d_update.default(x, s, w, None, None, None, None, -1)\n"
+        "assert torch.equal(y, kv.causal_conv1d_update(x, s2, w)) and torch.equal(s, s2)\n"
+        "print('ok')\n")
+    env = {**__import__("os").environ, _callcore.ENV: "0", "KV_FORCE": ""}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and run.stdout.split() == ["ok"], run.stderr[-3000:]
+
+
+def test_the_graph_kernel_raises_the_eager_call_s_errors(with_variants, path):
+    """Through the C++ graph kernel: bad input raises the eager call's error (its type and
+    message), a variant's failure is a VariantFailed, and a variant that returns no tensor a
+    TypeError saying so, on the core's path and on the Python one."""
+    returns = [None]
+
+    def fn(*args, **kwargs):
+        res = _reference.causal_conv1d_fn(*args, **kwargs)
+        if isinstance(returns[0], Exception):
+            raise returns[0]
+        return res if returns[0] is None else returns[0]
+
+    overload = torch.ops.kernel_variants.causal_conv1d_fn.default
+    bad = _fn_call(cache_indices=torch.tensor([4, 9, 2], dtype=torch.int32))
+    for on in (True, False):
+        path(on)
+        with_variants(Variant(id="odd", op=FN, version="1", fn=fn, capabilities=ConvCapabilities(
+            devices={"cpu"}, dtypes={"float32"}, noncontiguous_states=True, varlen=True)))
+        with torch.no_grad(), kv.force(causal_conv1d_fn="odd"):
+            kv.causal_conv1d_fn(**_fn_call())  # qualifies the variant and teaches the core the entry
+            with pytest.raises(ValueError) as eager:
+                kv.causal_conv1d_fn(**bad)
+            for _ in range(2):
+                with pytest.raises(ValueError) as graph:
+                    overload(*_overload_args(FN, bad))
+                assert str(graph.value) == str(eager.value)
+            returns[0] = "not a tensor"
+            with pytest.raises(TypeError, match="expected the variant to return a tensor, got str"):
+                overload(*_overload_args(FN, _fn_call()))
+            returns[0] = RuntimeError("kernel exploded")
+            with pytest.raises(VariantFailed, match="variant 'odd' of causal_conv1d_fn failed: RuntimeError"):
+                overload(*_overload_args(FN, _fn_call()))
+            returns[0] = None
+
+
 UNLIKE = {  # a bound call's change to its example -> the error
     "another dtype": ({"x": lambda c: c["x"].bfloat16(), "weight": lambda c: c["weight"].bfloat16(),
                        "bias": lambda c: c["bias"].bfloat16(), "conv_states": lambda c: c["conv_states"].bfloat16()},

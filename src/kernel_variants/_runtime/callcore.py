@@ -155,6 +155,21 @@ def core_for(spec: OpSpec) -> Any:
     return core
 
 
+def graph_kernel(name: str, slot: Slot, kernel: Callable[..., Any], miss: Callable[..., Any], n_out: int) -> bool:
+    """Register the core's C++ kernel for the op ``kernel_variants::<name>`` (``op.overload``):
+    a compiled graph's call reaches ``slot``'s core from the dispatcher with no Python frame.
+    ``kernel``: the Python kernel, which serves while the slot holds no core; ``miss``: its
+    path for a call the core hands back. False (nothing registered) where the core is off or not
+    built: the caller registers ``kernel`` itself."""
+    if _off(os.environ.get(ENV, "")):
+        return False
+    module = _library()[0]
+    if module is None or not hasattr(module, "graph_kernel"):
+        return False
+    module.graph_kernel(name, slot, kernel, miss, len(slot.spec.params), n_out)
+    return True
+
+
 _REQUIRED = object()  # a BoundCore default slot: the parameter has none
 
 

@@ -217,8 +217,10 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
            f"    core = _slot.core\n"
            f"    res = _miss if core is None else core({names}, _graph)\n"
            f"    if res is _miss:\n"
-           f"        return _c.unaliased(_call(_spec, ({names},), None, _slot.core), {tensors})\n"
+           f"        return kernel_miss({names})\n"
            f"    return res\n"
+           f"def kernel_miss({names}):\n"
+           f"    return _c.unaliased(_call(_spec, ({names},), None, _slot.core), {tensors})\n"
            f"def kernel_out({names}, {outs}):\n"
            f"    _call(_spec, ({names},), {out_arg})\n"
            f"def fake({names}):\n"
@@ -250,14 +252,18 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
             f"def public({_params_source(spec, namespace)}, {'' if keyword_only else '*, '}{own}):\n{body}")
     define("traced", src, namespace, what=spec.name)
     kernel, fake, traced = namespace["kernel"], namespace["fake"], namespace["traced"]
-    kernel_out, fake_out = namespace["kernel_out"], namespace["fake_out"]
+    kernel_out, fake_out, kernel_miss = namespace["kernel_out"], namespace["fake_out"], namespace["kernel_miss"]
     _PUBLIC[spec.name] = namespace["public"]
-    for fn in (kernel, fake, traced, kernel_out, fake_out, namespace["public"]):
+    for fn in (kernel, kernel_miss, fake, traced, kernel_out, fake_out, namespace["public"]):
         fn.__qualname__ = fn.__name__ = f"{spec.name}_{fn.__name__}"
+    slot = callcore.slot_of(spec)
     for _, overload in overloads:
         for name, k, f in ((spec.name, kernel, fake), (into, kernel_out, fake_out)):
             qualified = _qualified(name, overload)
-            LIB.impl(qualified, k, "CompositeExplicitAutograd")
+            # The ops that return their outputs take the core's C++ kernel where it is built
+            # (no Python frame between the graph and the core); the Python one otherwise.
+            if k is not kernel or not callcore.graph_kernel(qualified, slot, kernel, kernel_miss, n_out):
+                LIB.impl(qualified, k, "CompositeExplicitAutograd")
             torch.library.register_fake(f"{NAMESPACE}::{qualified}", f, lib=LIB)
     return traced
 

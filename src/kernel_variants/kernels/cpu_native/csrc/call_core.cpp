@@ -21,11 +21,14 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/object_ptr.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <typeinfo>
@@ -1525,6 +1528,141 @@ PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// --- a compiled graph's kernel of the op, in C++ ---
+//
+// Registered by custom_ops as the CompositeExplicitAutograd kernel of `kernel_variants::<op>`
+// (each overload that returns its outputs) where the core is built: a graph's call reaches the
+// core from the dispatcher's stack with no Python frame on the way. A Python kernel there costs
+// the frame, its globals and the slot's attribute, each a cache miss after a large kernel, on
+// top of what a plain op's Python kernel costs; this kernel reads the slot's core and calls it
+// as the Python kernel would, and hands anything else (the core not yet resolved, off, a miss)
+// to that Python kernel's code, so both give the same results and errors.
+
+// A Python object for a schema argument of the op's (Tensor, Tensor?, int, float, bool, str and
+// their optional forms): a new reference, or nullptr with a Python error set.
+PyObject* to_python(const c10::IValue& v) {
+  if (v.isTensor()) return THPVariable_Wrap(v.toTensor());
+  if (v.isNone()) return Py_NewRef(Py_None);
+  if (v.isBool()) return PyBool_FromLong(v.toBool());
+  if (v.isInt()) return PyLong_FromLongLong(v.toInt());
+  if (v.isDouble()) return PyFloat_FromDouble(v.toDouble());
+  if (v.isString()) {
+    const auto& s = v.toStringRef();
+    return PyUnicode_FromStringAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
+  }
+  PyErr_Format(PyExc_TypeError, "kernel_variants graph kernel: an argument of type %s, where the op's schema has "
+               "Tensor, int, float, bool or str", v.tagKind().c_str());
+  return nullptr;
+}
+
+class GraphKernel final : public c10::OperatorKernel {
+ public:
+  // slot: the op's callcore.Slot (its `core` read per call); kernel: the Python kernel, called
+  // where the slot holds no CallCore; miss: its Python path, called on the core's miss. Held
+  // for the life of the process, as the registration is.
+  GraphKernel(PyObject* slot, PyObject* kernel, PyObject* miss, int n, int n_out)
+      : slot_(Py_NewRef(slot)), kernel_(Py_NewRef(kernel)), miss_(Py_NewRef(miss)), n_(n), n_out_(n_out) {}
+
+  void operator()(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    // A graph runs from Python (the GIL held: this costs a thread-state read), but a caller in
+    // C++ may not hold it.
+    const PyGILState_STATE gil = PyGILState_Ensure();
+    struct Release {
+      PyGILState_STATE g;
+      ~Release() { PyGILState_Release(g); }
+    } release{gil};
+    PyObject* args[kMaxParams + 1];
+    struct Refs {
+      PyObject** a;
+      int k = 0;
+      ~Refs() {
+        for (int i = 0; i < k; ++i) Py_DECREF(a[i]);
+      }
+    } refs{args};
+    auto in = torch::jit::last(*stack, n_);
+    for (int i = 0; i < n_; ++i) {
+      args[i] = to_python(in[i]);
+      if (args[i] == nullptr) throw python_error_now();
+      refs.k = i + 1;
+    }
+    THPObjectPtr res(call(args));
+    if (!res) throw python_error_now();
+    torch::jit::drop(*stack, n_);
+    push_outputs(res.get(), stack);
+  }
+
+ private:
+  static python_error python_error_now() {
+    python_error e;
+    e.persist();
+    return e;
+  }
+
+  PyObject* call(PyObject** args) {
+    THPObjectPtr core(PyObject_GetAttrString(slot_, "core"));
+    if (!core) return nullptr;
+    if (!Py_IS_TYPE(core.get(), &CallCoreType)) return PyObject_Vectorcall(kernel_, args, n_, nullptr);
+    State* st = reinterpret_cast<CallCore*>(core.get())->st;
+    args[n_] = st->graph;
+    PyObject* res = serve_or_miss(st, args);
+    if (res != st->miss) return res;
+    Py_DECREF(res);
+    return PyObject_Vectorcall(miss_, args, n_, nullptr);
+  }
+
+  // The kernel's result (a tensor; a tuple or list of n_out tensors) onto the stack.
+  void push_outputs(PyObject* res, torch::jit::Stack* stack) const {
+    if (n_out_ == 1 && is_tensor(res)) {
+      torch::jit::push(*stack, THPVariable_Unpack(res));
+      return;
+    }
+    const bool seq = PyTuple_Check(res) || PyList_Check(res);
+    TORCH_CHECK_TYPE(n_out_ > 1 && seq && PySequence_Fast_GET_SIZE(res) == n_out_, "kernel_variants graph kernel: "
+                "expected the variant to return ", n_out_ == 1 ? "a tensor" : std::to_string(n_out_) + " tensors",
+                ", got ", Py_TYPE(res)->tp_name);
+    for (int i = 0; i < n_out_; ++i) {
+      PyObject* o = PySequence_Fast_GET_ITEM(res, i);
+      TORCH_CHECK_TYPE(is_tensor(o), "kernel_variants graph kernel: expected output ", i, " to be a tensor, got ",
+                  Py_TYPE(o)->tp_name);
+      torch::jit::push(*stack, THPVariable_Unpack(o));
+    }
+  }
+
+  PyObject* slot_;
+  PyObject* kernel_;
+  PyObject* miss_;
+  int n_;
+  int n_out_;
+};
+
+// graph_kernel(name, slot, kernel, miss, n, n_out): registers GraphKernel as the
+// CompositeExplicitAutograd kernel of `kernel_variants::<name>` (an overload as
+// "op.overload"). The registration is never undone: the Library is kept for the process, as
+// the op's Python one is (undone at exit, it would run after the op's definition is gone).
+PyObject* graph_kernel(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 6 || !PyUnicode_Check(a[0])) {
+    PyErr_SetString(PyExc_TypeError, "graph_kernel(name, slot, kernel, miss, n, n_out): expected 6 arguments");
+    return nullptr;
+  }
+  const long n = PyLong_AsLong(a[4]);
+  const long n_out = PyLong_AsLong(a[5]);
+  if (PyErr_Occurred()) return nullptr;
+  if (n < 0 || n > kMaxParams || n_out < 1) {
+    PyErr_Format(PyExc_ValueError, "graph_kernel: n in 0..%d and n_out >= 1, got %ld and %ld", kMaxParams, n, n_out);
+    return nullptr;
+  }
+  const char* name = PyUnicode_AsUTF8(a[0]);
+  if (name == nullptr) return nullptr;
+  static auto* libs = new std::vector<std::unique_ptr<torch::Library>>();
+  libs->push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "kernel_variants",
+                                                   c10::DispatchKey::CompositeExplicitAutograd, __FILE__, __LINE__));
+  libs->back()->impl(name, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<GraphKernel>(
+                               a[1], a[2], a[3], static_cast<int>(n), static_cast<int>(n_out))));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef module_methods[] = {
     {"channel_last", channel_last, METH_O, "channel_last(t) -> t.transpose(-1, -2) as a plain alias"},
     {"decode_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(decode_step)), METH_FASTCALL,
@@ -1532,6 +1670,8 @@ PyMethodDef module_methods[] = {
     {"prefill_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(prefill_step)), METH_FASTCALL,
      "prefill_step(core, entry, x, weight, bias, pool, query_start_loc, indices, has_initial_state, activation, "
      "sentinel, table, lengths) -> (dim, T) or None"},
+    {"graph_kernel", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(graph_kernel)), METH_FASTCALL,
+     "graph_kernel(name, slot, kernel, miss, n, n_out): the op's compiled-graph kernel in C++"},
     {"unaliased", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unaliased)), METH_FASTCALL,
      "unaliased(result, *args) -> result, each output sharing storage with a tensor argument cloned"},
     {nullptr, nullptr, 0, nullptr},
