@@ -19,7 +19,11 @@ output checks) cost ~35 us per call where this kernel adds ~3 us over an eager c
 - The kernel is the ordinary eager call, which validates and dispatches per call: the variant is
   chosen when the graph runs, from the memo (a dict hit once a signature is seen), so calibration,
   ``force()`` (a context variable, which a traced graph could not guard on) and ``KV_FORCE`` take
-  effect in an already compiled graph without recompiling it.
+  effect in an already compiled graph without recompiling it. Where the call core is built, the
+  kernel of each overload that returns its outputs is the core's C++ one (``graph_kernel`` in
+  ``call_core.cpp``): it takes the arguments from the dispatcher's stack and calls the core with
+  no Python frame between; the Python kernel below serves what it hands over (the core not yet
+  found or off, a call the core does not serve), and is the kernel where the core is not built.
 
 The public functions route here only while Dynamo traces them, or in a real run under
 ``torch.export`` or a compile session that the call core hands back; the graph calls the op,
