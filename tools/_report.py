@@ -94,6 +94,27 @@ def per_call_us(fn: Callable[[], object], number: int) -> float:
     return (time.perf_counter() - t0) / number * 1e6
 
 
+def built_call_core(tool: str) -> None:
+    """The compiled call core, built as ``kv build`` builds it, unless ``KV_CALL_CORE=0`` asks for
+    the Python path: a benchmark judges the ops as deployed, and a virtualenv that skipped ``kv
+    build`` would otherwise time the Python path. Call it before the first op is used: a compiled
+    graph's kernel is chosen when the op is registered. A failed build is said on stderr and the
+    run goes on; each report's header says which path served."""
+    import sys
+
+    import kernel_variants as kv
+    from kernel_variants._runtime import callcore
+    from kernel_variants.kernels.cpu_native import _build
+
+    if callcore.status()[0] or callcore._off(os.environ.get(callcore.ENV, "")):
+        return
+    try:
+        _build.load_extension(_build.CORE)
+    except RuntimeError as exc:
+        print(f"{tool}: the call core did not build ({str(exc).splitlines()[0]})", file=sys.stderr)
+    kv.reload()  # the ops take the core from here on
+
+
 def noop_registry(*variants: Variant) -> Registry:
     """The installed plugins plus ``variants`` (the scripts' no-op variants, chosen by priority
     with ``KV_QUALIFY=off``: the time around them is the call path's)."""

@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import torch
 from _report import (  # tools/ is sys.path[0]
+    built_call_core,
     cpu_model,
     markdown_table,
     noop_registry,
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["KV_CACHE_DIR"] = tempfile.mkdtemp(prefix="kv-adapters-")  # never the user's table
     os.environ["KV_QUALIFY"] = "off"  # the no-op variants are chosen, not qualified (they compute nothing)
     torch.set_num_threads(1)
+    built_call_core("bench_adapters")
     path = _call_path()
     rows, data = _noop_rows(args.number, args.rounds)
     more, more_data = _decode_rows(max(args.number // 5, 100), args.rounds)

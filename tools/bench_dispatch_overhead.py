@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import torch
 from _report import (  # tools/ is sys.path[0]
+    built_call_core,
     cpu_model,
     markdown_table,
     noop_registry,
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["KV_CACHE_DIR"] = tempfile.mkdtemp(prefix="kv-overhead-")  # never the user's table
     os.environ["KV_QUALIFY"] = "off"  # the no-op variant is chosen, not qualified (it computes nothing)
     torch.set_num_threads(1)
+    built_call_core("bench_dispatch_overhead")
     on, path = _callcore.status()
     if not on:
         print(f"the compiled call core is not in use ({path}): only the Python path can be measured")

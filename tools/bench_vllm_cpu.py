@@ -48,7 +48,13 @@ import time
 from types import SimpleNamespace
 
 import torch
-from _report import ALLOC_ENV, allocator, cpu_model, markdown_table  # tools/ is sys.path[0]
+from _report import (  # tools/ is sys.path[0]
+    ALLOC_ENV,
+    allocator,
+    built_call_core,
+    cpu_model,
+    markdown_table,
+)
 
 import kernel_variants as kv
 from kernel_variants._runtime import callcore
@@ -238,21 +244,6 @@ def built_cpu_native() -> dict:
     return ours
 
 
-def _built_call_core() -> None:
-    """The compiled call core, built as `kv build` builds it, unless KV_CALL_CORE=0 asks for the
-    Python path: the grid judges the dispatched op as deployed, and a virtualenv that skipped
-    `kv build` would otherwise time the Python path (decode B=1: 0.65x vLLM against 1.49x)."""
-    from kernel_variants.kernels.cpu_native import _build
-
-    if callcore.status()[0] or callcore._off(os.environ.get(callcore.ENV, "")):
-        return
-    try:
-        _build.load_extension(_build.CORE)
-    except RuntimeError as exc:  # measured all the same: the header says which path served
-        print(f"bench_vllm_cpu: the call core did not build ({str(exc).splitlines()[0]})", file=sys.stderr)
-    kv.reload()  # the ops take the core from here on
-
-
 def grid_in_throwaway_table(args) -> int:
     """grid() with a dispatcher of its own on a table in a temporary folder, removed afterwards:
     the user's table and verdicts are never read or written, even when called from code after
@@ -265,7 +256,7 @@ def grid_in_throwaway_table(args) -> int:
         kv.reload()
         try:
             built_cpu_native()
-            _built_call_core()
+            built_call_core("bench_vllm_cpu")
             return grid(args, vllm_cpu.OPS.kernel())
         finally:
             if before is None:

@@ -601,16 +601,17 @@ int parse_kind(PyObject* o, const char* who) {
   return static_cast<int>(k);
 }
 
-bool parse_checks(int n, const std::vector<int8_t>& kind, PyObject* seq, std::vector<Check>& out) {
+// `who`: the caller that raises a malformed tuple's error (learn, BoundCore).
+bool parse_checks(int n, const std::vector<int8_t>& kind, PyObject* seq, std::vector<Check>& out, const char* who) {
   if (seq == Py_None) return true;
   if (!PyTuple_Check(seq)) {
-    PyErr_SetString(PyExc_TypeError, "learn: checks must be a tuple of (kind, index, a, b) tuples or None");
+    PyErr_Format(PyExc_TypeError, "%s: checks must be a tuple of (kind, index, a, b) tuples or None", who);
     return false;
   }
   for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(seq); ++k) {
     PyObject* item = PyTuple_GET_ITEM(seq, k);
     if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
-      PyErr_SetString(PyExc_TypeError, "learn: each check must be a (kind, index, a, b) tuple");
+      PyErr_Format(PyExc_TypeError, "%s: each check must be a (kind, index, a, b) tuple", who);
       return false;
     }
     Check c{};
@@ -627,7 +628,7 @@ bool parse_checks(int n, const std::vector<int8_t>& kind, PyObject* seq, std::ve
     }
     if (!ok_kind || !ok_index || !ok_a || !ok_b || c.index < 0 || c.index >= n || kind[c.index] == kValue ||
         (c.kind == kBounded && !c.has_pad)) {
-      PyErr_SetString(PyExc_ValueError, "learn: a check names no tensor parameter or has a bound out of int64");
+      PyErr_Format(PyExc_ValueError, "%s: a check names no tensor parameter or has a bound out of int64", who);
       return false;
     }
     out.push_back(c);
@@ -720,7 +721,7 @@ PyObject* core_learn(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
     }
     Py_XSETREF(e->subs[i], Py_NewRef(PyTuple_GET_ITEM(pair, 1)));
   }
-  if (!parse_checks(st->n, st->kind, a[5], e->checks) || !parse_guards(st->n, st->kind, a[8], e->guards)) return nullptr;
+  if (!parse_checks(st->n, st->kind, a[5], e->checks, "learn") || !parse_guards(st->n, st->kind, a[8], e->guards)) return nullptr;
   if (a[6] != Py_None) e->gate = Py_NewRef(a[6]);
   if (a[7] != Py_None) e->py_checks = Py_NewRef(a[7]);
   if (st->size >= kMapLimit) clear_map(st);
@@ -1166,7 +1167,7 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     }
     Py_XSETREF(st->subs[i], Py_NewRef(PyTuple_GET_ITEM(pair, 1)));
   }
-  if (!parse_checks(st->n, st->kind, checks, st->checks)) return nullptr;
+  if (!parse_checks(st->n, st->kind, checks, st->checks, "BoundCore")) return nullptr;
   if (gate != Py_None) st->gate = Py_NewRef(gate);
   if (py_checks != Py_None) st->py_checks = Py_NewRef(py_checks);
   st->counters = Py_NewRef(counters);
