@@ -26,11 +26,6 @@ from kernel_variants.integrations._layout import as_activation
 from kernel_variants.ops.causal_conv1d import _FN, _UPDATE
 
 _compiling = torch.compiler.is_compiling
-# Folded to True while Dynamo traces, one frame eagerly (is_compiling takes two). Enough for the
-# decode step, which reads no tensor's data: under torch.export or a compile session its fake
-# or functional tensors reach the core, which never serves them, and the op's entry then asks
-# is_compiling. The prefill step reads query_start_loc's values, so it asks is_compiling first.
-_tracing = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 # Where the ops' entries find their call cores: read per call, the core itself is called from C
 # (the entry frame and its compile check skipped: a step has asked already).
 _FN_SLOT, _UPDATE_SLOT = slot_of_entry(_FN), slot_of_entry(_UPDATE)
@@ -127,7 +122,7 @@ def decode_step(
     slot ids ``[B]`` or, with ``table`` (vLLM's rule), ``[B, k]`` read at column 0; one dtype
     throughout: the op's decode on the channel-last view of the pool; returns ``[B, dim]``. None
     where :func:`._common.decode` serves."""
-    if _tracing():
+    if _compiling():
         return None
     if indices is None and query_start_loc is not None and not (
             isinstance(x, torch.Tensor) and isinstance(query_start_loc, torch.Tensor)
