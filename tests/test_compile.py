@@ -122,6 +122,41 @@ def test_export_records_the_custom_op(strict):
     assert bool(ran) == (not strict)
 
 
+@pytest.mark.parametrize("route", ["public op", "vLLM adapter", "sglang adapter"])
+def test_non_strict_export_keeps_a_dynamic_batch(route):
+    """Non-strict export runs the call for real on fake tensors with a symbolic batch: nothing on
+    the way (the adapters' fast steps included) may read a size that fixes it to a constant."""
+    from kernel_variants.integrations import sglang as kv_sglang
+    from kernel_variants.integrations import vllm as kv_vllm
+
+    def call(x, state, weight, idx):
+        if route == "vLLM adapter":  # the pool as vLLM holds it: (N, dim, W-1), a view of [N, W-1, dim]
+            return kv_vllm.causal_conv1d_update(x, state.transpose(-1, -2), weight, activation="silu",
+                                                conv_state_indices=idx)
+        if route == "sglang adapter":
+            return kv_sglang.causal_conv1d_update(x, state.transpose(-1, -2), weight, activation="silu",
+                                                  conv_state_indices=idx)
+        return kernel_variants.causal_conv1d_update(x, state, weight, activation="silu", conv_state_indices=idx)
+
+    class Model(torch.nn.Module):
+        def forward(self, x, state, weight, idx):
+            return call(x, state, weight, idx) * 2
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 8, generator=g), torch.randn(4, 3, 8, generator=g), torch.randn(8, 4, generator=g),
+            torch.tensor([1, 3], dtype=torch.int32))
+    batch = torch.export.Dim("B", min=2, max=4)
+    with torch.no_grad():
+        ep = torch.export.export(Model(), args, strict=False,
+                                 dynamic_shapes={"x": {0: batch}, "state": None, "weight": None, "idx": {0: batch}})
+        x, idx = torch.randn(3, 8, generator=g), torch.tensor([0, 2, 3], dtype=torch.int32)
+        state, expected_state = args[1].clone(), args[1].clone()
+        got = ep.module()(x, state, args[2], idx)
+        expected = Model()(x, expected_state, args[2], idx)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(state, expected_state)
+
+
 _FIRST_TRACE = """
 import sys
 import torch
