@@ -547,20 +547,90 @@ def _overload_args(op: str, call: dict) -> tuple:
     return tuple(dispatcher().registry.spec(op).bind(**call))
 
 
-def test_the_graph_kernel_is_c_level_and_serves_as_the_eager_call_does(reference_only, path, python_calls):
-    """Where the core is built, the op's graph kernel is its C++ one (no Python frame between the
-    graph and the core): called through the dispatcher it gives the eager call's results and
-    state writes, the Python path serving each signature once; with the core off, the same
-    results from the Python path on every call."""
+_GRAPH_KERNEL = """
+import os, sys, torch
+import kernel_variants as kv
+from kernel_variants._registry.registry import Registry, make_plugin_manager
+from kernel_variants._runtime.dispatcher import reset
+from kernel_variants.ops.causal_conv1d import ConvCapabilities, _reference
+from kernel_variants.plugin import Variant, hookimpl
+import kernel_variants._runtime.custom_ops  # what a process's first trace imports
+
+c_level = os.environ.get("KV_CALL_CORE") != "0"
+for name in ("causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm"):
+    getattr(kv, name)  # makes (and registers) the op
+    kernel = torch._C._dispatch_dump("kernel_variants::" + name).split("CompositeExplicitAutograd")[1]
+    assert ("call_core.cpp" in kernel) == c_level and ("custom_ops.py" in kernel) != c_level, kernel
+
+returns = [None]
+def odd(*args, **kwargs):
+    res = _reference.causal_conv1d_update(*args, **kwargs)
+    return res if returns[0] is None else returns[0]
+
+class Plugin:
+    @hookimpl
+    def kv_register_variants(self, register):
+        register(Variant(id="odd", op="causal_conv1d_update", version="1", fn=odd, priority=10_000,
+                         capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"})))
+
+reset(Registry(make_plugin_manager(extra_plugins=[("odd", Plugin())])))
+g = torch.Generator().manual_seed(0)
+x, w, idx = torch.randn(2, 8, generator=g), torch.randn(8, 4, generator=g), torch.tensor([3, 1], dtype=torch.int32)
+pool = torch.randn(4, 3, 8, generator=g)
+args = lambda p: (x, p, w, None, "silu", idx, None, -1)
+op = torch.ops.kernel_variants.causal_conv1d_update.default
+with torch.no_grad():
+    mine, theirs = pool.clone(), pool.clone()
+    expected = kv.causal_conv1d_update(x, theirs, w, activation="silu", conv_state_indices=idx)
+    entered = set()
+    def profile(frame, event, arg):
+        if event == "call":
+            entered.add(frame.f_code.co_name)
+    sys.setprofile(profile)
+    got = op(*args(mine))
+    sys.setprofile(None)
+    assert torch.equal(got, expected) and torch.equal(mine, theirs)
+    assert "odd" in entered, entered
+    kernels = entered & {"kernel", "kernel_miss"}  # the Python kernel's code names
+    assert bool(kernels) != c_level, entered  # the served call enters no Python kernel where it is C++
+    returns[0] = "not a tensor"
+    try:
+        op(*args(pool.clone()))
+    except (TypeError, RuntimeError) as exc:
+        print(type(exc).__name__ + ": " + str(exc).splitlines()[0])
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_process_s_graph_kernel_is_the_core_s_c_kernel_where_the_core_is_built(on, tmp_path):
+    """In a process whose first trace finds the core built, each op's graph kernel is the core's
+    C++ one: a served call enters no Python kernel, only the variant, with the eager call's result
+    and state write. With KV_CALL_CORE=0 the Python kernel is registered, with the same results.
+    A variant returning no tensor: a TypeError from the C++ kernel (torch's RuntimeError from the
+    Python one)."""
+    import os
     import subprocess
     import sys
 
-    from kernel_variants._runtime import custom_ops  # noqa: F401 - registers the ops made so far, and later ones
+    env = {**os.environ, _callcore.ENV: "1" if on else "0", "KV_QUALIFY": "off"}
+    env.pop("KV_FORCE", None)
+    script = tmp_path / "graph_kernel.py"  # a file: the plugin's version is read from its source
+    script.write_text(_GRAPH_KERNEL)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[-1] == "ok", run.stdout
+    assert lines[0] == ("TypeError: kernel_variants graph kernel: expected the variant to return a tensor, got str" if on
+                        else "RuntimeError: Unable to cast not a tensor to Tensor"), lines
 
-    for name in (FN, UP, "gemma_rms_norm", "add_gemma_rms_norm"):
-        getattr(kv, name)  # makes the op
-        table = torch._C._dispatch_dump(f"kernel_variants::{name}")
-        assert "CompositeExplicitAutograd[alias]: registered at" in table and "call_core.cpp" in table, table
+
+def test_the_graph_kernel_serves_as_the_eager_call_does(reference_only, path, python_calls):
+    """The op's overloads called through the dispatcher (what a compiled graph calls) give the
+    eager call's results and state writes, the call core serving them once the eager call taught
+    it the signature (the Python path every time with the core off)."""
+    from kernel_variants._runtime import custom_ops  # noqa: F401 - registers the ops (a first trace imports it)
+
     calls = {**CALLS, "add_gemma_rms_norm": ("add_gemma_rms_norm", lambda seed=0: {
         **_rms_call(seed), "residual": torch.randn(4, D, generator=torch.Generator().manual_seed(seed + 7))})}
     with torch.no_grad():
@@ -568,34 +638,21 @@ def test_the_graph_kernel_is_c_level_and_serves_as_the_eager_call_does(reference
             path(on)
             for label, (op, make) in calls.items():
                 expected = _run(op, make(0))
-                overload = getattr(torch.ops.kernel_variants, op).default
+                args = _overload_args(op, make(0))
+                overload = getattr(torch.ops.kernel_variants, op)
+                # A call without a state pool: the overload that declares no write, as a graph calls it.
+                overload = overload.no_conv_states if op == FN and args[3] is None else overload.default
                 python_calls[0] = 0
                 for _ in range(2):
                     call = make(0)
                     got = overload(*_overload_args(op, call))
                     _same((got, {k: v for k, v in call.items() if isinstance(v, torch.Tensor)}), expected)
-                assert python_calls[0] == (0 if on else 2), (label, on)  # the eager call above taught the core
-    # A process where the core is off when the ops are registered: the Python kernel, the same results.
-    script = (
-        "import torch, kernel_variants as kv\n"
-        "import kernel_variants._runtime.custom_ops\n"
-        "kv.causal_conv1d_update\n"
-        "table = torch._C._dispatch_dump('kernel_variants::causal_conv1d_update')\n"
-        "assert 'call_core.cpp' not in table and 'custom_ops.py' in table.split('CompositeExplicitAutograd')[1], table\n"
-        "x, s, w = torch.randn(2, 8), torch.randn(3, 3, 8), torch.randn(8, 4)\n"
-        "s2 = s.clone()\n"
-        "y = torch.ops.kernel_variants.causal_conv1d_update.default(x, s, w, None, None, None, None, -1)\n"
-        "assert torch.equal(y, kv.causal_conv1d_update(x, s2, w)) and torch.equal(s, s2)\n"
-        "print('ok')\n")
-    env = {**__import__("os").environ, _callcore.ENV: "0", "KV_FORCE": ""}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0 and run.stdout.split() == ["ok"], run.stderr[-3000:]
+                assert python_calls[0] == (0 if on else 2), (label, on)
 
 
 def test_the_graph_kernel_raises_the_eager_call_s_errors(with_variants, path):
-    """Through the C++ graph kernel: bad input raises the eager call's error (its type and
-    message), a variant's failure is a VariantFailed, and a variant that returns no tensor a
-    TypeError saying so, on the core's path and on the Python one."""
+    """Through the op's graph kernel: bad input raises the eager call's error (its type and
+    message), a variant's failure is a VariantFailed, on the core's path and on the Python one."""
     returns = [None]
 
     def fn(*args, **kwargs):
@@ -618,9 +675,6 @@ def test_the_graph_kernel_raises_the_eager_call_s_errors(with_variants, path):
                 with pytest.raises(ValueError) as graph:
                     overload(*_overload_args(FN, bad))
                 assert str(graph.value) == str(eager.value)
-            returns[0] = "not a tensor"
-            with pytest.raises(TypeError, match="expected the variant to return a tensor, got str"):
-                overload(*_overload_args(FN, _fn_call()))
             returns[0] = RuntimeError("kernel exploded")
             with pytest.raises(VariantFailed, match="variant 'odd' of causal_conv1d_fn failed: RuntimeError"):
                 overload(*_overload_args(FN, _fn_call()))

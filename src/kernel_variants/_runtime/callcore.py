@@ -155,16 +155,26 @@ def core_for(spec: OpSpec) -> Any:
     return core
 
 
-def graph_kernel(name: str, slot: Slot, kernel: Callable[..., Any], miss: Callable[..., Any], n_out: int) -> bool:
-    """Register the core's C++ kernel for the op ``kernel_variants::<name>`` (``op.overload``):
-    a compiled graph's call reaches ``slot``'s core from the dispatcher with no Python frame.
-    ``kernel``: the Python kernel, which serves while the slot holds no core; ``miss``: its
-    path for a call the core hands back. False (nothing registered) where the core is off or not
-    built: the caller registers ``kernel`` itself."""
+def graph_module() -> ModuleType | None:
+    """The core's extension module for the ops' compiled-graph kernels (``custom_ops``), loaded
+    now where it is built and the core is on; else None. Called once, when ``custom_ops`` is
+    imported (the first trace of a process), never while an op is made: loading the module
+    imports the ``cpu_native`` package, which imports ``plugin``, which may be mid-import then."""
     if _off(os.environ.get(ENV, "")):
-        return False
+        return None
     module = _library()[0]
-    if module is None or not hasattr(module, "graph_kernel"):
+    return module if module is not None and hasattr(module, "graph_kernel") else None
+
+
+def graph_kernel(module: ModuleType | None, name: str, slot: Slot, kernel: Callable[..., Any],
+                 miss: Callable[..., Any], n_out: int) -> bool:
+    """Register ``module``'s C++ kernel (:func:`graph_module`) for the op ``kernel_variants::<name>``
+    (``op.overload``): a compiled graph's call reaches ``slot``'s core from the dispatcher with
+    no Python frame. ``kernel``: the Python kernel, which serves while the slot holds no core;
+    ``miss``: its path for a call the core hands back. False (nothing registered) without a
+    module, or for an op the core does not serve (over 32 parameters): the caller registers
+    ``kernel`` itself."""
+    if module is None or len(slot.spec.params) > 32:  # the core's own bound on parameters
         return False
     module.graph_kernel(name, slot, kernel, miss, len(slot.spec.params), n_out)
     return True

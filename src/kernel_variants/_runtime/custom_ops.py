@@ -19,11 +19,14 @@ output checks) cost ~35 us per call where this kernel adds ~3 us over an eager c
 - The kernel is the ordinary eager call, which validates and dispatches per call: the variant is
   chosen when the graph runs, from the memo (a dict hit once a signature is seen), so calibration,
   ``force()`` (a context variable, which a traced graph could not guard on) and ``KV_FORCE`` take
-  effect in an already compiled graph without recompiling it. Where the call core is built, the
-  kernel of each overload that returns its outputs is the core's C++ one (``graph_kernel`` in
-  ``call_core.cpp``): it takes the arguments from the dispatcher's stack and calls the core with
-  no Python frame between; the Python kernel below serves what it hands over (the core not yet
-  found or off, a call the core does not serve), and is the kernel where the core is not built.
+  effect in an already compiled graph without recompiling it. Where the call core is built when
+  this module is imported (a process's first trace), the kernel of each overload that returns
+  its outputs is the core's C++ one (``graph_kernel`` in ``call_core.cpp``): it takes the
+  arguments from the dispatcher's stack and calls the core with no Python frame between; the
+  Python kernel below serves what it hands over (the core not yet found or off, a call the core
+  does not serve), and is the kernel where the core was not built then. Both give the same
+  results and errors, but for a variant that returns no tensor: a TypeError from the C++
+  kernel, torch's RuntimeError from the Python one.
 
 The public functions route here only while Dynamo traces them, or in a real run under
 ``torch.export`` or a compile session that the call core hands back; the graph calls the op,
@@ -66,6 +69,10 @@ NAMESPACE = "kernel_variants"
 # namespace too. Kept for the life of the process: a Library deregisters its ops when collected.
 LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
+# The core's module for the graph kernels, decided once per process, here: the first trace
+# imports this module, and a process whose first trace came before `kv build` (or under
+# KV_CALL_CORE=0) keeps the Python kernel, which still takes the core once there is one.
+_CORE = callcore.graph_module()
 OPS: dict[str, Callable[..., Any]] = {}  # op name -> what a traced call of it invokes
 _PUBLIC: dict[str, Callable[..., Any]] = {}  # op name -> the same, with the public function's signature
 
@@ -266,7 +273,7 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
             qualified = _qualified(name, overload)
             # The ops that return their outputs take the core's C++ kernel where it is built
             # (no Python frame between the graph and the core); the Python one otherwise.
-            if k is not kernel or not callcore.graph_kernel(qualified, slot, kernel, kernel_miss, n_out):
+            if k is not kernel or not callcore.graph_kernel(_CORE, qualified, slot, kernel, kernel_miss, n_out):
                 LIB.impl(qualified, k, "CompositeExplicitAutograd")
             torch.library.register_fake(f"{NAMESPACE}::{qualified}", f, lib=LIB)
     return traced

@@ -1602,8 +1602,9 @@ class GraphKernel final : public c10::OperatorKernel {
   PyObject* call(PyObject** args) {
     THPObjectPtr core(PyObject_GetAttrString(slot_, "core"));
     if (!core) return nullptr;
-    if (!Py_IS_TYPE(core.get(), &CallCoreType)) return PyObject_Vectorcall(kernel_, args, n_, nullptr);
-    State* st = reinterpret_cast<CallCore*>(core.get())->st;
+    State* st = Py_IS_TYPE(core.get(), &CallCoreType) ? reinterpret_cast<CallCore*>(core.get())->st : nullptr;
+    // Another op's core (never put there, but args holds n_ + 1 slots): the Python kernel serves.
+    if (st == nullptr || st->n != n_) return PyObject_Vectorcall(kernel_, args, n_, nullptr);
     args[n_] = st->graph;
     PyObject* res = serve_or_miss(st, args);
     if (res != st->miss) return res;
