@@ -55,7 +55,6 @@ from _report import (  # tools/ is sys.path[0]
 
 import kernel_variants as kv
 from kernel_variants._runtime import callcore
-from kernel_variants._runtime import custom_ops as _custom_ops
 from kernel_variants._runtime.bind import _params_source
 from kernel_variants._runtime.call import call
 from kernel_variants._runtime.dispatcher import dispatcher
@@ -118,7 +117,11 @@ def _plain_twin(spec: OpSpec, fn: Callable[..., Any], label: str) -> Callable[..
     """``kv_bench_plain::<label>``: the variant ``fn`` registered as a plain ``torch.library`` op
     with the op's schema, its kernel calling ``fn`` directly (no dispatch): the least a compiled
     graph can pay for this kernel as an op, and the baseline of issue 24's compile target."""
-    _PLAIN_LIB.define(label + _custom_ops.schema(spec))
+    from kernel_variants._runtime import (
+        custom_ops,  # after built_call_core: its import picks the graph kernel
+    )
+
+    _PLAIN_LIB.define(label + custom_ops.schema(spec))
     names = ", ".join(spec.params)
     pos = set(spec.positional)
     call_args = ", ".join(n if n in pos else f"{n}={n}" for n in spec.params)
@@ -135,7 +138,9 @@ def _plain_twin(spec: OpSpec, fn: Callable[..., Any], label: str) -> Callable[..
 
 def _noop_twin(spec: OpSpec) -> Callable[..., Any]:
     """``kv_bench_noop::<name>``: the op's schema, a Python kernel that only allocates its outputs."""
-    _NOOP_LIB.define(spec.name + _custom_ops.schema(spec))
+    from kernel_variants._runtime import custom_ops
+
+    _NOOP_LIB.define(spec.name + custom_ops.schema(spec))
     names = ", ".join(spec.params)
     namespace: dict[str, Any] = {"_torch": torch}
     first = spec.params[spec.tensor_indices[0]]
@@ -301,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ["KV_CACHE_DIR"] = tempfile.mkdtemp(prefix="kv-compile-")  # never the user's table
     torch.set_num_threads(args.threads)
-    built_call_core("bench_compile")  # before the ops are made: their graph kernels are chosen then
+    built_call_core("bench_compile")  # before custom_ops is imported: the graph kernel is chosen then
     rounds = 3 if args.quick else args.rounds
 
     specs = {s.name: s for s in dispatcher().registry.ops()}
