@@ -1537,7 +1537,8 @@ PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // the frame, its globals and the slot's attribute, each a cache miss after a large kernel, on
 // top of what a plain op's Python kernel costs; this kernel reads the slot's core and calls it
 // as the Python kernel would, and hands anything else (the core not yet resolved, off, a miss)
-// to that Python kernel's code, so both give the same results and errors.
+// to that Python kernel's code, so both give the same results and errors (but for a variant
+// that returns no tensor: a TypeError here, torch's RuntimeError from the Python kernel).
 
 // A Python object for a schema argument of the op's (Tensor, Tensor?, int, float, bool, str and
 // their optional forms): a new reference, or nullptr with a Python error set.
