@@ -65,6 +65,8 @@ class _Graph:
 
 GRAPH = _Graph()
 
+MAX_PARAMS = 32  # the most parameters an op may have for the core to serve it (kMaxParams in call_core.cpp)
+
 _lock = threading.Lock()
 _loaded: dict[str, tuple[ModuleType | None, str | None]] = {}  # .so path -> (module, why not)
 _cores: dict[tuple[str, OpSpec], Any] = {}  # (the module's file, the op) -> the op's CallCore
@@ -145,7 +147,7 @@ def core_for(spec: OpSpec) -> Any:
             print(f"kernel_variants: ops take the Python call path (the compiled call core: {why}; "
                   f"{ENV}=0 silences this)", file=sys.stderr, flush=True)
         return None
-    if len(spec.params) > 32:  # the core's own bound on parameters
+    if len(spec.params) > MAX_PARAMS:
         return None
     key = (str(module.__file__), spec)
     with _lock:
@@ -174,7 +176,7 @@ def graph_kernel(module: ModuleType | None, name: str, slot: Slot, kernel: Calla
     ``miss``: its path for a call the core hands back. False (nothing registered) without a
     module, or for an op the core does not serve (over 32 parameters): the caller registers
     ``kernel`` itself."""
-    if module is None or len(slot.spec.params) > 32:  # the core's own bound on parameters
+    if module is None or len(slot.spec.params) > MAX_PARAMS:
         return False
     module.graph_kernel(name, slot, kernel, miss, len(slot.spec.params), n_out)
     return True

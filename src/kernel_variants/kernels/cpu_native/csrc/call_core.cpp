@@ -1562,8 +1562,10 @@ class GraphKernel final : public c10::OperatorKernel {
   // slot: the op's callcore.Slot (its `core` read per call); kernel: the Python kernel, called
   // where the slot holds no CallCore; miss: its Python path, called on the core's miss. Held
   // for the life of the process, as the registration is.
-  GraphKernel(PyObject* slot, PyObject* kernel, PyObject* miss, int n, int n_out)
-      : slot_(Py_NewRef(slot)), kernel_(Py_NewRef(kernel)), miss_(Py_NewRef(miss)), n_(n), n_out_(n_out) {}
+  // core_name: the interned "core" (an attribute read by a str made per call costs more).
+  GraphKernel(PyObject* slot, PyObject* kernel, PyObject* miss, PyObject* core_name, int n, int n_out)
+      : slot_(Py_NewRef(slot)), kernel_(Py_NewRef(kernel)), miss_(Py_NewRef(miss)),
+        core_name_(Py_NewRef(core_name)), n_(n), n_out_(n_out) {}
 
   void operator()(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) {
     // A graph runs from Python (the GIL held: this costs a thread-state read), but a caller in
@@ -1601,7 +1603,7 @@ class GraphKernel final : public c10::OperatorKernel {
   }
 
   PyObject* call(PyObject** args) {
-    THPObjectPtr core(PyObject_GetAttrString(slot_, "core"));
+    THPObjectPtr core(PyObject_GetAttr(slot_, core_name_));
     if (!core) return nullptr;
     State* st = Py_IS_TYPE(core.get(), &CallCoreType) ? reinterpret_cast<CallCore*>(core.get())->st : nullptr;
     // Another op's core (never put there, but args holds n_ + 1 slots): the Python kernel serves.
@@ -1634,6 +1636,7 @@ class GraphKernel final : public c10::OperatorKernel {
   PyObject* slot_;
   PyObject* kernel_;
   PyObject* miss_;
+  PyObject* core_name_;
   int n_;
   int n_out_;
 };
@@ -1657,11 +1660,13 @@ PyObject* graph_kernel(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   }
   const char* name = PyUnicode_AsUTF8(a[0]);
   if (name == nullptr) return nullptr;
+  THPObjectPtr core_name(PyUnicode_InternFromString("core"));
+  if (!core_name) return nullptr;
   static auto* libs = new std::vector<std::unique_ptr<torch::Library>>();
   libs->push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "kernel_variants",
                                                    c10::DispatchKey::CompositeExplicitAutograd, __FILE__, __LINE__));
   libs->back()->impl(name, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<GraphKernel>(
-                               a[1], a[2], a[3], static_cast<int>(n), static_cast<int>(n_out))));
+                               a[1], a[2], a[3], core_name.get(), static_cast<int>(n), static_cast<int>(n_out))));
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
