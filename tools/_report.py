@@ -97,9 +97,9 @@ def per_call_us(fn: Callable[[], object], number: int) -> float:
 def built_call_core(tool: str) -> None:
     """The compiled call core, built as ``kv build`` builds it, unless ``KV_CALL_CORE=0`` asks for
     the Python path: a benchmark judges the ops as deployed, and a virtualenv that skipped ``kv
-    build`` would otherwise time the Python path. Call it before the first op is used: a compiled
-    graph's kernel is chosen when the op is registered. A failed build is said on stderr and the
-    run goes on; each report's header says which path served."""
+    build`` would otherwise time the Python path. Call it before ``custom_ops`` is imported: a
+    compiled graph's kernel is chosen then. A failed build is said on stderr and the run goes
+    on; each report's header says which path served."""
     import sys
 
     import kernel_variants as kv

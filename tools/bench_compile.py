@@ -117,9 +117,8 @@ def _plain_twin(spec: OpSpec, fn: Callable[..., Any], label: str) -> Callable[..
     """``kv_bench_plain::<label>``: the variant ``fn`` registered as a plain ``torch.library`` op
     with the op's schema, its kernel calling ``fn`` directly (no dispatch): the least a compiled
     graph can pay for this kernel as an op, and the baseline of issue 24's compile target."""
-    from kernel_variants._runtime import (
-        custom_ops,  # after built_call_core: its import picks the graph kernel
-    )
+    # Imported here, after built_call_core: that import picks the ops' graph kernel.
+    from kernel_variants._runtime import custom_ops
 
     _PLAIN_LIB.define(label + custom_ops.schema(spec))
     names = ", ".join(spec.params)
