@@ -625,6 +625,89 @@ def test_a_process_s_graph_kernel_is_the_core_s_c_kernel_where_the_core_is_built
                         else "RuntimeError: Unable to cast not a tensor to Tensor"), lines
 
 
+_C_ENTRY = """
+import os, sys, torch
+import kernel_variants as kv
+import kernel_variants.ops.causal_conv1d as conv
+from kernel_variants._registry.registry import Registry, make_plugin_manager
+from kernel_variants._runtime.dispatcher import reset
+from kernel_variants.ops.causal_conv1d import ConvCapabilities, _reference
+from kernel_variants.plugin import Variant, hookimpl
+
+core, order = os.environ.get("KV_CALL_CORE") != "0", os.environ["ORDER"]
+
+def odd(*args, **kwargs):
+    return _reference.causal_conv1d_update(*args, **kwargs)
+
+class Plugin:
+    @hookimpl
+    def kv_register_variants(self, register):
+        register(Variant(id="odd", op="causal_conv1d_update", version="1", fn=odd, priority=10_000,
+                         capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"})))
+
+reset(Registry(make_plugin_manager(extra_plugins=[("odd", Plugin())])))
+g = torch.Generator().manual_seed(0)
+x, w, idx = torch.randn(2, 8, generator=g), torch.randn(8, 4, generator=g), torch.tensor([3, 1], dtype=torch.int32)
+pool = torch.randn(4, 3, 8, generator=g)
+step = lambda p: kv.causal_conv1d_update(x, p, w, activation="silu", conv_state_indices=idx)
+graphs = []
+def compiled(p):  # torch.compile imports Dynamo: made at the first compiled call
+    graphs or graphs.append(torch.compile(lambda p: step(p) * 2, fullgraph=True, backend="aot_eager"))
+    return graphs[0](p)
+python_entry = conv._UPDATE
+with torch.no_grad():
+    theirs = pool.clone()
+    expected = _reference.causal_conv1d_update(x, theirs, w, activation="silu", conv_state_indices=idx)
+    if order == "dynamo imported first":
+        import torch._dynamo
+    if order == "compiled first":
+        mine = pool.clone()
+        assert torch.equal(compiled(mine), expected * 2) and torch.equal(mine, theirs)
+    step(pool.clone())  # the first eager call finds the core
+    swapped = conv._UPDATE is not python_entry
+    assert swapped == (core and order != "compiled first"), conv._UPDATE
+    assert ("torch._dynamo" in sys.modules) == (order != "eager first")  # the swap imported nothing
+    entered = []
+    def profile(frame, event, arg):
+        if event == "call":
+            entered.append(frame.f_code.co_name)
+    mine = pool.clone()
+    sys.setprofile(profile)
+    got = step(mine)
+    sys.setprofile(None)
+    assert torch.equal(got, expected) and torch.equal(mine, theirs)
+    assert entered[1:3] == (["causal_conv1d_update", "odd"] if swapped else
+                            ["causal_conv1d_update", "entry"]), entered
+    mine = pool.clone()
+    assert torch.equal(compiled(mine), expected * 2) and torch.equal(mine, theirs)  # fullgraph: traced through
+    mine = pool.clone()
+    assert torch.equal(step(mine), expected) and torch.equal(mine, theirs)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("on, order", [(True, "eager first"), (True, "dynamo imported first"),
+                                       (True, "compiled first"), (False, "eager first")])
+def test_the_public_function_calls_the_core_s_c_entry_once_the_core_is_found(on, order, tmp_path):
+    """With the core built, an op's first eager call swaps its public function's entry for the
+    core's C one: a served call enters no Python frame between the public function and the
+    variant. The swap imports nothing (not Dynamo), and a compiled graph (fullgraph) still
+    traces the op, whether Dynamo was imported before the swap or after; a process whose first
+    trace came first, or with the core off, keeps the Python entry. Results and state writes
+    are the reference's throughout."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, _callcore.ENV: "1" if on else "0", "KV_QUALIFY": "off", "ORDER": order}
+    env.pop("KV_FORCE", None)
+    script = tmp_path / "c_entry.py"  # a file: the plugin's version is read from its source
+    script.write_text(_C_ENTRY)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines()[-1] == "ok", run.stdout
+
+
 def test_the_graph_kernel_serves_as_the_eager_call_does(reference_only, path, python_calls):
     """The op's overloads called through the dispatcher (what a compiled graph calls) give the
     eager call's results and state writes, the call core serving them once the eager call taught

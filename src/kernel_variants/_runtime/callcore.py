@@ -16,6 +16,7 @@ decides, raises with its message, or memoises the decision and hands the core th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kernel_variants._runtime import imports
 from kernel_variants._runtime.device_errors import _counters
 from kernel_variants._runtime.errors import variant_failed
 from kernel_variants._runtime.pins import _pins
@@ -227,19 +229,71 @@ class Slot:
     (which finds the core, or None for the Python path, and keeps it here), then that.
     ``traced``: what a call traced by torch.compile invokes, set when the op's custom op is
     registered (``custom_ops.register``); ``entry``: the op's entry (``ops.make_op``), which
-    Dynamo is then told to replace with ``traced``."""
+    Dynamo is then told to replace with ``traced``, and its path past a core's miss
+    (``after_miss``); ``c_entry``: the entry in C (:func:`_c_entry`), ``stand_in`` in its place."""
 
-    __slots__ = ("core", "entry", "spec", "traced")
+    __slots__ = ("after_miss", "c_entry", "core", "entry", "spec", "stand_in", "traced")
 
     def __init__(self, spec: OpSpec) -> None:
         self.spec = spec
         self.core: Any = self._resolve
         self.traced: Callable[..., Any] | None = None
         self.entry: Callable[..., Any] | None = None
+        self.after_miss: Callable[..., Any] | None = None
+        self.stand_in: Callable[..., Any] | None = None
+        self.c_entry: Callable[..., Any] | None = None
 
     def _resolve(self, *args: Any) -> Any:
         core = self.core = core_for(self.spec)
-        return MISS if core is None else core(*args)
+        if core is None:
+            return MISS
+        _c_entry(self)
+        return core(*args)
+
+
+_waiting: list[tuple[Slot, dict[str, Any], str]] = []  # C entries Dynamo has not been told of yet
+
+
+def _c_entry(slot: Slot) -> None:
+    """Once ``slot``'s core is found, the op's public function calls the core's C entry
+    (``op_entry`` in call_core.cpp) in place of the Python entry it calls by a global of its
+    module (~0.25 us a call). Dynamo is told to trace the slot's stand-in in its place before
+    any trace can reach it: now if Dynamo is imported, else as soon as it is (importing it here
+    costs seconds). Nothing changes where the module has no C entry, the public function reads
+    its entry otherwise, torch cannot substitute, or a trace already happened (its graph guards
+    on the global)."""
+    module = _library()[0]
+    public = getattr(slot.spec.signature, "__globals__", {})
+    names = [k for k, v in public.items() if v is slot.entry]
+    if (module is None or not hasattr(module, "op_entry") or slot.stand_in is None or len(names) != 1
+            or not hasattr(torch.compiler, "substitute_in_graph") or f"{__package__}.custom_ops" in sys.modules):  # a trace happened
+        return
+    with _lock:
+        if slot.c_entry is not None:
+            return
+        slot.c_entry = module.op_entry(slot.entry.__name__, slot, slot.entry, slot.after_miss)
+    if "torch._dynamo" not in sys.modules:
+        if not _waiting:
+            imports.after_import("torch._dynamo", _dynamo_imported)
+        _waiting.append((slot, public, names[0]))
+    elif not _substituted(slot):
+        return
+    public[names[0]] = slot.c_entry
+
+
+def _substituted(slot: Slot) -> bool:
+    """Whether Dynamo now traces the op's stand-in where a traced call reaches the C entry."""
+    with contextlib.suppress(Exception):  # a torch that refuses it: the public function keeps its Python entry
+        torch.compiler.substitute_in_graph(slot.c_entry, skip_signature_check=True)(slot.stand_in)
+        return True
+    return False
+
+
+def _dynamo_imported(_: ModuleType) -> None:
+    for slot, public, name in _waiting:
+        if not _substituted(slot):
+            public[name] = slot.entry
+    _waiting.clear()
 
 
 _slots: list[Slot] = []

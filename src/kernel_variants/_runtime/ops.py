@@ -6,7 +6,9 @@ op inward. Traced by ``torch.compile``, the entry calls the op's ``torch.library
 which dispatches when the graph runs (after the first trace Dynamo inlines the op's traced
 function in the entry's place: ``custom_ops``); eagerly, the compiled call core where it is
 built, which hands what it does not serve to the Python path (``call.call``), or, in a real run
-under ``torch.export`` or a compile session, to the custom op.
+under ``torch.export`` or a compile session, to the custom op. Once an op's first call has found
+the core, its public function calls the core's entry in C instead of this one (its frame
+skipped; ``callcore._c_entry``), which hands the same calls to the same Python.
 """
 
 from __future__ import annotations
@@ -51,15 +53,28 @@ def make_op(spec: OpSpec) -> Callable[..., Any]:
             r = core(*args)
             if r is not miss:
                 return r
-            core = slot.core  # a first call resolved the core (or None) just now
+        return after_miss(*args)
+
+    def after_miss(*args: Any) -> Any:
+        # The core did not serve the call (or there is none); a first call resolved the core
+        # (or None) just now.
         if compiling():
             # A real run under torch.export or a compile session (fake or functional tensors,
             # which the core never serves): the graph records the op's custom op.
             return traced(args)
+        core = slot.core
         return call(spec, args[:-1], args[-1]) if core is None else call(spec, args[:-1], args[-1], core)
 
+    def stand_in(*args: Any) -> Any:
+        # What Dynamo traces in place of the core's C entry (callcore._c_entry), as the entry's
+        # compile branch. Closed over the op's name alone: Dynamo traces it without a source,
+        # and so cannot read a closure's other objects (the slot, the miss sentinel).
+        from kernel_variants._runtime import custom_ops
+
+        return custom_ops.OPS[name](*args)
+
     entry.__qualname__ = entry.__name__ = f"{name}_entry"
-    slot.entry = entry
+    slot.entry, slot.after_miss, slot.stand_in = entry, after_miss, stand_in
     MADE.append(spec)
     for hook in ON_MADE:  # a compile already happened: this op needs its custom op now
         hook(spec)

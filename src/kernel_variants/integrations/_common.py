@@ -6,7 +6,6 @@ ops in the engines' layouts (views only; the vocabulary is in :mod:`._layout`), 
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import itertools
 import sys
 from collections.abc import Callable
@@ -17,6 +16,7 @@ import torch
 
 import kernel_variants
 from kernel_variants._capture import capturing
+from kernel_variants._runtime.imports import spec_then
 from kernel_variants.integrations._layout import first_rows, head_rows, same_dtype, skip_empty
 
 #: Attribute set on every adapter, so a second ``patch()`` can tell its own functions apart.
@@ -205,24 +205,6 @@ def _within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-class _AfterExec(importlib.abc.Loader):
-    """A module's own loader, followed by ``then(module)`` once the module has run."""
-
-    def __init__(self, inner: Any, then: Callable[[ModuleType], None]) -> None:
-        self._inner = inner
-        self._then = then
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._inner.exec_module(module)
-        self._then(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader...: the real loader's
-        return getattr(self._inner, name)
-
-
 class _ImportHook(importlib.abc.MetaPathFinder):
     """Engines import some of their modules late (vLLM-CPU's GDN attention when a Qwen3-Next
     model loads); a module within ``reach`` imported while the patch is active is patched as
@@ -237,18 +219,7 @@ class _ImportHook(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if not _within(name, self._reach) or _within(name, self._skip):
             return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _AfterExec(spec.loader, self._then)
-        return spec
+        return spec_then(self, self._then, name, path, target)
 
     def install(self) -> None:
         sys.meta_path.insert(0, self)

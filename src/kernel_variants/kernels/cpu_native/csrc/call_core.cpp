@@ -34,6 +34,7 @@
 #include <typeinfo>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -1529,6 +1530,51 @@ PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// --- the op's eager entry, in C ---
+//
+// What an op's public function calls once its core is found (callcore.Slot): the slot's core
+// served from here, the op's Python entry frame skipped (~0.25 us a call). A builtin function
+// whose self is (slot, python entry, after_miss, "core"): it reads the slot's core per call (a
+// reload re-arms the slot), serves through it when it is this module's CallCore, hands a call
+// it misses to after_miss (the entry's Python path past its core, which would otherwise build
+// the key again) and anything else (a resolver, no core) to the Python entry itself. Dynamo
+// never runs it: it is told to trace a Python function in its place (callcore).
+
+PyObject* entry_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  PyObject* slot = PyTuple_GET_ITEM(self, 0);
+  THPObjectPtr core(PyObject_GetAttr(slot, PyTuple_GET_ITEM(self, 3)));
+  if (!core) return nullptr;
+  if (Py_IS_TYPE(core.get(), &CallCoreType)) {
+    State* st = reinterpret_cast<CallCore*>(core.get())->st;
+    if (nargs == st->n + 1) {
+      PyObject* r = serve_or_miss(st, args);
+      if (r != st->miss) return r;
+      Py_DECREF(r);
+      return PyObject_Vectorcall(PyTuple_GET_ITEM(self, 2), args, nargs, nullptr);
+    }
+  }
+  return PyObject_Vectorcall(PyTuple_GET_ITEM(self, 1), args, nargs, nullptr);
+}
+
+// op_entry(name, slot, python, after_miss) -> the entry above, named `name` (its def lives as
+// long as the process: an op's entry is never dropped).
+PyObject* op_entry(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyUnicode_Check(a[0])) {
+    PyErr_SetString(PyExc_TypeError, "op_entry(name, slot, python, after_miss): expected 4 arguments");
+    return nullptr;
+  }
+  const char* name = PyUnicode_AsUTF8(a[0]);
+  if (name == nullptr) return nullptr;
+  THPObjectPtr core_name(PyUnicode_InternFromString("core"));
+  if (!core_name) return nullptr;
+  THPObjectPtr self(PyTuple_Pack(4, a[1], a[2], a[3], core_name.get()));
+  if (!self) return nullptr;
+  auto* def = new PyMethodDef{(new std::string(name))->c_str(),
+                              reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(entry_call)),
+                              METH_FASTCALL, "An op's dispatched entry (kernel_variants' call core)."};
+  return PyCFunction_NewEx(def, self.get(), nullptr);
+}
+
 // --- a compiled graph's kernel of the op, in C++ ---
 //
 // Registered by custom_ops as the CompositeExplicitAutograd kernel of `kernel_variants::<op>`
@@ -1680,6 +1726,8 @@ PyMethodDef module_methods[] = {
      "sentinel, table, lengths) -> (dim, T) or None"},
     {"graph_kernel", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(graph_kernel)), METH_FASTCALL,
      "graph_kernel(name, slot, kernel, miss, n, n_out): the op's compiled-graph kernel in C++"},
+    {"op_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(op_entry)), METH_FASTCALL,
+     "op_entry(name, slot, python, after_miss): an op's entry in C, serving through the slot's core"},
     {"unaliased", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unaliased)), METH_FASTCALL,
      "unaliased(result, *args) -> result, each output sharing storage with a tensor argument cloned"},
     {nullptr, nullptr, 0, nullptr},
