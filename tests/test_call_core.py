@@ -626,7 +626,7 @@ def test_a_process_s_graph_kernel_is_the_core_s_c_kernel_where_the_core_is_built
 
 
 _C_ENTRY = """
-import os, sys, torch
+import importlib.util, os, sys, torch
 import kernel_variants as kv
 import kernel_variants.ops.causal_conv1d as conv
 from kernel_variants._registry.registry import Registry, make_plugin_manager
@@ -660,13 +660,22 @@ with torch.no_grad():
     expected = _reference.causal_conv1d_update(x, theirs, w, activation="silu", conv_state_indices=idx)
     if order == "dynamo imported first":
         import torch._dynamo
+    if order == "dynamo's spec asked first":  # an availability check: nothing imported
+        import importlib.util
+        assert importlib.util.find_spec("torch._dynamo") is not None
     if order == "compiled first":
         mine = pool.clone()
         assert torch.equal(compiled(mine), expected * 2) and torch.equal(mine, theirs)
     step(pool.clone())  # the first eager call finds the core
     swapped = conv._UPDATE is not python_entry
     assert swapped == (core and order != "compiled first"), conv._UPDATE
-    assert ("torch._dynamo" in sys.modules) == (order != "eager first")  # the swap imported nothing
+    assert ("torch._dynamo" in sys.modules) == (order in ("dynamo imported first", "compiled first"))  # the swap imported nothing
+    if order == "eager first":
+        assert importlib.util.find_spec("torch._dynamo") is not None  # leaves the hook waiting
+    from kernel_variants.integrations import vllm  # after the swap: its fast path finds the op's core
+    mine = pool.clone()
+    got = vllm.causal_conv1d_update(x, mine.transpose(1, 2), w, None, "silu", conv_state_indices=idx, null_block_id=None)
+    assert torch.equal(got, expected) and torch.equal(mine, theirs)
     entered = []
     def profile(frame, event, arg):
         if event == "call":
@@ -687,12 +696,14 @@ print("ok")
 
 
 @pytest.mark.parametrize("on, order", [(True, "eager first"), (True, "dynamo imported first"),
-                                       (True, "compiled first"), (False, "eager first")])
+                                       (True, "dynamo's spec asked first"), (True, "compiled first"),
+                                       (False, "eager first")])
 def test_the_public_function_calls_the_core_s_c_entry_once_the_core_is_found(on, order, tmp_path):
     """With the core built, an op's first eager call swaps its public function's entry for the
     core's C one: a served call enters no Python frame between the public function and the
     variant. The swap imports nothing (not Dynamo), and a compiled graph (fullgraph) still
-    traces the op, whether Dynamo was imported before the swap or after; a process whose first
+    traces the op, whether Dynamo was imported before the swap or after (its spec asked for
+    meanwhile); the engine adapters imported after it serve through the core; a process whose first
     trace came first, or with the core off, keeps the Python entry. Results and state writes
     are the reference's throughout."""
     import os

@@ -15,10 +15,18 @@ from helpers.calibration import quick
 
 import kernel_variants
 from kernel_variants._runtime import callcore as _callcore
-from kernel_variants._runtime import custom_ops as _custom_ops
 from kernel_variants._runtime.dispatcher import Dispatcher
 from kernel_variants.ops.causal_conv1d import FN_SPEC, UPDATE_SPEC
 from kernel_variants.ops.causal_conv1d._cases import make_case
+
+
+def _custom_ops():
+    """The custom ops' module, imported when a test runs, as a process's first trace imports it:
+    imported at collection, it would keep every op's public function on its Python entry for the
+    whole session (the C entry is taken only where no trace happened yet)."""
+    from kernel_variants._runtime import custom_ops
+
+    return custom_ops
 
 
 def step(x, weight, bias, pool, idx, init, x_next):
@@ -85,7 +93,7 @@ def test_eager_calls_never_go_through_the_custom_op(monkeypatch):
         raise AssertionError("eager call routed through the custom op")
 
     for spec in (FN_SPEC, UPDATE_SPEC):
-        _custom_ops.register(spec)  # as after a first compile: the traced function is there
+        _custom_ops().register(spec)  # as after a first compile: the traced function is there
         monkeypatch.setattr(_callcore.slot_of(spec), "traced", refuse)
     case = make_case("causal_conv1d_fn", batch=2, dim=8, seqlen=4)
     step(*_inputs(case.fresh()))
@@ -102,7 +110,7 @@ def test_export_records_the_custom_op(strict):
     g = torch.Generator().manual_seed(0)
     args = (torch.randn(2, 8, generator=g), torch.randn(4, 3, 8, generator=g), torch.randn(8, 4, generator=g),
             torch.tensor([1, 3], dtype=torch.int32))
-    _custom_ops.register(UPDATE_SPEC)
+    _custom_ops().register(UPDATE_SPEC)
     slot = _callcore.slot_of(UPDATE_SPEC)
     real, ran = slot.traced, []
 
@@ -322,7 +330,7 @@ def test_the_state_pool_is_written_in_place_and_never_copied(with_variants, nonc
 
 def test_the_schemas_come_from_the_signatures():
     kernel_variants.add_gemma_rms_norm, kernel_variants.gemma_rms_norm  # noqa: B018 - made (and registered) on first use
-    schemas = {name: str(_custom_ops.op_overload(name)._schema) for name in
+    schemas = {name: str(_custom_ops().op_overload(name)._schema) for name in
                (FN, UPDATE, "gemma_rms_norm", "add_gemma_rms_norm")}
     assert schemas[FN] == (
         "kernel_variants::causal_conv1d_fn(Tensor x, Tensor weight, Tensor? bias, Tensor(a!)? conv_states, "
@@ -384,7 +392,7 @@ def test_the_rms_ops_compile_with_inductor_fullgraph_and_match_eager():
     for g, e in zip(compiled, eager, strict=True):
         torch.testing.assert_close(g, e)
     for name, args in (("gemma_rms_norm", (x, w, 1e-6)), ("add_gemma_rms_norm", (x, w, r, 1e-6))):
-        torch.library.opcheck(_custom_ops.op_overload(name), args, test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(_custom_ops().op_overload(name), args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_a_prefill_without_a_state_pool_compiles_with_inductor():
@@ -405,9 +413,9 @@ def test_a_prefill_without_a_state_pool_compiles_with_inductor():
     torch.testing.assert_close(torch.compile(f, fullgraph=True, backend=backend)(x, w, b), f(x, w, b))
     targets = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
     assert "kernel_variants.causal_conv1d_fn.no_conv_states" in targets
-    assert str(_custom_ops.op_overload(FN, "no_conv_states")._schema).startswith(
+    assert str(_custom_ops().op_overload(FN, "no_conv_states")._schema).startswith(
         "kernel_variants::causal_conv1d_fn.no_conv_states(Tensor x, Tensor weight, Tensor? bias, Tensor? conv_states, ")
-    torch.library.opcheck(_custom_ops.op_overload(FN, "no_conv_states"), (x, w, b, None, None, None, None, "silu", -1),
+    torch.library.opcheck(_custom_ops().op_overload(FN, "no_conv_states"), (x, w, b, None, None, None, None, "silu", -1),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -16,7 +16,6 @@ decides, raises with its message, or memoises the decision and hands the core th
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import inspect
@@ -28,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernel_variants._runtime import imports
 from kernel_variants._runtime.device_errors import _counters
 from kernel_variants._runtime.errors import variant_failed
 from kernel_variants._runtime.pins import _pins
@@ -159,15 +157,18 @@ def core_for(spec: OpSpec) -> Any:
     return core
 
 
+def core_module() -> ModuleType | None:
+    """The core's extension module, loaded now where it is built and the core is on; else None."""
+    return None if _off(os.environ.get(ENV, "")) else _library()[0]
+
+
 def graph_module() -> ModuleType | None:
-    """The core's extension module for the ops' compiled-graph kernels (``custom_ops``), loaded
-    now where it is built and the core is on; else None. Called once, when ``custom_ops`` is
-    imported (the first trace of a process), never while an op is made: loading the module
-    imports the ``cpu_native`` package, which imports ``plugin``, which may be mid-import then."""
-    if _off(os.environ.get(ENV, "")):
-        return None
-    module = _library()[0]
-    return module if module is not None and hasattr(module, "graph_kernel") else None
+    """The core's extension module for the ops' compiled-graph kernels (``custom_ops``), or None.
+    Called once, when ``custom_ops`` is imported (the first trace of a process), never while an
+    op is made: loading the module imports the ``cpu_native`` package, which imports ``plugin``,
+    which may be mid-import then."""
+    found = core_module()
+    return found if found is not None and hasattr(found, "graph_kernel") else None
 
 
 def graph_kernel(module: ModuleType | None, name: str, slot: Slot, kernel: Callable[..., Any],
@@ -230,9 +231,10 @@ class Slot:
     ``traced``: what a call traced by torch.compile invokes, set when the op's custom op is
     registered (``custom_ops.register``); ``entry``: the op's entry (``ops.make_op``), which
     Dynamo is then told to replace with ``traced``, and its path past a core's miss
-    (``after_miss``); ``c_entry``: the entry in C (:func:`_c_entry`), ``stand_in`` in its place."""
+    (``after_miss``); ``c_entry``: the entry in C, ``stand_in`` what Dynamo traces in its place,
+    ``found``: called with the slot once its core is found (``ops.make_op`` sets all four)."""
 
-    __slots__ = ("after_miss", "c_entry", "core", "entry", "spec", "stand_in", "traced")
+    __slots__ = ("after_miss", "c_entry", "core", "entry", "found", "spec", "stand_in", "traced")
 
     def __init__(self, spec: OpSpec) -> None:
         self.spec = spec
@@ -242,58 +244,15 @@ class Slot:
         self.after_miss: Callable[..., Any] | None = None
         self.stand_in: Callable[..., Any] | None = None
         self.c_entry: Callable[..., Any] | None = None
+        self.found: Callable[[Slot], None] | None = None
 
     def _resolve(self, *args: Any) -> Any:
         core = self.core = core_for(self.spec)
         if core is None:
             return MISS
-        _c_entry(self)
+        if self.found is not None:
+            self.found(self)
         return core(*args)
-
-
-_waiting: list[tuple[Slot, dict[str, Any], str]] = []  # C entries Dynamo has not been told of yet
-
-
-def _c_entry(slot: Slot) -> None:
-    """Once ``slot``'s core is found, the op's public function calls the core's C entry
-    (``op_entry`` in call_core.cpp) in place of the Python entry it calls by a global of its
-    module (~0.25 us a call). Dynamo is told to trace the slot's stand-in in its place before
-    any trace can reach it: now if Dynamo is imported, else as soon as it is (importing it here
-    costs seconds). Nothing changes where the module has no C entry, the public function reads
-    its entry otherwise, torch cannot substitute, or a trace already happened (its graph guards
-    on the global)."""
-    module = _library()[0]
-    public = getattr(slot.spec.signature, "__globals__", {})
-    names = [k for k, v in public.items() if v is slot.entry]
-    if (module is None or not hasattr(module, "op_entry") or slot.stand_in is None or len(names) != 1
-            or not hasattr(torch.compiler, "substitute_in_graph") or f"{__package__}.custom_ops" in sys.modules):  # a trace happened
-        return
-    with _lock:
-        if slot.c_entry is not None:
-            return
-        slot.c_entry = module.op_entry(slot.entry.__name__, slot, slot.entry, slot.after_miss)
-    if "torch._dynamo" not in sys.modules:
-        if not _waiting:
-            imports.after_import("torch._dynamo", _dynamo_imported)
-        _waiting.append((slot, public, names[0]))
-    elif not _substituted(slot):
-        return
-    public[names[0]] = slot.c_entry
-
-
-def _substituted(slot: Slot) -> bool:
-    """Whether Dynamo now traces the op's stand-in where a traced call reaches the C entry."""
-    with contextlib.suppress(Exception):  # a torch that refuses it: the public function keeps its Python entry
-        torch.compiler.substitute_in_graph(slot.c_entry, skip_signature_check=True)(slot.stand_in)
-        return True
-    return False
-
-
-def _dynamo_imported(_: ModuleType) -> None:
-    for slot, public, name in _waiting:
-        if not _substituted(slot):
-            public[name] = slot.entry
-    _waiting.clear()
 
 
 _slots: list[Slot] = []
@@ -354,11 +313,6 @@ def slot_of(spec: OpSpec) -> Slot:
     return next(slot for slot in reversed(_slots) if slot.spec is spec)
 
 
-def slot_of_entry(entry: Callable[..., Any]) -> Slot:
-    """The slot of the op entry ``entry`` (``ops.make_op``): where that entry finds its core."""
-    return next(slot for slot in reversed(_slots) if slot.entry is entry)
-
-
 def rearm() -> None:
     """A new dispatcher: every core forgets its entries, and each op finds its path again on
     its next call (``KV_CALL_CORE`` is read then)."""
@@ -378,6 +332,8 @@ def learn(core: Any, spec: OpSpec, args: tuple[Any, ...], out: Any, hit: Hit) ->
     """Hand ``core`` the entry the Python path memoised for this call. A hit the core cannot
     run (an ``out=`` runner, a device rule, a write guard or value check it cannot read) is
     kept as the Python path's, so the core hands such calls over without asking again."""
+    if not hasattr(core, "learn"):  # the slot's resolver: another thread re-armed it meanwhile
+        return
     vid, fn, invoke, subs, guard, checks, rule = hit.vid, hit.fn, hit.invoke, hit.subs, hit.guard, hit.checks, hit.rule
     python_only = rule is not None or invoke is not spec.invoke or out is not None
     data = py_checks = gate = None

@@ -5,9 +5,12 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+_lock = threading.Lock()
 
 
 class _AfterExec(importlib.abc.Loader):
@@ -45,19 +48,31 @@ def spec_then(finder: object, then: Callable[[ModuleType], None], name: str, pat
 
 
 class _Once(importlib.abc.MetaPathFinder):
+    """Waits in ``sys.meta_path`` for the module ``name`` and leaves once it has run (a spec
+    asked for and never loaded, as ``importlib.util.find_spec`` does, leaves it waiting)."""
+
     def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
-        self._name = name
-        self._then = then
+        self.name = name
+        self.then = then
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != self._name:
-            return None
-        sys.meta_path.remove(self)
-        return spec_then(self, self._then, name, path, target)
+        return spec_then(self, self.ran, name, path, target) if name == self.name else None
+
+    def ran(self, module: ModuleType) -> None:
+        if self in sys.meta_path:  # else it ran before
+            sys.meta_path.remove(self)
+            self.then(module)
 
 
 def after_import(name: str, then: Callable[[ModuleType], None]) -> None:
-    """``then(module)`` as soon as the module ``name`` has been imported (it is not yet: the
-    caller checked ``sys.modules``), in the importing thread. Importing nothing itself: the
-    hook waits in ``sys.meta_path`` and leaves it at the module's import."""
-    sys.meta_path.insert(0, _Once(name, then))
+    """``then(module)`` once the module ``name`` has been imported: now if it is, else in the
+    thread that imports it, as soon as it has run. Imports nothing itself; one hook per
+    (name, then), however often asked. ``then`` may run more than once (the module imported by
+    another thread while this one asked): it must be idempotent."""
+    with _lock:
+        if name not in sys.modules and not any(
+                isinstance(f, _Once) and f.name == name and f.then == then for f in sys.meta_path):
+            sys.meta_path.insert(0, _Once(name, then))
+    module = sys.modules.get(name)
+    if module is not None:  # imported already, or by another thread just now
+        then(module)

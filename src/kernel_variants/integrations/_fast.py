@@ -21,14 +21,16 @@ from typing import Any
 import torch
 
 from kernel_variants._runtime.callcore import FUNCTIONS as _C
-from kernel_variants._runtime.callcore import slot_of_entry
+from kernel_variants._runtime.callcore import slot_of
 from kernel_variants.integrations._layout import as_activation
-from kernel_variants.ops.causal_conv1d import _FN, _UPDATE
+from kernel_variants.ops.causal_conv1d import FN_SPEC, UPDATE_SPEC
 
 _compiling = torch.compiler.is_compiling
 # Where the ops' entries find their call cores: read per call, the core itself is called from C
-# (the entry frame and its compile check skipped: a step has asked already).
-_FN_SLOT, _UPDATE_SLOT = slot_of_entry(_FN), slot_of_entry(_UPDATE)
+# (the entry frame and its compile check skipped: a step has asked already). Where it misses, the
+# Python entry serves (the ops' public functions may call their C entries by now).
+_FN_SLOT, _UPDATE_SLOT = slot_of(FN_SPEC), slot_of(UPDATE_SPEC)
+_FN, _UPDATE = _FN_SLOT.entry, _UPDATE_SLOT.entry
 
 
 # The Python of the core's layout functions (call_core.cpp), for where the core is off or not
