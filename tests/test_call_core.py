@@ -547,21 +547,9 @@ def _overload_args(op: str, call: dict) -> tuple:
     return tuple(dispatcher().registry.spec(op).bind(**call))
 
 
-_GRAPH_KERNEL = """
-import os, sys, torch
-import kernel_variants as kv
-from kernel_variants._registry.registry import Registry, make_plugin_manager
-from kernel_variants._runtime.dispatcher import reset
-from kernel_variants.ops.causal_conv1d import ConvCapabilities, _reference
-from kernel_variants.plugin import Variant, hookimpl
-import kernel_variants._runtime.custom_ops  # what a process's first trace imports
-
-c_level = os.environ.get("KV_CALL_CORE") != "0"
-for name in ("causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm"):
-    getattr(kv, name)  # makes (and registers) the op
-    kernel = torch._C._dispatch_dump("kernel_variants::" + name).split("CompositeExplicitAutograd")[1]
-    assert ("call_core.cpp" in kernel) == c_level and ("custom_ops.py" in kernel) != c_level, kernel
-
+# The subprocess scripts' variant: the reference's decode, chosen by priority under
+# KV_QUALIFY=off, returning `returns[0]` instead where a script sets it; and its call's tensors.
+_ODD_VARIANT = """
 returns = [None]
 def odd(*args, **kwargs):
     res = _reference.causal_conv1d_update(*args, **kwargs)
@@ -577,7 +565,25 @@ reset(Registry(make_plugin_manager(extra_plugins=[("odd", Plugin())])))
 g = torch.Generator().manual_seed(0)
 x, w, idx = torch.randn(2, 8, generator=g), torch.randn(8, 4, generator=g), torch.tensor([3, 1], dtype=torch.int32)
 pool = torch.randn(4, 3, 8, generator=g)
-args = lambda p: (x, p, w, None, "silu", idx, None, -1)
+"""
+
+
+_GRAPH_KERNEL = """
+import os, sys, torch
+import kernel_variants as kv
+from kernel_variants._registry.registry import Registry, make_plugin_manager
+from kernel_variants._runtime.dispatcher import reset
+from kernel_variants.ops.causal_conv1d import ConvCapabilities, _reference
+from kernel_variants.plugin import Variant, hookimpl
+import kernel_variants._runtime.custom_ops  # what a process's first trace imports
+
+c_level = os.environ.get("KV_CALL_CORE") != "0"
+for name in ("causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm"):
+    getattr(kv, name)  # makes (and registers) the op
+    kernel = torch._C._dispatch_dump("kernel_variants::" + name).split("CompositeExplicitAutograd")[1]
+    assert ("call_core.cpp" in kernel) == c_level and ("custom_ops.py" in kernel) != c_level, kernel
+
+""" + _ODD_VARIANT + """args = lambda p: (x, p, w, None, "silu", idx, None, -1)
 op = torch.ops.kernel_variants.causal_conv1d_update.default
 with torch.no_grad():
     mine, theirs = pool.clone(), pool.clone()
@@ -636,20 +642,7 @@ from kernel_variants.plugin import Variant, hookimpl
 
 core, order = os.environ.get("KV_CALL_CORE") != "0", os.environ["ORDER"]
 
-def odd(*args, **kwargs):
-    return _reference.causal_conv1d_update(*args, **kwargs)
-
-class Plugin:
-    @hookimpl
-    def kv_register_variants(self, register):
-        register(Variant(id="odd", op="causal_conv1d_update", version="1", fn=odd, priority=10_000,
-                         capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"})))
-
-reset(Registry(make_plugin_manager(extra_plugins=[("odd", Plugin())])))
-g = torch.Generator().manual_seed(0)
-x, w, idx = torch.randn(2, 8, generator=g), torch.randn(8, 4, generator=g), torch.tensor([3, 1], dtype=torch.int32)
-pool = torch.randn(4, 3, 8, generator=g)
-step = lambda p: kv.causal_conv1d_update(x, p, w, activation="silu", conv_state_indices=idx)
+""" + _ODD_VARIANT + """step = lambda p: kv.causal_conv1d_update(x, p, w, activation="silu", conv_state_indices=idx)
 graphs = []
 def compiled(p):  # torch.compile imports Dynamo: made at the first compiled call
     graphs or graphs.append(torch.compile(lambda p: step(p) * 2, fullgraph=True, backend="aot_eager"))
