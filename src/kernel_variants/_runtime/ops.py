@@ -70,7 +70,7 @@ def make_op(spec: OpSpec) -> Callable[..., Any]:
         return call(spec, args[:-1], args[-1]) if core is None else call(spec, args[:-1], args[-1], core)
 
     def stand_in(*args: Any) -> Any:
-        # What Dynamo traces in place of the core's C entry (callcore._c_entry), as the entry's
+        # What Dynamo traces in place of the core's C entry (_c_entry below), as the entry's
         # compile branch. Closed over the op's name alone: Dynamo traces it without a source,
         # and so cannot read a closure's other objects (the slot, the miss sentinel).
         from kernel_variants._runtime import custom_ops
@@ -97,10 +97,12 @@ def _c_entry(slot: callcore.Slot) -> None:
     costs seconds). Nothing changes where the module has no C entry, the public function reads
     its entry otherwise, torch cannot substitute, or a trace already happened (its graph guards
     on the global: swapped, it would recompile)."""
+    if slot.c_entry is not None:  # found again after a reload: swapped already
+        return
     module = callcore.core_module()
     public = getattr(slot.spec.signature, "__globals__", {})
     names = [k for k, v in list(public.items()) if v is slot.entry]  # list(): one step, under the GIL
-    if (module is None or not hasattr(module, "op_entry") or slot.stand_in is None or len(names) != 1
+    if (module is None or not hasattr(module, "op_entry") or len(names) != 1
             or not hasattr(torch.compiler, "substitute_in_graph")
             or f"{__package__}.custom_ops" in sys.modules):  # a trace happened
         return

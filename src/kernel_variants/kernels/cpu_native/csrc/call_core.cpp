@@ -1396,22 +1396,27 @@ int none_empty(const at::Tensor& t) {
   return -1;
 }
 
-// The op called with the adapter's views (`args`: its parameters in signature order, then out;
-// PY_VECTORCALL_ARGUMENTS_OFFSET lends args[-1]): its CallCore served in C where `core` is one
-// and has the call's entry, else `entry`, the op's Python entry (the core's resolver before the
-// op's first call, the Python path with the core off or on a miss). `cpu`: x is a CPU tensor;
-// the core serves no other, and asking it first would build the key twice (here, in the entry).
-PyObject* call_op(PyObject* core, PyObject* entry, PyObject* const* args, Py_ssize_t n, bool cpu) {
-  if (cpu && Py_IS_TYPE(core, &CallCoreType)) {
+// The op called with `args` (its parameters in signature order, then out; nargsf as a
+// vectorcall's, PY_VECTORCALL_ARGUMENTS_OFFSET where args[-1] is lent): its CallCore served in C
+// where `core` is one of this module's for that many arguments, a call it hands back going to
+// `missed`; any other call to `entry`, the op's Python entry (the core's resolver before the
+// op's first call, the Python path with the core off).
+PyObject* call_op(PyObject* core, PyObject* entry, PyObject* missed, PyObject* const* args, size_t nargsf) {
+  if (Py_IS_TYPE(core, &CallCoreType)) {
     State* st = reinterpret_cast<CallCore*>(core)->st;
-    if (n == st->n + 1) {
+    if (PyVectorcall_NARGS(nargsf) == st->n + 1) {
       PyObject* r = serve_or_miss(st, args);
       if (r != st->miss) return r;
       Py_DECREF(r);
+      return PyObject_Vectorcall(missed, args, nargsf, nullptr);
     }
   }
-  return PyObject_Vectorcall(entry, args, n | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  return PyObject_Vectorcall(entry, args, nargsf, nullptr);
 }
+
+// The op's call core for an adapter's views: the slot's core where x is a CPU tensor, None
+// otherwise (the core serves no other, and asking it first would build the key twice).
+PyObject* cpu_core(PyObject* core, const at::Tensor& x) { return x.is_cpu() ? core : Py_None; }
 
 // decode_step(core, entry, x, pool, weight, bias, activation, indices, sentinel, table): a
 // channel-first engine's decode step (x [B, dim], pool (N, dim, W-1), weight [dim, W], one
@@ -1447,7 +1452,7 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!state) return nullptr;
   // x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens, pad_slot_id, out
   PyObject* stack[10] = {nullptr, xo, state.get(), wo, args[5], args[6], idx.get(), Py_None, args[8], Py_None};
-  return call_op(args[0], args[1], stack + 1, 9, x.is_cpu());
+  return call_op(cpu_core(args[0], x), args[1], args[1], stack + 1, 9 | PY_VECTORCALL_ARGUMENTS_OFFSET);
   END_HANDLE_TH_ERRORS
 }
 
@@ -1530,7 +1535,7 @@ PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   // x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc, activation,
   // pad_slot_id, out
   PyObject* stack[11] = {nullptr, xv.get(), wo, args[4], pv.get(), idx.get(), ho, qo, args[9], args[10], Py_None};
-  THPObjectPtr y(call_op(args[0], args[1], stack + 1, 10, x.is_cpu()));
+  THPObjectPtr y(call_op(cpu_core(args[0], x), args[1], args[1], stack + 1, 10 | PY_VECTORCALL_ARGUMENTS_OFFSET));
   if (!y) return nullptr;
   return channel_last(nullptr, y.get());
   END_HANDLE_TH_ERRORS
@@ -1544,22 +1549,12 @@ PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // reload re-arms the slot), serves through it when it is this module's CallCore, hands a call
 // it misses to after_miss (the entry's Python path past its core, which would otherwise build
 // the key again) and anything else (a resolver, no core) to the Python entry itself. Dynamo
-// never runs it: it is told to trace a Python function in its place (callcore).
+// never runs it: it is told to trace a Python function in its place (_runtime/ops.py: _c_entry).
 
 PyObject* entry_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  PyObject* slot = PyTuple_GET_ITEM(self, 0);
-  THPObjectPtr core(PyObject_GetAttr(slot, PyTuple_GET_ITEM(self, 3)));
+  THPObjectPtr core(PyObject_GetAttr(PyTuple_GET_ITEM(self, 0), PyTuple_GET_ITEM(self, 3)));
   if (!core) return nullptr;
-  if (Py_IS_TYPE(core.get(), &CallCoreType)) {
-    State* st = reinterpret_cast<CallCore*>(core.get())->st;
-    if (nargs == st->n + 1) {
-      PyObject* r = serve_or_miss(st, args);
-      if (r != st->miss) return r;
-      Py_DECREF(r);
-      return PyObject_Vectorcall(PyTuple_GET_ITEM(self, 2), args, nargs, nullptr);
-    }
-  }
-  return PyObject_Vectorcall(PyTuple_GET_ITEM(self, 1), args, nargs, nullptr);
+  return call_op(core.get(), PyTuple_GET_ITEM(self, 1), PyTuple_GET_ITEM(self, 2), args, static_cast<size_t>(nargs));
 }
 
 // op_entry(name, slot, python, after_miss) -> the entry above, named `name` (its def lives as
