@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kernel_variants as kv
+from kernel_variants._runtime import callcore
 from kernel_variants._runtime.dispatcher import dispatcher
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,11 +52,11 @@ def test_every_step_runs_in_order_and_each_writes_its_file(cpu_run):
                                                                 "summary.md"])
 
 
-def test_environment_names_this_interpreter_and_the_python_call_path(cpu_run):
+def test_environment_names_this_interpreter_and_its_call_path(cpu_run):
     env = cpu_run[1]["steps"]["environment"]["result"]
     assert env["torch"] == torch.__version__
     assert env["python"] == ".".join(map(str, sys.version_info[:3]))
-    assert env["call_core"].startswith("python")
+    assert env["call_core"] == callcore.status()[1]  # the child's environment is this one's
     assert env["variants"]["causal_conv1d_fn"]["aten"] == "available"
     assert "gpu" not in env and env["cpu"]
 
@@ -119,6 +120,12 @@ def test_overhead_times_the_dispatched_op_and_the_chosen_variant_at_decode_sizes
         assert r["variant"] in {rv.id for rv in kv.variants("causal_conv1d_update")}
         assert r["aten_ops_in_variant"] > 0  # the CPU variants are torch code: their ops are seen
         assert r["aten_ops_outside_total"] == sum(r["aten_ops_outside"].values())
+        assert set(r["host_us"]) == {"dispatched", "forced", "bind", "direct"}
+        assert all(t > 0 for t in r["host_us"].values())
+        assert r["host_added_us"]["bind"] == pytest.approx(r["host_us"]["bind"] - r["host_us"]["direct"])
+        assert set(r["device_us"]) == set(r["host_us"])
+        # On the CPU the core serves each form: no aten op outside the variant in any of them.
+        assert r["aten_ops_outside_by_form"] == {"dispatched": 0, "forced": 0, "bind": 0}
 
 
 def test_the_summary_has_a_section_per_step(cpu_run):

@@ -4,7 +4,7 @@ Five steps, in this order, each in its own child process with its own timeout (a
 kills its step, not the run; the steps after it still run):
 
 - ``environment``: GPU, torch, Triton, CUDA and Python versions, each variant's availability,
-  and which call path ran (no compiled call core exists yet: the report says the Python one);
+  and which call path ran (the compiled core serves CPU tensors: a CUDA call takes the Python one);
 - ``qualify``: every available variant of all four ops on the device in bf16, fp16 and fp32
   (``kv.qualify``), passed / failed with each failure; Triton variants stop being started once
   ``--compile-cap`` kernels have been compiled (the report says how many were, and which
@@ -174,6 +174,15 @@ def compiled_kernels(cache: Path) -> int:
 # ---------------------------------------------------------------- step 1: environment
 
 
+def _call_path(ctx: Ctx) -> str:
+    from kernel_variants._runtime import callcore
+
+    on, words = callcore.status()
+    if ctx.cuda:
+        return f"Python on {ctx.device} (the compiled core serves CPU tensors; on the CPU here: {words})"
+    return words
+
+
 def step_environment(ctx: Ctx) -> dict[str, Any]:
     import platform
     from importlib.metadata import PackageNotFoundError, version
@@ -195,9 +204,10 @@ def step_environment(ctx: Ctx) -> dict[str, Any]:
         "kernel_variants_from": str(Path(kv.__file__).parent),
         "packages": {n: dist(n) for n in ("pydantic", "pydantic-core", "diskcache", "pluggy", "numpy")},
         "device": ctx.device, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-        # Issue 20's compiled call core does not exist in this release: every call went through
-        # the Python path. When it lands, this is where the check says whether it was built.
-        "call_core": "python (no compiled call core exists yet)",
+        # The compiled core serves dense CPU tensors only; on the device every call takes the
+        # Python path whatever this says. `kv build` is not run here: the core is not what a
+        # CUDA call uses, and the step's time is kept for what is.
+        "call_core": _call_path(ctx),
     }
     if ctx.cuda:
         p = torch.cuda.get_device_properties(0)
@@ -642,7 +652,33 @@ def _aten_ops(fn: Callable[[], Any]) -> Counter[str]:
     return seen
 
 
+def _host_us(calls: dict[str, Callable[[], Any]], device: str, iters: int, rounds: int,
+             within: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """Host microseconds per call of each entry: ``iters`` calls in a row with no sync between
+    them, in alternating rounds, the minimum over rounds; ``within[name]()`` is a context the
+    whole window runs in. A launch returns before its kernel runs, so this is what the call costs
+    the CPU that feeds the GPU (the serving loop's cost) for as long as the launch queue does not
+    fill, which ``iters`` small launches do not."""
+    best = dict.fromkeys(calls, math.inf)
+    names = list(calls)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = calls[name]
+            _sync(device)
+            with within.get(name, contextlib.nullcontext)():
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                dt = time.perf_counter() - t0
+            best[name] = min(best[name], dt / iters * 1e6)
+    _sync(device)
+    return best
+
+
 def step_overhead(ctx: Ctx) -> dict[str, Any]:
+    """Each call form of issue 24 beside the chosen variant called directly, at decode sizes:
+    the dispatched op, a forced variant and ``kv.bind``; timed on the device's clock (what the
+    GPU waits for) and on the host's (what the CPU spends), and the aten ops each issues."""
     import torch
 
     import kernel_variants as kv
@@ -654,6 +690,7 @@ def step_overhead(ctx: Ctx) -> dict[str, Any]:
     sizes = DECODE_B[:2] if ctx.tiny else DECODE_B
     config = TimingConfig(warmup=5, windows=3, iters=50) if ctx.tiny else \
         TimingConfig(warmup=20, windows=7, iters=200, window_budget_s=0.05)
+    host_iters, host_rounds = (20, 3) if ctx.tiny else (200, 9)
     rows = []
     with torch.inference_mode():  # as serving calls it
         for b in sizes:
@@ -671,28 +708,49 @@ def step_overhead(ctx: Ctx) -> dict[str, Any]:
             dispatched()  # decides (and qualifies, if no verdict is stored) once
             chosen = kv.explain(UPDATE, *pos, **kw).chosen
             fn, args = chosen.variant.fn, spec.bind(*pos, **kw)
+            bound = kv.bind(UPDATE, *pos, **kw)
 
             def direct(fn=fn, args=args):
                 return spec.invoke(fn, args)
 
+            def bound_call(bound=bound, pos=pos, kw=kw):
+                return bound(*pos, **kw)
+
+            # A forced call is the public op inside kv.force, which builds its pins once per
+            # block: its windows run inside one block (timed apart on the device clock).
+            def pinned(vid=chosen.id):
+                return kv.force(**{UPDATE: vid})
+
+            forms = {"dispatched": dispatched, "forced": dispatched, "bind": bound_call, "direct": direct}
             _sync(ctx.device)
-            t = measure_interleaved({"dispatched": [dispatched], "direct": [direct]}, ctx.device, config)
-            ops_d, ops_v = _aten_ops(dispatched), _aten_ops(direct)
+            t = measure_interleaved({k: [f] for k, f in forms.items() if k != "forced"}, ctx.device, config)
+            with pinned():
+                t["forced"] = measure_interleaved({"forced": [dispatched]}, ctx.device, config)["forced"]
+            host = _host_us(forms, ctx.device, host_iters, host_rounds, {"forced": pinned})
+            ops = {k: _aten_ops(f) for k, f in forms.items() if k != "forced"}
+            with pinned():
+                ops["forced"] = _aten_ops(dispatched)
             _sync(ctx.device)
-            outside = ops_d - ops_v
+            outside = ops["dispatched"] - ops["direct"]
             row: dict[str, Any] = {"B": b, "D": d, "dtype": "float16", "variant": chosen.id,
                                    "aten_ops_outside": dict(sorted(outside.items())),
                                    "aten_ops_outside_total": sum(outside.values()),
-                                   "aten_ops_in_variant": sum(ops_v.values())}
+                                   "aten_ops_outside_by_form": {k: sum((ops[k] - ops["direct"]).values())
+                                                                for k in forms if k != "direct"},
+                                   "aten_ops_in_variant": sum(ops["direct"].values()),
+                                   "host_us": host,
+                                   "host_added_us": {k: host[k] - host["direct"] for k in forms if k != "direct"}}
             if all(isinstance(t[k], Timing) for k in t):
                 row.update(dispatched_us=t["dispatched"].best_us, direct_us=t["direct"].best_us,
-                           added_us=t["dispatched"].best_us - t["direct"].best_us, method=t["direct"].method)
+                           added_us=t["dispatched"].best_us - t["direct"].best_us, method=t["direct"].method,
+                           device_us={k: t[k].best_us for k in forms})
             else:
                 row["error"] = {k: str(v) for k, v in t.items() if not isinstance(v, Timing)}
             rows.append(row)
             ctx.partial({"rows": rows})
     return {"op": UPDATE, "eager": True, "inference_mode": True, "rows": rows,
-            "note": "added_us = dispatched - direct, minimum over windows of each, interleaved"}
+            "note": "added_us = dispatched - direct on the device clock, minimum over windows of each, "
+                    "interleaved; host_us: the host's time per call with no sync between calls"}
 
 
 STEP_FUNCS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
@@ -856,10 +914,18 @@ def summary_md(report: dict[str, Any]) -> str:
     o = steps.get("overhead", {}).get("result")
     if o:
         lines += ["## Dispatch overhead (causal_conv1d_update, eager, inference_mode)", "",
+                  "Device clock (what the GPU waits for):", "",
                   _table(["B", "D", "variant", "dispatched us", "direct us", "added us", "aten ops outside"],
                          [[r["B"], r.get("D"), r.get("variant"), r.get("dispatched_us"), r.get("direct_us"),
                            r.get("added_us"), ", ".join(f"{k} x{n}" for k, n in r.get("aten_ops_outside", {}).items())
-                           or r.get("skipped", "none")] for r in o["rows"]]), ""]
+                           or r.get("skipped", "none")] for r in o["rows"]]), "",
+                  "Host clock (what the CPU spends per call; added = form - direct):", "",
+                  _table(["B", "direct us", "dispatched +", "forced +", "bind +", "aten ops outside (d/f/b)"],
+                         [[r["B"], r.get("host_us", {}).get("direct"),
+                           *(r.get("host_added_us", {}).get(k) for k in ("dispatched", "forced", "bind")),
+                           "/".join(str(r.get("aten_ops_outside_by_form", {}).get(k, "-"))
+                                    for k in ("dispatched", "forced", "bind"))]
+                          for r in o["rows"] if "host_us" in r]), ""]
     return "\n".join(lines)
 
 
