@@ -177,7 +177,7 @@ def compiled_kernels(cache: Path) -> int:
 def _call_path(ctx: Ctx) -> str:
     from kernel_variants._runtime import callcore
 
-    on, words = callcore.status()
+    words = callcore.status()[1]
     if ctx.cuda:
         return f"Python on {ctx.device} (the compiled core serves CPU tensors; on the CPU here: {words})"
     return words
