@@ -115,7 +115,7 @@ def test_value_checks_are_off_only_off_the_cpu(monkeypatch):
             with kernel_variants.force(causal_conv1d_fn=vid), pytest.raises(ValueError, match="cache_indices"):
                 kernel_variants.causal_conv1d_fn(**call)
             assert torch.equal(call["conv_states"], pool), f"{vid} wrote the pool before the error"
-    monkeypatch.setattr(_op, "on_cpu", lambda spec, args: False)  # as on an accelerator
+    monkeypatch.setattr(_op, "host_values", lambda t: False)  # as on an accelerator
     call = {**_fn_call(), "cache_indices": torch.tensor([2, 0, 2], dtype=torch.int32)}
     kernel_variants.explain(FN, **call)  # metadata is still checked, values are not
     with pytest.raises(ValueError, match="weight"):

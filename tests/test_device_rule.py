@@ -268,6 +268,29 @@ def test_the_triton_kernel_equals_the_composite_on_random_inputs(triton_rule, de
               total=total)
 
 
+@pytest.mark.parametrize("batch", [1, 5, 64, 65, 130])
+def test_the_triton_decode_kernel_counts_what_the_rule_counts_and_no_rule_is_launched(counters, monkeypatch, batch):
+    """``triton``'s decode declares ``counts_bad_values``: its own kernel counts, as the oracle
+    does (past one block of 64 earlier slots too), and the dispatched call launches no rule."""
+    pytest.importorskip("triton", reason="triton not installed (the 'triton' extra)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_op, "host_values", lambda t: False)  # as on an accelerator
+    monkeypatch.setattr(_device_rule, "op", lambda: pytest.fail("the rule was launched"))
+    kv.reload()  # the Triton variants claim the CPU under the interpreter
+    g = torch.Generator().manual_seed(batch)
+    for dtype, pad, length in ((torch.int32, PADS[0], 1), (torch.int64, PADS[1], 2), (torch.int32, PADS[2], 2)):
+        idx = _slots(g, batch, 24, dtype, pad)
+        accepted = _accepted(g, batch, length, dtype) if length > 1 else None
+        x, pool = torch.randn(batch, length, D), torch.randn(24, W - 1 + length - 1, D)
+        w = torch.randn(D, W)
+        _, want = _oracle_update((x, pool, w, None, None, idx, accepted, pad), True)
+        before = counters()
+        with kv.force(causal_conv1d_update="triton"):
+            kv.causal_conv1d_update(x, pool, w, conv_state_indices=idx, num_accepted_tokens=accepted,
+                                    pad_slot_id=pad)
+        assert [a - b for a, b in zip(counters(), before, strict=True)] == want, (dtype, pad)
+
+
 # ------------------------------------------------------------------------------------------
 # The rule against the oracle, through the op (composite on the CPU) and through the kernel
 # ------------------------------------------------------------------------------------------
@@ -369,7 +392,7 @@ def _marked(op: str, safe: bool) -> Variant:
 @pytest.fixture
 def accelerator(monkeypatch, with_variants, counters):
     with_variants(*[_marked(op, safe) for op in (FN, UP) for safe in (False, True)])
-    monkeypatch.setattr(_op, "on_cpu", lambda spec, args: False)
+    monkeypatch.setattr(_op, "host_values", lambda t: False)
     assert dispatcher().device_values, "KV_CHECK_VALUES unset: the device rule runs off the CPU"
     _RECEIVED.clear()
     return SimpleNamespace(counters=counters)

@@ -237,3 +237,22 @@ def test_the_default_prefill_configs_do_not_spill(monkeypatch, tmp_path, blocks)
                  for n in fn.arg_names}
     registers, text = sm90.assemble(compile_(fn, signature, consts, 4), tmp_path, "fn_conv")
     assert registers <= 64, text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [False, True], ids=["decode", "verify"])
+def test_the_decode_kernel_that_counts_bad_values_compiles_for_sm_90_without_spilling(monkeypatch, tmp_path, spec):
+    """The decode kernel with its own counts of bad values (``COUNT``: the atomics and the
+    compares with earlier slots), compiled for sm_90 without a GPU, W = 4, bf16, D = 4096's
+    heuristic block: it compiles, and ptxas reports no spill."""
+    compile_ = sm90.compiler(monkeypatch)
+    fn = triton_conv.kernels(False).update
+    blocks = triton_conv.update_heuristic(64, 4096)
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "st_ptr": "*bf16", "ci_ptr": "*i32",
+                "nat_ptr": "*i32", "out_ptr": "*bf16", "cnt_ptr": "*i64"}
+    consts = dict(W=4, HAS_BIAS=True, SILU=True, HAS_CI=True, SPEC=spec, COUNT=True, BLOCK_L=2 if spec else 1,
+                  BLOCK_S=4, BLOCK_D=blocks.d, BLOCK_B=64)
+    signature = {n: pointers.get(n, "constexpr" if n in consts else "i64" if n.startswith("s") and n != "S" else "i32")
+                 for n in fn.arg_names}
+    registers, text = sm90.assemble(compile_(fn, signature, consts, 4), tmp_path, "update")
+    assert registers <= 96, text

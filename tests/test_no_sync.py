@@ -2,7 +2,7 @@
 corrupt nothing: they are made pads on the device and counted for ``kv.check_errors()``.
 
 The accelerator path is exercised on this CPU-only machine by making the dispatcher's single
-"on the CPU?" decision (``_op.on_cpu``) answer no, with every torch call watched by a torch
+"on the CPU?" decision (``_op.host_values``) answer no, with every torch call watched by a torch
 function mode that fails the test on anything that would synchronise a device (``.tolist()``,
 ``.item()``, ``.cpu()``, ``bool()``, ``int()``, ``nonzero``, boolean-mask indexing...:
 ``helpers.no_sync.NoHostSync``). The kernels themselves (the CPU doubles of the Ascend and
@@ -96,7 +96,7 @@ def accelerator(monkeypatch, with_variants):
     monkeypatch.setattr(_device_errors, "_counters", {})
     triton = _triton_in_kernel(monkeypatch)
     with_variants(*_test_variants())
-    monkeypatch.setattr(_op, "on_cpu", lambda spec, args: False)
+    monkeypatch.setattr(_op, "host_values", lambda t: False)
     received.clear()
     return SimpleNamespace(triton=triton)
 
@@ -259,7 +259,7 @@ def test_valid_calls_count_nothing_and_the_host_checks_catch_up_on_the_cpu(accel
     kv.check_errors()  # nothing bad
     _run(UP, "fake", {**kwargs, "conv_state_indices": torch.tensor([5, 9, 0], dtype=torch.int32)})
     # The next call whose values are checked on the host (here: on the CPU) reports it first.
-    monkeypatch.setattr(_op, "on_cpu", lambda spec, args: True)
+    monkeypatch.setattr(_op, "host_values", lambda t: True)
     with pytest.raises(ValueError, match=r"1 x slot index outside \[0, N\)"):
         kv.causal_conv1d_update(**kwargs)
     kv.causal_conv1d_update(**kwargs)  # reported once, then reset
@@ -278,7 +278,7 @@ def test_check_values_0_hands_the_variant_the_callers_tensors(accelerator, monke
 def test_check_values_1_checks_on_the_host_off_the_cpu_too(monkeypatch):
     monkeypatch.setenv("KV_CHECK_VALUES", "1")
     kv.reload()
-    monkeypatch.setattr(_op, "on_cpu", lambda spec, args: False)
+    monkeypatch.setattr(_op, "host_values", lambda t: False)
     kwargs = dict(x=torch.randn(3, D), conv_state=torch.randn(N, W - 1, D), weight=torch.randn(D, W),
                   conv_state_indices=torch.tensor([5, 9, 0], dtype=torch.int32), pad_slot_id=PAD)
     before = kwargs["conv_state"].clone()

@@ -126,6 +126,8 @@ def test_overhead_times_the_dispatched_op_and_the_chosen_variant_at_decode_sizes
         assert set(r["device_us"]) == set(r["host_us"])
         # On the CPU the core serves each form: no aten op outside the variant in any of them.
         assert r["aten_ops_outside_by_form"] == {"dispatched": 0, "forced": 0, "bind": 0}
+        # The rule's launch and the profiler's kernel count are CUDA's alone.
+        assert r["rule_host_us"] is None and r["kernels_per_call"] == dict.fromkeys(("dispatched", "bind", "direct"))
 
 
 def test_the_summary_has_a_section_per_step(cpu_run):

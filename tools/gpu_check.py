@@ -85,6 +85,7 @@ CUDA_TIMEOUTS = {"environment": 15, "qualify": 75, "calibrate": 85, "graphs": 40
 CPU_TIMEOUTS = dict.fromkeys(STEPS, 240)
 COMPILE_CAP = 150  # Triton kernels compiled before no further Triton variant is qualified
 DTYPES = ("bfloat16", "float16", "float32")
+CALIBRATED = "float16"  # the seed table's dtype: calibrated, so qualified first
 FN, UPDATE, RMS, ADD_RMS = "causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm"
 # seed69's smallest shapes (x 67 to 268 MB in fp16), a spread over B, D and L: the case builder
 # draws them on the device, and each variant is timed on them within the step's budget.
@@ -272,7 +273,8 @@ def qualify_jobs(ctx: Ctx, ops: tuple[str, ...], dtypes: tuple[str, ...], jobs: 
             for i, dt in enumerate(dtypes):
                 if dt in caps.dtypes:
                     order = 0 if not isolated(rv) else 1 if not tri else 2 if rv.id == "triton" else 3
-                    todo.append((order * 10 + i, op, rv.id, dt, isolated(rv), tri))
+                    # fp16 first within each kind: the dtype the calibration step times
+                    todo.append((order * 10 + (dt != CALIBRATED) * (1 + i), op, rv.id, dt, isolated(rv), tri))
     todo.sort(key=lambda j: (j[0], j[1], j[2]))
     verdicts: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -331,7 +333,8 @@ def qualify_jobs(ctx: Ctx, ops: tuple[str, ...], dtypes: tuple[str, ...], jobs: 
 
 def _parallel(ctx: Ctx) -> int:
     """Qualification children at a time: forked on the CPU (one), spawned on CUDA (several)."""
-    return 1 if not ctx.cuda else max(1, min(6, (os.cpu_count() or 2) // 2))
+    # On CUDA a child is mostly one CPU core compiling Triton kernels: one per core, but two.
+    return 1 if not ctx.cuda else max(1, min(14, (os.cpu_count() or 2) - 2))
 
 
 def step_qualify(ctx: Ctx) -> dict[str, Any]:
@@ -675,6 +678,65 @@ def _host_us(calls: dict[str, Callable[[], Any]], device: str, iters: int, round
     return best
 
 
+def _kernels_per_call(fn: Callable[[], Any], ctx: Ctx, calls: int = 10) -> float | None:
+    """Device kernels launched per call of ``fn`` (Triton's and aten's alike), from the torch
+    profiler's CUDA activity; None off CUDA."""
+    if not ctx.cuda:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(ctx.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(ctx.device)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    return len(kernels) / calls
+
+
+def _host_breakdown(ctx: Ctx, a: dict[str, Any], iters: int, rounds: int) -> dict[str, float]:
+    """Host microseconds of the pieces of a ``triton`` decode call (CUDA only): the variant as
+    the dispatcher calls it, its kernel's launch alone (the arguments it was handed, recorded
+    from one call), and the torch calls around it."""
+    import torch
+
+    from kernel_variants.kernels import triton_conv
+    from kernel_variants.ops.causal_conv1d import bad_value_counter
+
+    k = triton_conv.kernels(triton_conv.interpreting())
+    jit, seen = k.update, []
+
+    class Record:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((grid, args, kwargs))
+                return jit[grid](*args, **kwargs)
+            return launch
+
+    pos = (a["x"], a["conv_state"], a["weight"], a["bias"])
+    kw = dict(activation=a["activation"], conv_state_indices=a["conv_state_indices"], pad_slot_id=a["pad_slot_id"])
+    k.update = Record()
+    try:
+        triton_conv.causal_conv1d_update(*pos, **kw)
+    finally:
+        k.update = jit
+    grid, args, kwargs = seen[0]
+    x = a["x"]
+
+    def guard():
+        with torch.cuda.device(x.device):
+            pass
+
+    calls = {
+        "variant": lambda: triton_conv.causal_conv1d_update(*pos, **kw),
+        "kernel launch alone": lambda: jit[grid](*args, **kwargs),
+        "torch.cuda.device enter+exit": guard,
+        "torch.empty (the output)": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        "bad_value_counter": lambda: bad_value_counter(x),
+    }
+    return _host_us(calls, ctx.device, iters, rounds, {})
+
+
 def step_overhead(ctx: Ctx) -> dict[str, Any]:
     """Each call form of issue 24 beside the chosen variant called directly, at decode sizes:
     the dispatched op, a forced variant and ``kv.bind``; timed on the device's clock (what the
@@ -684,6 +746,7 @@ def step_overhead(ctx: Ctx) -> dict[str, Any]:
     import kernel_variants as kv
     from kernel_variants._runtime.dispatcher import dispatcher
     from kernel_variants._tuning.timing import Timing, TimingConfig, measure_interleaved
+    from kernel_variants.ops.causal_conv1d import _device_rule
 
     spec = dispatcher().registry.spec(UPDATE)
     d = 64 if ctx.tiny else 4096
@@ -721,12 +784,20 @@ def step_overhead(ctx: Ctx) -> dict[str, Any]:
             def pinned(vid=chosen.id):
                 return kv.force(**{UPDATE: vid})
 
+            def rule(a=a, b=b):  # the device rule's own launch, as a variant without counts_bad_values gets it
+                return _device_rule.apply(a["x"].device, a["conv_state_indices"], None, None, a["pad_slot_id"],
+                                          batch=b, n_slots=a["conv_state"].shape[0], rewrite=False)
+
             forms = {"dispatched": dispatched, "forced": dispatched, "bind": bound_call, "direct": direct}
             _sync(ctx.device)
             t = measure_interleaved({k: [f] for k, f in forms.items() if k != "forced"}, ctx.device, config)
             with pinned():
                 t["forced"] = measure_interleaved({"forced": [dispatched]}, ctx.device, config)["forced"]
-            host = _host_us(forms, ctx.device, host_iters, host_rounds, {"forced": pinned})
+            # Off the CPU only: a rule run on the CPU makes its counter, which every CPU call after
+            # it then reads first (the host checks report the device's counts before their own).
+            extra = {"rule": rule} if ctx.cuda else {}
+            host = _host_us({**forms, **extra}, ctx.device, host_iters, host_rounds, {"forced": pinned})
+            rule_us = host.pop("rule", None)
             ops = {k: _aten_ops(f) for k, f in forms.items() if k != "forced"}
             with pinned():
                 ops["forced"] = _aten_ops(dispatched)
@@ -738,7 +809,11 @@ def step_overhead(ctx: Ctx) -> dict[str, Any]:
                                    "aten_ops_outside_by_form": {k: sum((ops[k] - ops["direct"]).values())
                                                                 for k in forms if k != "direct"},
                                    "aten_ops_in_variant": sum(ops["direct"].values()),
-                                   "host_us": host,
+                                   "host_us": host, "rule_host_us": rule_us,
+                                   "chosen_counts_bad_values": bool(getattr(chosen.variant.capabilities,
+                                                                            "counts_bad_values", False)),
+                                   "kernels_per_call": {k: _kernels_per_call(f, ctx)
+                                                        for k, f in forms.items() if k != "forced"},
                                    "host_added_us": {k: host[k] - host["direct"] for k in forms if k != "direct"}}
             if all(isinstance(t[k], Timing) for k in t):
                 row.update(dispatched_us=t["dispatched"].best_us, direct_us=t["direct"].best_us,
@@ -748,7 +823,14 @@ def step_overhead(ctx: Ctx) -> dict[str, Any]:
                 row["error"] = {k: str(v) for k, v in t.items() if not isinstance(v, Timing)}
             rows.append(row)
             ctx.partial({"rows": rows})
-    return {"op": UPDATE, "eager": True, "inference_mode": True, "rows": rows,
+        breakdown: dict[str, Any] = {}
+        if ctx.cuda and ctx.left() > 3:
+            try:
+                breakdown = _host_breakdown(ctx, _decode_call(ctx.device, 1, d, torch.float16), host_iters,
+                                            host_rounds)
+            except Exception as exc:  # a finding, not a reason to lose the rows above
+                breakdown = {"error": f"{type(exc).__name__}: {exc}"}
+    return {"op": UPDATE, "eager": True, "inference_mode": True, "rows": rows, "host_breakdown_b1": breakdown,
             "note": "added_us = dispatched - direct on the device clock, minimum over windows of each, "
                     "interleaved; host_us: the host's time per call with no sync between calls"}
 
@@ -919,13 +1001,20 @@ def summary_md(report: dict[str, Any]) -> str:
                          [[r["B"], r.get("D"), r.get("variant"), r.get("dispatched_us"), r.get("direct_us"),
                            r.get("added_us"), ", ".join(f"{k} x{n}" for k, n in r.get("aten_ops_outside", {}).items())
                            or r.get("skipped", "none")] for r in o["rows"]]), "",
-                  "Host clock (what the CPU spends per call; added = form - direct):", "",
-                  _table(["B", "direct us", "dispatched +", "forced +", "bind +", "aten ops outside (d/f/b)"],
+                  "Host clock (what the CPU spends per call; added = form - direct; the rule: its own "
+                  "launch, which a variant declaring counts_bad_values is spared):", "",
+                  _table(["B", "direct us", "dispatched +", "forced +", "bind +", "rule us",
+                          "aten ops outside (d/f/b)", "kernels per call (d/b/direct)"],
                          [[r["B"], r.get("host_us", {}).get("direct"),
                            *(r.get("host_added_us", {}).get(k) for k in ("dispatched", "forced", "bind")),
+                           r.get("rule_host_us"),
                            "/".join(str(r.get("aten_ops_outside_by_form", {}).get(k, "-"))
-                                    for k in ("dispatched", "forced", "bind"))]
+                                    for k in ("dispatched", "forced", "bind")),
+                           "/".join(_f(r.get("kernels_per_call", {}).get(k)) for k in ("dispatched", "bind", "direct"))]
                           for r in o["rows"] if "host_us" in r]), ""]
+        if o.get("host_breakdown_b1"):
+            lines += ["Host microseconds of a triton decode call's pieces, B = 1:", "",
+                      _table(["piece", "us"], [[k, v] for k, v in o["host_breakdown_b1"].items()]), ""]
     return "\n".join(lines)
 
 

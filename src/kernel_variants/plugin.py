@@ -53,7 +53,7 @@ from kernel_variants._registry.registry import DuplicateVariantError, Registered
 from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime.ops import make_op
 from kernel_variants._runtime.values import Bounded, Offsets, SlotIds
-from kernel_variants.ops.causal_conv1d import ConvCapabilities, ConvFeatures
+from kernel_variants.ops.causal_conv1d import ConvCapabilities, ConvFeatures, bad_value_counter
 
 __all__ = [
     "PROJECT_NAME",
@@ -71,6 +71,7 @@ __all__ = [
     "SlotIds",
     "Sweep",
     "Variant",
+    "bad_value_counter",
     "hookimpl",
     "make_op",
 ]

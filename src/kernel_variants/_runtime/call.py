@@ -66,10 +66,17 @@ def out_runner(spec: OpSpec, direct: bool, in_place: bool) -> Callable[..., Any]
     return run
 
 
+def host_values(t: Any) -> bool:
+    """Whether index values of a call on ``t``'s device are checked on the host by default.
+
+    Value checks read index tensors: free on the CPU, so always on there; a device sync
+    elsewhere, where KV_CHECK_VALUES decides (by default the op's device rule runs instead).
+    ``t``: the call's first tensor argument."""
+    return getattr(t, "is_cpu", True)
+
+
 def on_cpu(spec: OpSpec, args: tuple[Any, ...]) -> bool:
-    # Value checks read index tensors: free on the CPU, so always on there; a device sync
-    # elsewhere, where KV_CHECK_VALUES decides (by default the op's device rule runs instead).
-    return getattr(args[spec.tensor_indices[0]], "is_cpu", True)
+    return host_values(args[spec.tensor_indices[0]])
 
 
 def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None, core: Any = None) -> Any:

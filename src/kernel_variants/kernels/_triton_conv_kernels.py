@@ -189,12 +189,32 @@ def kernels(interpret: bool) -> SimpleNamespace:
                      new.to(st_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
     @triton.jit
-    def update(x_ptr, w_ptr, b_ptr, st_ptr, ci_ptr, nat_ptr, out_ptr,
+    def update(x_ptr, w_ptr, b_ptr, st_ptr, ci_ptr, nat_ptr, out_ptr, cnt_ptr,
                D, L, S, N, KEPT, OFFSET, pad_slot_id,
                sx_b, sx_t, sx_d, sw_d, sw_k, ss_n, ss_s, ss_d, so_b, so_t, so_d,
                W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_CI: tl.constexpr,
-               SPEC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+               SPEC: tl.constexpr, COUNT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr):
         b = tl.program_id(0)
+        if COUNT:
+            # The device rule's counts, made here rather than in a launch of their own: the first
+            # channel block of sequence b counts b's bad values (kinds as device_errors.KINDS).
+            first = tl.program_id(1) == 0
+            if HAS_CI:
+                sb = tl.load(ci_ptr + b).to(tl.int64)
+                in_pool = (sb >= 0) & (sb < N)
+                tl.atomic_add(cnt_ptr + 0, 1, mask=first & ~in_pool & (sb != pad_slot_id))
+                # A live slot that an earlier sequence also holds: per slot used k times, k - 1.
+                dup = b < 0
+                for j0 in range(0, b, BLOCK_B):
+                    j = j0 + tl.arange(0, BLOCK_B)
+                    sj = tl.load(ci_ptr + j, mask=j < b, other=-1).to(tl.int64)
+                    same = ((j < b) & (sj == sb)).to(tl.int32)
+                    dup = dup | (tl.reduce(same, 0, tl.standard._sum_combine) > 0)  # triton's own combiner
+                tl.atomic_add(cnt_ptr + 1, 1, mask=first & in_pool & (sb != pad_slot_id) & dup)
+            if SPEC:
+                nb = tl.load(nat_ptr + b).to(tl.int64)
+                tl.atomic_add(cnt_ptr + 2, 1, mask=first & ((nb < 1) | (nb > L)))
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = d < D
         i = tl.arange(0, BLOCK_L)

@@ -18,7 +18,10 @@ only off the CPU (where the dispatcher counts such values on the device instead 
 them) or with ``KV_CHECK_VALUES=0``, is treated as a pad, as vLLM's kernels mask
 ``coord < num_cache_lines``: zero output, nothing read or written, never memory outside the
 pool. The variants declare it (``slot_bounds_safe``), so the dispatcher hands them the caller's
-indices as they are instead of rewriting them first. Launches run under ``x``'s device (``torch.cuda.device``), so a tensor on another GPU
+indices as they are instead of rewriting them first. The decode kernel also counts such values
+(``counts_bad_values``): the first channel block of each sequence adds its bad slot id, its
+slot's reuse by an earlier live sequence and its bad count to ``bad_value_counter(x)`` with
+atomics, so a decode call launches no device rule before it. Launches run under ``x``'s device (``torch.cuda.device``), so a tensor on another GPU
 than the current one is never handed to a kernel compiled and launched for the current one.
 Nothing reads a tensor's values on the host: the variants are declared graph_safe.
 
@@ -40,7 +43,7 @@ import torch
 from kernel_variants.kernels._adapters import mark_written
 from kernel_variants.kernels._triton import DEPENDS, device_guard, interpreting, pow2, probe
 from kernel_variants.kernels._triton_conv_kernels import MAX_WIDTH, kernels
-from kernel_variants.plugin import ConvCapabilities, Variant, hookimpl
+from kernel_variants.plugin import ConvCapabilities, Variant, bad_value_counter, hookimpl
 
 # The jitted bodies live beside this module: its timings go stale when they change too.
 SOURCES = ("_triton_conv_kernels.py",)
@@ -148,16 +151,18 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, c
     kept = max(rows - length, 0) if spec else rows  # rows of the old slot in the stream old ++ x
     offset = kept + length - rows  # first stream row of the new slot
     dummy = out
+    counter = bad_value_counter(x)
     grid = (batch, k.cdiv(dim, blocks.d))
     with device_guard(x):
         k.update[grid](
             x3, weight, bias.contiguous() if bias is not None else dummy, conv_state,
             conv_state_indices.contiguous() if conv_state_indices is not None else dummy,
-            num_accepted_tokens.contiguous() if spec else dummy, out,
+            num_accepted_tokens.contiguous() if spec else dummy, out, counter if counter is not None else dummy,
             dim, length, rows, conv_state.shape[0], kept, offset, pad_slot_id,
             *x3.stride(), weight.stride(0), weight.stride(1), *conv_state.stride(), *out.stride(),
             W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_CI=conv_state_indices is not None,
-            SPEC=spec, BLOCK_L=pow2(length), BLOCK_S=pow2(rows), BLOCK_D=blocks.d)
+            SPEC=spec, COUNT=counter is not None, BLOCK_L=pow2(length), BLOCK_S=pow2(rows), BLOCK_D=blocks.d,
+            BLOCK_B=64)  # earlier slots compared 64 at a time: one compile for every batch
     mark_written(given, conv_state)
     if given is not None:
         return given
@@ -188,7 +193,7 @@ def variants() -> list[Variant]:
     # native variant: ranked below them, they run there only when forced or measured.
     base = -50 if interpreting() else 15
     version = "1"
-    fn_caps, update_caps = _caps(varlen=True), _caps(num_accepted_tokens=True)
+    fn_caps, update_caps = _caps(varlen=True), _caps(num_accepted_tokens=True, counts_bad_values=True)
     common = dict(id="triton", version=version, depends=DEPENDS, sources=SOURCES, probe=probe, priority=base)
     return [
         Variant(op="causal_conv1d_fn", fn=causal_conv1d_fn, capabilities=fn_caps, **common, **_tactics(causal_conv1d_fn, FN_CONFIGS),

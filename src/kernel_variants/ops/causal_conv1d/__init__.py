@@ -78,6 +78,10 @@ class ConvCapabilities(Capabilities):
     # 1..L) as a pad, never addressing memory outside the pool: off the CPU the dispatcher then
     # only counts such values instead of rewriting the index tensors first.
     slot_bounds_safe: bool = False
+    # Decode only (read by causal_conv1d_update's device rule): its kernel also counts what the
+    # rule counts (the slots above, live slots used twice, the counts above) into
+    # bad_value_counter(x), so off the CPU the dispatcher launches nothing for the rule at all.
+    counts_bad_values: bool = False
 
     @field_validator("width", "num_accepted_tokens_width")
     @classmethod
@@ -90,6 +94,9 @@ class ConvCapabilities(Capabilities):
     def _spec_width_inside(self) -> ConvCapabilities:
         if self.num_accepted_tokens_width is not None and not self.num_accepted_tokens:
             raise ValueError("num_accepted_tokens_width is set but num_accepted_tokens is False")
+        if self.counts_bad_values and not self.slot_bounds_safe:
+            raise ValueError("counts_bad_values is set but slot_bounds_safe is False (the rule it replaces also "
+                             "makes bad values pads)")
         return self
 
     def uncovered(self, key: CallKey) -> str | None:
@@ -263,4 +270,7 @@ def kv_register_ops(register) -> None:
         register(spec)
 
 
-__all__ = ["TORCH_CAPS", "ConvCapabilities", "ConvFeatures", "causal_conv1d_fn", "causal_conv1d_update"]
+bad_value_counter = _checks.bad_value_counter
+
+__all__ = ["TORCH_CAPS", "ConvCapabilities", "ConvFeatures", "bad_value_counter", "causal_conv1d_fn",
+           "causal_conv1d_update"]

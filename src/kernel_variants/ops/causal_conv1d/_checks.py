@@ -18,6 +18,9 @@ import torch
 
 from kernel_variants._dtypes import dtype_name
 from kernel_variants._registry.keys import Features, KeyParts
+from kernel_variants._runtime import call as _call
+from kernel_variants._runtime import device_errors
+from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._runtime.values import Bounded, Offsets, SlotIds, plan
 from kernel_variants._validate import floating, like_x, shape_str, tensor
 from kernel_variants.ops.causal_conv1d import _device_rule
@@ -243,6 +246,18 @@ def device_fn_values(args, capabilities) -> tuple:
     return tuple(out)
 
 
+def bad_value_counter(x: torch.Tensor) -> torch.Tensor | None:
+    """For a decode kernel declaring ``counts_bad_values``: the counter it adds what it meets to
+    (``int64 [4]``, one entry per kind of ``device_errors.KINDS``: a slot outside ``[0, N)``
+    that is not ``pad_slot_id``; a live slot one more time than once; a ``num_accepted_tokens``
+    outside ``1..L``), or None when it must count nothing: the values of a call on ``x``'s device
+    are checked on the host (the CPU, ``KV_CHECK_VALUES=1``) or not at all
+    (``KV_CHECK_VALUES=0``), or a graph is captured before any eager call made the counter."""
+    if _call.host_values(x) or not dispatcher().device_values:
+        return None
+    return device_errors.counter(x.device)
+
+
 def device_update_values(args, capabilities) -> tuple:
     """The device rule of ``causal_conv1d_update``; ``args`` in signature order, device tensors.
 
@@ -253,11 +268,12 @@ def device_update_values(args, capabilities) -> tuple:
     - live slots used twice are counted, not repaired (see :func:`device_fn_values`).
     Rewritten here unless the chosen variant declares ``slot_bounds_safe``; counted on the
     device for :func:`kernel_variants.check_errors` in every case. No host read; one device op
-    (``kernel_variants::conv_device_rule``), none when there is nothing to check.
+    (``kernel_variants::conv_device_rule``), none when there is nothing to check or the variant
+    declares ``counts_bad_values`` (its kernel counts into :func:`bad_value_counter`).
     """
     x, conv_state, _, _, _, indices, accepted, pad = args
-    if indices is None and accepted is None:
-        return args
+    if (indices is None and accepted is None) or capabilities.counts_bad_values:
+        return args  # nothing to check, or the variant's kernel counts (and masks) itself
     idx, fixed_accepted, _, fixed_pad = _device_rule.apply(
         x.device, indices, accepted, None, pad, batch=x.shape[0], n_slots=conv_state.shape[0],
         length=x.shape[1] if x.ndim == 3 else 1, rewrite=not capabilities.slot_bounds_safe)
