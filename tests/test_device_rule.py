@@ -269,26 +269,33 @@ def test_the_triton_kernel_equals_the_composite_on_random_inputs(triton_rule, de
 
 
 @pytest.mark.parametrize("batch", [1, 5, 64, 65, 130])
-def test_the_triton_decode_kernel_counts_what_the_rule_counts_and_no_rule_is_launched(counters, monkeypatch, batch):
+def test_the_triton_decode_kernel_counts_what_the_rule_counts_and_no_rule_is_launched(counters, monkeypatch, device,
+                                                                                        batch):
     """``triton``'s decode declares ``counts_bad_values``: its own kernel counts, as the oracle
     does (past one block of 64 earlier slots too), and the dispatched call launches no rule."""
     pytest.importorskip("triton", reason="triton not installed (the 'triton' extra)")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(_op, "host_values", lambda t: False)  # as on an accelerator
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(_op, "host_values", lambda t: False)  # as on an accelerator
     monkeypatch.setattr(_device_rule, "op", lambda: pytest.fail("the rule was launched"))
     kv.reload()  # the Triton variants claim the CPU under the interpreter
     g = torch.Generator().manual_seed(batch)
+
+    def counted() -> list[int]:
+        c = _device_errors._counters.get(torch.device(device) if device == "cpu" else torch.device("cuda", 0))
+        return [0] * 4 if c is None else c.tolist()
+
     for dtype, pad, length in ((torch.int32, PADS[0], 1), (torch.int64, PADS[1], 2), (torch.int32, PADS[2], 2)):
         idx = _slots(g, batch, 24, dtype, pad)
         accepted = _accepted(g, batch, length, dtype) if length > 1 else None
         x, pool = torch.randn(batch, length, D), torch.randn(24, W - 1 + length - 1, D)
         w = torch.randn(D, W)
         _, want = _oracle_update((x, pool, w, None, None, idx, accepted, pad), True)
-        before = counters()
+        on = [t.to(device) if t is not None else None for t in (x, pool, w, idx, accepted)]
+        before = counted()
         with kv.force(causal_conv1d_update="triton"):
-            kv.causal_conv1d_update(x, pool, w, conv_state_indices=idx, num_accepted_tokens=accepted,
-                                    pad_slot_id=pad)
-        assert [a - b for a, b in zip(counters(), before, strict=True)] == want, (dtype, pad)
+            kv.causal_conv1d_update(*on[:3], conv_state_indices=on[3], num_accepted_tokens=on[4], pad_slot_id=pad)
+        assert [a - b for a, b in zip(counted(), before, strict=True)] == want, (dtype, pad)
 
 
 # ------------------------------------------------------------------------------------------
