@@ -82,6 +82,7 @@ def test_qualification_covers_every_cpu_builtin_in_three_dtypes_and_all_pass(cpu
     assert q["passed"] == len(got) > 0 and q["failed"] == 0 and q["failures"] == [] and q["skipped"] == 0
     assert all(v["passed"] and v["cases"] > 0 for v in q["verdicts"])
     assert q["triton_compilations"] == 0  # no Triton kernel compiles on a CPU without the interpreter
+    assert q["tactics"] is False  # tactics only with --tactics
 
 
 def test_calibration_decides_every_shape_and_times_a_copy_beside_each_variant(cpu_run):

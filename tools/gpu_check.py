@@ -6,7 +6,9 @@ kills its step, not the run; the steps after it still run):
 - ``environment``: GPU, torch, Triton, CUDA and Python versions, each variant's availability,
   and which call path ran (the compiled core serves CPU tensors: a CUDA call takes the Python one);
 - ``qualify``: every available variant of all four ops on the device in bf16, fp16 and fp32
-  (``kv.qualify``), passed / failed with each failure; Triton variants stop being started once
+  (``kv.qualify``), passed / failed with each failure; tactics (``triton:d64``...) only with
+  ``--tactics`` (on a fresh H200 the fp16 conv tactics alone compiled 382 Triton kernels, more
+  than a run's budget); Triton variants stop being started once
   ``--compile-cap`` kernels have been compiled (the report says how many were, and which
   variants that cap or the step's budget left out);
 - ``calibrate``: fp16 (the seed table's dtype) calibration of a subset of ``seed69`` and of the
@@ -123,6 +125,7 @@ class Ctx:
     tiny: bool
     budget_s: float  # the step's timeout less a margin for writing its result
     compile_cap: int
+    tactics: bool  # the Triton variants' tactics too (each compiles its kernels anew)
     triton_cache: Path
     started: float
 
@@ -269,6 +272,8 @@ def qualify_jobs(ctx: Ctx, ops: tuple[str, ...], dtypes: tuple[str, ...], jobs: 
                 continue
             if rv.unavailable_reason() is not None:
                 continue  # the environment step lists it with why
+            if rv.tactic is not None and not ctx.tactics:
+                continue  # left out of the whole run, and said so in the summary
             tri = _triton_variant(rv)
             for i, dt in enumerate(dtypes):
                 if dt in caps.dtypes:
@@ -306,7 +311,8 @@ def qualify_jobs(ctx: Ctx, ops: tuple[str, ...], dtypes: tuple[str, ...], jobs: 
         return {"device": ctx.device, "dtypes": list(dtypes), "passed": len(verdicts) - len(failed),
                 "failed": len(failed), "skipped": len(skipped), "failures": failed, "not_run": skipped,
                 "triton_compilations": compiled_kernels(ctx.triton_cache) - before,
-                "compile_cap": ctx.compile_cap, "parallel_children": jobs, "verdicts": verdicts}
+                "compile_cap": ctx.compile_cap, "parallel_children": jobs, "tactics": ctx.tactics,
+                "verdicts": verdicts}
 
     inline = [j for j in todo if not j[4]]
     spawned = [j for j in todo if j[4]]
@@ -436,7 +442,7 @@ def step_calibrate(ctx: Ctx) -> dict[str, Any]:
         candidates = [rv.id for rv in reg.variants(op)
                       if rv.variant.fn is spec.reference.fn or (op, rv.id) in passed]
         left_out = [rv.id for rv in reg.variants(op) if rv.id not in candidates and rv.unavailable_reason() is None
-                    and dev_type in rv.variant.capabilities.devices]
+                    and dev_type in rv.variant.capabilities.devices and (rv.tactic is None or ctx.tactics)]
         t0 = time.monotonic()
         res = kv.calibrate(op, shapes, dtype="float16", device=ctx.device, variants=candidates,
                            budget_s=max(1.0, min(total * part, ctx.left() - 5)),
@@ -849,7 +855,8 @@ def child_main(args: argparse.Namespace) -> int:
     _importable()
     name = args.run_step
     ctx = Ctx(outdir=Path(args.outdir), name=name, device=args.device, tiny=args.tiny, budget_s=args.budget,
-              compile_cap=args.compile_cap, triton_cache=Path(args.state) / "triton", started=started)
+              compile_cap=args.compile_cap, tactics=args.tactics, triton_cache=Path(args.state) / "triton",
+              started=started)
     try:
         result, status, error = STEP_FUNCS[name](ctx), "ok", None
     except Exception as exc:  # the parent reports it; the other steps still run
@@ -880,6 +887,8 @@ def run_step(name: str, args: argparse.Namespace, state: Path, timeout: float) -
     budget = timeout - max(3.0, 0.1 * timeout)
     cmd = [sys.executable, str(Path(__file__).resolve()), str(outdir), "--run-step", name, "--device", args.device,
            "--budget", f"{budget:.1f}", "--compile-cap", str(args.compile_cap), "--state", str(state)]
+    if args.tactics:
+        cmd.append("--tactics")
     if args.tiny:
         cmd.append("--tiny")
     t0 = time.monotonic()
@@ -950,7 +959,8 @@ def summary_md(report: dict[str, Any]) -> str:
         lines += ["## Qualification", "",
                   f"{q['passed']} passed, {q['failed']} failed, {q['skipped']} not run "
                   f"({', '.join(q['dtypes'])}); Triton compilations: {q['triton_compilations']} "
-                  f"(cap {q['compile_cap']}); {q['parallel_children']} qualification children at a time.", ""]
+                  f"(cap {q['compile_cap']}); {q['parallel_children']} qualification children at a time"
+                  + ("." if q.get("tactics") else "; tactics left out (--tactics includes them)."), ""]
         if q["failures"]:
             lines += [_table(["op", "variant", "dtype", "case", "reason"],
                              [[v["op"], v["variant"], v["dtype"], v["failed_case"], v["reason"][:160]]
@@ -1028,6 +1038,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="shrink every shape and sweep (the test suite's run)")
     p.add_argument("--only", default="", help=f"comma-separated steps among {', '.join(STEPS)}")
     p.add_argument("--step-timeout", type=float, default=None, help="seconds for every step (default: per step)")
+    p.add_argument("--tactics", action="store_true",
+                   help="qualify and calibrate each variant's tactics too (triton:d64...): on a fresh GPU "
+                        "machine their Triton compilations take minutes")
     p.add_argument("--compile-cap", type=int, default=COMPILE_CAP,
                    help=f"Triton kernels compiled before no further Triton variant is qualified ({COMPILE_CAP})")
     p.add_argument("--run-step", default=None, help=argparse.SUPPRESS)  # the child's entry
