@@ -137,12 +137,12 @@ class OpSpec:
         if self.default_sweep is not None and self.default_sweep not in self.sweeps:
             raise ValueError(f"op {self.name}: default_sweep {self.default_sweep!r} is not one of its sweeps")
 
-    @property
+    @functools.cached_property  # read on every call the Python path serves
     def params(self) -> tuple[str, ...]:
         """Every parameter name, in signature order."""
         return tuple(self._sig.parameters)
 
-    @property
+    @functools.cached_property
     def positional(self) -> tuple[str, ...]:
         """The parameters a call may pass by position (the rest are keyword-only)."""
         return tuple(n for n, p in self._sig.parameters.items()
