@@ -111,8 +111,7 @@ def test_force_runs_the_named_block_configuration(interpreter, monkeypatch):
             grids.append(grid)
             return self.k.update[grid]
 
-    monkeypatch.setattr(triton_conv, "kernels", lambda mode: SimpleNamespace(update=Update(real(mode)),
-                                                                             cdiv=real(mode).cdiv))
+    monkeypatch.setattr(triton_conv, "kernels", lambda mode: SimpleNamespace(update=Update(real(mode))))
     x, w = torch.randn(2, 64), torch.randn(64, 4)
     for pin, grid in (("triton:d32", (2, 2)), ("triton", (2, 1))):
         pool = torch.randn(4, 3, 64)
@@ -207,8 +206,12 @@ def test_launches_run_under_the_device_of_x(interpreter, monkeypatch):
     import types
 
     assert isinstance(triton_conv.device_guard(torch.zeros(1)), contextlib.nullcontext)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     guard = triton_conv.device_guard(types.SimpleNamespace(device=torch.device("cuda", 1)))
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    # On the current device already: no switch (and no switch back) around the launch.
+    assert isinstance(triton_conv.device_guard(types.SimpleNamespace(device=torch.device("cuda", 0))),
+                      contextlib.nullcontext)
     seen = []
     real = triton_conv.device_guard
     monkeypatch.setattr(triton_conv, "device_guard", lambda t: seen.append(t.device) or real(t))

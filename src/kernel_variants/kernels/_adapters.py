@@ -363,5 +363,8 @@ class OpAdapter(LazyKernel):
 def mark_written(*tensors: torch.Tensor | None) -> None:
     """Bump autograd's version counter of each tensor a kernel wrote through its pointer (torch's
     own in-place ops do this themselves), so that a graph which saved one fails at backward
-    instead of using the new values. Inference tensors have no counter; torch skips them."""
-    torch.autograd.graph.increment_version([t for t in tensors if t is not None])
+    instead of using the new values. Inference tensors have no counter: a serving loop's calls
+    (inference_mode) skip the call into torch altogether."""
+    written = [t for t in tensors if t is not None and not t.is_inference()]
+    if written:
+        torch.autograd.graph.increment_version(written)

@@ -42,11 +42,31 @@ def probe() -> str | None:
     return None
 
 
+def cdiv(n: int, d: int) -> int:
+    """``ceil(n / d)`` for a grid. Plain arithmetic: ``triton.cdiv`` is a jitted function, and
+    called from the host it costs a decode call microseconds."""
+    return -(-n // d)
+
+
 def pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
 def device_guard(t: torch.Tensor):
-    """Launch under ``t``'s device: Triton compiles for and launches on the current device."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    """Launch under ``t``'s device: Triton compiles for and launches on the current device.
+    No guard where it is the current one already (its switch and switch back cost a decode
+    call 2.4 us of host time on the H200's host)."""
+    dev = t.device
+    if dev.type != "cuda" or dev.index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(dev)
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where it is contiguous (``is_contiguous`` reads a flag; ``.contiguous()`` is a
+    dispatched op even then), else a contiguous copy: for kernels that index it densely."""
+    return t if t.is_contiguous() else t.contiguous()

@@ -267,5 +267,5 @@ def kernels(interpret: bool) -> SimpleNamespace:
         else:
             tl.store(o_ptrs, tl.full((BLOCK_L, BLOCK_D), 0, out_ptr.dtype.element_ty), mask=o_mask)
 
-    return SimpleNamespace(fn_conv=fn_conv, fn_state=fn_state, update=update, cdiv=triton.cdiv,
+    return SimpleNamespace(fn_conv=fn_conv, fn_state=fn_state, update=update,
                            next_power_of_2=triton.next_power_of_2)

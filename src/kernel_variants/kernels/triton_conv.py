@@ -36,12 +36,21 @@ CPU, at a priority below every native CPU variant, since the interpreter is very
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from kernel_variants.kernels._adapters import mark_written
-from kernel_variants.kernels._triton import DEPENDS, device_guard, interpreting, pow2, probe
+from kernel_variants.kernels._triton import (
+    DEPENDS,
+    cdiv,
+    dense,
+    device_guard,
+    interpreting,
+    pow2,
+    probe,
+)
 from kernel_variants.kernels._triton_conv_kernels import MAX_WIDTH, kernels
 from kernel_variants.plugin import ConvCapabilities, Variant, bad_value_counter, hookimpl
 
@@ -78,6 +87,7 @@ def fn_heuristic(tokens: int, dim: int) -> Blocks:
     return Blocks(d, t)
 
 
+@functools.lru_cache(maxsize=1024)  # per decode call: one Blocks per (batch, dim) seen
 def update_heuristic(batch: int, dim: int) -> Blocks:
     return Blocks(min(256 if batch <= 16 else 128, max(16, pow2(dim))))
 
@@ -102,9 +112,9 @@ def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=No
     has_hist = has_states and has_initial_state is not None
     dummy = out  # stands in for absent pointers; never dereferenced
     st = conv_states if has_states else dummy
-    ci = cache_indices.contiguous() if cache_indices is not None else dummy
-    init = has_initial_state.contiguous().view(torch.uint8) if has_hist else dummy
-    qsl = query_start_loc.contiguous() if varlen else dummy
+    ci = dense(cache_indices) if cache_indices is not None else dummy
+    init = dense(has_initial_state).view(torch.uint8) if has_hist else dummy
+    qsl = dense(query_start_loc) if varlen else dummy
     seq = dummy
     if varlen:
         seq = torch.searchsorted(qsl, torch.arange(tokens, device=x.device, dtype=qsl.dtype), right=True) - 1
@@ -113,15 +123,15 @@ def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=No
     ss = conv_states.stride() if has_states else (0, 0, 0)
     with device_guard(x):
         if tokens > 0:
-            grid = (k.cdiv(tokens, blocks.t), k.cdiv(dim, blocks.d))
+            grid = (cdiv(tokens, blocks.t), cdiv(dim, blocks.d))
             k.fn_conv[grid](
-                x2, weight, bias.contiguous() if bias is not None else dummy, st, ci, init, qsl, seq, out,
+                x2, weight, dense(bias) if bias is not None else dummy, st, ci, init, qsl, seq, out,
                 tokens, dim, length, rows, n_slots, pad_slot_id,
                 x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), *ss, out.stride(0), out.stride(1),
                 W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_HIST=has_hist,
                 HAS_CI=cache_indices is not None, VARLEN=varlen, BLOCK_T=blocks.t, BLOCK_D=blocks.d)
         if has_states and width > 1:
-            grid = (batch, k.cdiv(dim, blocks.d))
+            grid = (batch, cdiv(dim, blocks.d))
             k.fn_state[grid](
                 x2, st, ci, init, qsl, dim, length, rows, n_slots, pad_slot_id, x2.stride(0), x2.stride(1), *ss,
                 W=width, HAS_HIST=has_hist, HAS_CI=cache_indices is not None, VARLEN=varlen,
@@ -137,36 +147,45 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, c
     """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place; weight: [D, W]. Returns
     x's shape and dtype, or writes ``out`` (x's shape and dtype, not x; any strides)."""
     k = kernels(interpreting())
-    x3 = x.unsqueeze(1) if x.ndim == 2 else x
-    batch, length, dim = x3.shape
+    # A [B, D] x is the kernel's [B, 1, D] one: its strides are passed as unsqueeze(1) would
+    # make them (so the kernel specialises as before), without the views (each a dispatched op,
+    # microseconds of a decode call's host time).
+    if x.ndim == 2:
+        (batch, dim), length = x.shape, 1
+        sx_b, sx_d = x.stride()
+        sx_t = dim * sx_d
+    else:
+        batch, length, dim = x.shape
+        sx_b, sx_t, sx_d = x.stride()
     width = weight.shape[1]
     rows = conv_state.shape[1]
     spec = num_accepted_tokens is not None
     blocks = blocks or update_heuristic(batch, dim)
     given = out
     if given is None:
-        out = torch.empty((batch, length, dim), dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.ndim == 2:
+        so_b, so_d = out.stride()
+        so_t = dim * so_d
     else:
-        out = given.unsqueeze(1) if x.ndim == 2 else given
+        so_b, so_t, so_d = out.stride()
     kept = max(rows - length, 0) if spec else rows  # rows of the old slot in the stream old ++ x
     offset = kept + length - rows  # first stream row of the new slot
     dummy = out
     counter = bad_value_counter(x)
-    grid = (batch, k.cdiv(dim, blocks.d))
+    grid = (batch, cdiv(dim, blocks.d))
     with device_guard(x):
         k.update[grid](
-            x3, weight, bias.contiguous() if bias is not None else dummy, conv_state,
-            conv_state_indices.contiguous() if conv_state_indices is not None else dummy,
-            num_accepted_tokens.contiguous() if spec else dummy, out, counter if counter is not None else dummy,
+            x, weight, dense(bias) if bias is not None else dummy, conv_state,
+            dense(conv_state_indices) if conv_state_indices is not None else dummy,
+            dense(num_accepted_tokens) if spec else dummy, out, counter if counter is not None else dummy,
             dim, length, rows, conv_state.shape[0], kept, offset, pad_slot_id,
-            *x3.stride(), weight.stride(0), weight.stride(1), *conv_state.stride(), *out.stride(),
+            sx_b, sx_t, sx_d, weight.stride(0), weight.stride(1), *conv_state.stride(), so_b, so_t, so_d,
             W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_CI=conv_state_indices is not None,
             SPEC=spec, COUNT=counter is not None, BLOCK_L=pow2(length), BLOCK_S=pow2(rows), BLOCK_D=blocks.d,
             BLOCK_B=64)  # earlier slots compared 64 at a time: one compile for every batch
     mark_written(given, conv_state)
-    if given is not None:
-        return given
-    return out.squeeze(1) if x.ndim == 2 else out
+    return out
 
 
 def _caps(**extra) -> ConvCapabilities:

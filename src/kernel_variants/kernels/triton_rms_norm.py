@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import torch
 
 from kernel_variants.kernels._adapters import mark_written
-from kernel_variants.kernels._triton import DEPENDS, device_guard, interpreting, pow2, probe
+from kernel_variants.kernels._triton import DEPENDS, cdiv, device_guard, interpreting, pow2, probe
 from kernel_variants.plugin import Capabilities, Variant, hookimpl
 
 MAX_BLOCK_D = 8192  # widest row kept in registers in one pass; longer rows go in chunks of this
@@ -119,7 +119,7 @@ def kernels(interpret: bool) -> SimpleNamespace:
             y = s * rstd[:, None] * (1.0 + w[None, :])
             tl.store(o_row + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
-    return SimpleNamespace(gemma_rms=gemma_rms, cdiv=triton.cdiv)
+    return SimpleNamespace(gemma_rms=gemma_rms)
 
 
 def blocks(tokens: int, dim: int, max_block_d: int = MAX_BLOCK_D) -> tuple[int, int, bool, int]:
@@ -175,7 +175,7 @@ def _launch(x, weight, residual, eps, max_block_d, out=None, summed=None):
         s_ptr = summed if summed is not None else out  # never written without a residual
         k = kernels(interpreting())
         with device_guard(x):
-            k.gemma_rms[(k.cdiv(tokens, block_r),)](
+            k.gemma_rms[(cdiv(tokens, block_r),)](
                 x2, r2, weight, out, s_ptr, tokens, dim, float(eps),
                 x2.stride(0), r2.stride(0), weight.stride(0), dim, dim,
                 HAS_RES=residual is not None, RNE_BF16=residual is not None and x.dtype == torch.bfloat16,
