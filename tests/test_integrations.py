@@ -1163,8 +1163,10 @@ def test_the_layout_aliases_share_storage_and_version_with_the_engines_tensor():
     assert FUNCTIONS.channel_last(w).grad_fn is not None, "a tensor that requires grad gets the autograd view"
     with torch.inference_mode():
         before = pool._version
-        FUNCTIONS.channel_last(pool)[0, 0, 0] = 1.0
+        alias = FUNCTIONS.channel_last(pool)
+        alias[0, 0, 0] = 1.0
         assert pool._version > before, "a normal tensor's alias made in inference mode shares its version"
+        assert not alias.is_inference() and alias._version == pool._version, "and is a normal tensor"
         frozen = torch.zeros(N_SLOTS, D, W - 1)
     assert FUNCTIONS.channel_last(frozen).is_inference(), "an inference tensor's alias is one too"
 

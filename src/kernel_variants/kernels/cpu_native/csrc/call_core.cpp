@@ -1319,18 +1319,11 @@ bool plain_alias_ok(PyObject* o, const at::Tensor& t) {
 }
 
 PyObject* alias(const at::Tensor& t, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
-  // A TensorImpl is an inference tensor when made in inference mode: the alias follows its base,
-  // under a guard only where the mode differs (its TLS writes cost more than the check).
-  const auto make = [&t] {
-    return c10::make_intrusive<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
-  };
-  c10::intrusive_ptr<c10::TensorImpl> impl;
-  if (t.is_inference() == c10::InferenceMode::is_enabled()) {
-    impl = make();
-  } else {
-    c10::InferenceMode mode(t.is_inference());
-    impl = make();
-  }
+  // The view constructor, as torch's own views use it: it takes the base's dispatch keys as they
+  // are, so the alias is an inference tensor exactly when its base is, whatever the mode (the
+  // plain constructor decides by the current mode, and needed a mode guard where they differ).
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()), t.key_set(),
+                                                   t.dtype());
   impl->set_sizes_and_strides(sizes, strides, t.storage_offset());
   if (!t.is_inference()) impl->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
   return THPVariable_Wrap(at::Tensor(std::move(impl)));
