@@ -794,19 +794,19 @@ def step_overhead(ctx: Ctx) -> dict[str, Any]:
                 return _device_rule.apply(a["x"].device, a["conv_state_indices"], None, None, a["pad_slot_id"],
                                           batch=b, n_slots=a["conv_state"].shape[0], rewrite=False)
 
-            forms = {"dispatched": dispatched, "forced": dispatched, "bind": bound_call, "direct": direct}
+            unpinned = {"dispatched": dispatched, "bind": bound_call, "direct": direct}
+            forms = {**unpinned, "forced": dispatched}
             _sync(ctx.device)
-            t = measure_interleaved({k: [f] for k, f in forms.items() if k != "forced"}, ctx.device, config)
+            t = measure_interleaved({k: [f] for k, f in unpinned.items()}, ctx.device, config)
+            ops = {k: _aten_ops(f) for k, f in unpinned.items()}
             with pinned():
                 t["forced"] = measure_interleaved({"forced": [dispatched]}, ctx.device, config)["forced"]
+                ops["forced"] = _aten_ops(dispatched)
             # Off the CPU only: a rule run on the CPU makes its counter, which every CPU call after
             # it then reads first (the host checks report the device's counts before their own).
             extra = {"rule": rule} if ctx.cuda else {}
             host = _host_us({**forms, **extra}, ctx.device, host_iters, host_rounds, {"forced": pinned})
             rule_us = host.pop("rule", None)
-            ops = {k: _aten_ops(f) for k, f in forms.items() if k != "forced"}
-            with pinned():
-                ops["forced"] = _aten_ops(dispatched)
             _sync(ctx.device)
             outside = ops["dispatched"] - ops["direct"]
             row: dict[str, Any] = {"B": b, "D": d, "dtype": "float16", "variant": chosen.id,
@@ -818,8 +818,7 @@ def step_overhead(ctx: Ctx) -> dict[str, Any]:
                                    "host_us": host, "rule_host_us": rule_us,
                                    "chosen_counts_bad_values": bool(getattr(chosen.variant.capabilities,
                                                                             "counts_bad_values", False)),
-                                   "kernels_per_call": {k: _kernels_per_call(f, ctx)
-                                                        for k, f in forms.items() if k != "forced"},
+                                   "kernels_per_call": {k: _kernels_per_call(f, ctx) for k, f in unpinned.items()},
                                    "host_added_us": {k: host[k] - host["direct"] for k in forms if k != "direct"}}
             if all(isinstance(t[k], Timing) for k in t):
                 row.update(dispatched_us=t["dispatched"].best_us, direct_us=t["direct"].best_us,

@@ -21,7 +21,8 @@ pool. The variants declare it (``slot_bounds_safe``), so the dispatcher hands th
 indices as they are instead of rewriting them first. The decode kernel also counts such values
 (``counts_bad_values``): the first channel block of each sequence adds its bad slot id, its
 slot's reuse by an earlier live sequence and its bad count to ``bad_value_counter(x)`` with
-atomics, so a decode call launches no device rule before it. Launches run under ``x``'s device (``torch.cuda.device``), so a tensor on another GPU
+atomics, so a decode call launches no device rule before it. Launches run under ``x``'s device
+(``torch.cuda.device``, where it is not the current one already), so a tensor on another GPU
 than the current one is never handed to a kernel compiled and launched for the current one.
 Nothing reads a tensor's values on the host: the variants are declared graph_safe.
 
