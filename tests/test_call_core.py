@@ -1084,3 +1084,138 @@ def test_sglang_prefill_s_host_lengths_are_checked_in_the_core_as_in_python(refe
                 assert (not general) == forms[name][3], (name, on)
     for name in forms:
         _same(results[True, name], results[False, name])
+
+
+def test_a_step_s_views_are_reused_only_where_nothing_holds_them(path):
+    """The views a fast step hands the op (the pool, a prefill's x, a slot table's column) are
+    kept after the call and re-pointed at the next step's tensors, unless something holds one:
+    a tensor the variant kept, weak-referenced or tagged is never changed afterwards; a kept view
+    holds none of the engine's storage; each step's view has its own tensor's sizes, strides,
+    data, dtype, version counter and inference state."""
+    import weakref
+
+    import kernel_variants.integrations._fast  # noqa: F401  (provides the steps)
+    from kernel_variants._runtime.callcore import FUNCTIONS
+
+    path(True)
+    seen, held, refs = [], [], []
+
+    def entry(*args):  # the op's entry, as a step calls it where no core serves
+        state = args[1]
+        seen.append((id(state), getattr(state, "tag", None)))
+        state[0, 0, 0] += 1  # the variant writes the pool through its view
+        what = behaviour[0]
+        if what == "keep":
+            held.append((state, state.shape, state.clone()))
+        elif what == "weak":
+            refs.append((weakref.ref(state), state.shape))
+        elif what == "tag":
+            state.tag = "mine"
+        return args[0]
+
+    def step(pool: torch.Tensor) -> None:
+        x, weight = torch.zeros(2, pool.shape[1], dtype=pool.dtype), torch.zeros(pool.shape[1], W, dtype=pool.dtype)
+        uses = torch._C._storage_Use_Count(pool.untyped_storage()._cdata)
+        version = None if pool.is_inference() else pool._version
+        assert FUNCTIONS.decode_step(None, entry, x, pool, weight, None, "silu", None, -1, True) is x
+        if behaviour[0] != "keep":
+            assert torch._C._storage_Use_Count(pool.untyped_storage()._cdata) == uses, "nothing keeps the pool"
+        if version is not None:
+            assert pool._version > version, "a write through the view counts on the pool"
+
+    behaviour = ["plain"]
+    with torch.no_grad():
+        pools = [torch.zeros(N, D + k, W - 1) for k in range(3)]
+        for pool in pools:
+            step(pool)
+        assert all(p[0, 0, 0] == 1 for p in pools)
+        assert len({i for i, _ in seen}) == 1, "a view nothing holds is reused"
+        step(torch.zeros(N, D, W - 1, dtype=torch.bfloat16))
+        assert seen[-1][0] == seen[0][0], "for another dtype too"
+
+        for what in ("keep", "weak", "tag"):
+            behaviour[0] = what
+            for k in range(3):
+                step(torch.full((N, D + k, W - 1), float(k)))
+            behaviour[0] = "plain"
+            step(torch.zeros(N, D, W - 1))
+            assert seen[-1][1] is None, "a reused view carries no attribute of an earlier call"
+        for k, (state, shape, values) in enumerate(held):
+            assert state.shape == shape and torch.equal(state, values) and state[1, 1, 1] == k
+        for ref, shape in refs:
+            assert ref() is None or ref().shape == shape, "a weak reference never sees another tensor"
+
+    with torch.inference_mode():
+        frozen = torch.zeros(N, D, W - 1)
+        step(frozen)
+    inference = seen[-1][0]
+    with torch.inference_mode():
+        step(torch.zeros(N, D, W - 1))
+        assert seen[-1][0] == inference, "an inference tensor's view is reused for the next one"
+    with torch.no_grad():
+        step(torch.zeros(N, D, W - 1))  # a normal pool: a normal view, never the inference one
+        assert seen[-1][0] != inference
+
+    def fn_entry(x, weight, bias, pool, slots, init, qsl, act, pad, out):
+        got.append((x.shape, x.stride(), x.data_ptr(), pool.shape, pool.data_ptr(), slots.tolist()))
+        return x
+
+    got = []
+    table = torch.tensor([[4, 0], [1, 0]], dtype=torch.int32)
+    qsl, init = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([True, False])
+    with torch.no_grad():
+        for k in range(3):
+            x, pool = torch.randn(7, D + k), torch.randn(N, W - 1, D + k)
+            y = FUNCTIONS.prefill_step(None, fn_entry, x.t(), torch.zeros(D + k, W), None, pool.transpose(1, 2), qsl,
+                                       table, init, "silu", 0, True, None)
+            assert got[-1] == (x.shape, x.stride(), x.data_ptr(), pool.shape, pool.data_ptr(), [4, 1])
+            assert y.shape == (D + k, 7) and y.data_ptr() == x.data_ptr()
+
+    # The op's result as the engine's (dim, T): a fresh output is restrided in place, one the
+    # variant also holds is left as it is and aliased.
+    cache, values = torch.zeros(7, D), torch.randn(7, D)
+
+    made = []
+
+    def fresh(*args):
+        y = torch.empty(7, D)
+        made.append(id(y))
+        return y.copy_(values)
+
+    for entry_, holder in ((fresh, None), (lambda *a: cache, cache)):
+        with torch.no_grad():
+            y = FUNCTIONS.prefill_step(None, entry_, torch.randn(7, D).t(), torch.zeros(D, W), None, None, qsl, None,
+                                       None, "silu", 0, True, None)
+        assert y.shape == (D, 7) and y.stride() == (1, D)
+        if holder is None:
+            assert torch.equal(y, values.t()) and id(y) == made[-1], "the variant's own output, no alias"
+        else:
+            assert holder.shape == (7, D) and y.data_ptr() == holder.data_ptr()
+
+
+def test_the_engine_adapters_under_a_non_strict_export_record_the_ops(reference_only, path):
+    """torch.export without Dynamo runs the adapters on fake tensors: their fast steps make
+    ordinary views, read no host data, and the ops record their custom ops; the exported
+    program computes what the eager calls do, pools included."""
+    from kernel_variants.integrations import sglang as kv_sglang
+    from kernel_variants.integrations import vllm as kv_vllm
+
+    path(True)
+
+    class Step(torch.nn.Module):
+        def forward(self, x, weight, pool, qsl, slots, init, tokens):
+            return (kv_vllm.causal_conv1d_fn(x.t(), weight, None, pool.transpose(1, 2), qsl, slots, init, "silu"),
+                    kv_vllm.causal_conv1d_update(tokens, pool.transpose(1, 2), weight, None, "silu", slots),
+                    kv_sglang.causal_conv1d_fn(x.t(), weight, None, pool.transpose(1, 2), qsl, [3, 4], slots, init,
+                                               "silu"),
+                    kv_sglang.causal_conv1d_update(tokens, pool.transpose(1, 2), weight, None, "silu",
+                                                   conv_state_indices=slots))
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(7, D, generator=g), torch.randn(D, W, generator=g), torch.randn(N, W - 1, D, generator=g),
+            torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([1, 4], dtype=torch.int32),
+            torch.tensor([True, False]), torch.randn(2, D, generator=g))
+    program = torch.export.export(Step(), tuple(a.clone() for a in args), strict=False)
+    assert "causal_conv1d" in str(program.graph)
+    exported, eager = [a.clone() for a in args], [a.clone() for a in args]
+    _same([*program.module()(*exported), exported[2]], [*Step()(*eager), eager[2]])

@@ -25,7 +25,11 @@ from kernel_variants._runtime.callcore import slot_of
 from kernel_variants.integrations._layout import as_activation
 from kernel_variants.ops.causal_conv1d import FN_SPEC, UPDATE_SPEC
 
-_compiling = torch.compiler.is_compiling
+# Folded to True while Dynamo traces (the layout functions are C, which it cannot trace); one
+# frame eagerly, where is_compiling takes two. A real run under torch.export or a compile session
+# gets here: its fake or functional tensors get ordinary views, the core never serves them, and
+# the op's entry records its custom op.
+_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 # Where the ops' entries find their call cores: read per call, the core itself is called from C
 # (the entry frame and its compile check skipped: a step has asked already). Where it misses, the
 # Python entry serves (the ops' public functions may call their C entries by now).

@@ -61,8 +61,9 @@ def causal_conv1d_fn(
     """
     if (block_idx_first_scheduled_token is None and block_idx_last_scheduled_token is None
             and initial_state_idx is None):
-        y = prefill_step(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
-                         activation, _sentinel(null_block_id, pad_slot_id))
+        # An int null block is the sentinel as it is: no frame for the usual case.
+        y = prefill_step(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation,
+                         null_block_id if type(null_block_id) is int else _sentinel(null_block_id, pad_slot_id))
         if y is not None:
             return y
     refuse(
@@ -118,7 +119,8 @@ def causal_conv1d_update(
             and initial_state_idx is None and retrieve_parent_token is None
             and (query_start_loc is None or max_query_len == 1)):
         y = decode_step(x, conv_state, weight, bias, activation, conv_state_indices,
-                        _sentinel(null_block_id, pad_slot_id), query_start_loc)
+                        null_block_id if type(null_block_id) is int else _sentinel(null_block_id, pad_slot_id),
+                        query_start_loc)
         if y is not None:
             return y
     refuse(

@@ -1329,14 +1329,117 @@ PyObject* alias(const at::Tensor& t, c10::IntArrayRef sizes, c10::IntArrayRef st
   return THPVariable_Wrap(at::Tensor(std::move(impl)));
 }
 
+// t's sizes and strides with the last two swapped.
+struct Swapped {
+  explicit Swapped(const at::Tensor& t) : sizes(t.sizes().begin(), t.sizes().end()), strides(t.strides().begin(), t.strides().end()) {
+    const size_t n = sizes.size();
+    std::swap(sizes[n - 1], sizes[n - 2]);
+    std::swap(strides[n - 1], strides[n - 2]);
+  }
+  c10::SmallVector<int64_t, 5> sizes, strides;
+};
+
+// Lent aliases. The views a step hands the op (the pool, a prefill's x, a slot table's column)
+// live for the op's call only. Where nothing else holds one afterwards (no other reference,
+// weak reference, attribute, hook or autograd data: a variant that keeps its argument keeps it
+// intact), its TensorImpl and Python object are kept for the next step and re-pointed at that
+// step's tensor: a few stores where a new alias allocates and frees both (~0.3-0.45 us each on a
+// 2-vCPU Xeon; a prefill step lends two). A kept alias holds an empty storage, never the
+// engine's: a pool its owner frees is freed. CPU tensors, under the GIL (a free-threaded build,
+// or a Python whose weak reference list this cannot read, makes a new alias every time).
+constexpr int kKept = 4;
+PyObject* g_kept[kKept] = {};
+
+const c10::Storage& empty_storage() {
+  static const auto* s = new c10::Storage(at::empty({0}).storage());  // never freed: no exit-order hazard
+  return *s;
+}
+
+bool only_ours(PyObject* o) {
+  if (Py_REFCNT(o) != 1) return false;
+  const Py_ssize_t weaklist = Py_TYPE(o)->tp_weaklistoffset;
+  if (weaklist <= 0 || *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + weaklist) != nullptr) return false;
+  PyObject** dict = _PyObject_GetDictPtr(o);
+  if (dict != nullptr && *dict != nullptr && PyDict_GET_SIZE(*dict) != 0) return false;
+  const auto* v = reinterpret_cast<const THPVariable*>(o);
+  if (v->backward_hooks != nullptr || v->post_accumulate_grad_hooks != nullptr) return false;
+  const at::Tensor& t = v->cdata;
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  return t.use_count() == 1 && t.weak_use_count() == 1 && impl->autograd_meta() == nullptr &&
+         impl->allow_tensor_metadata_change() && typeid(*impl) == typeid(c10::TensorImpl);
+}
+
+// An owned reference to a step's view of an engine tensor, given back when the step is done.
+class Lent {
+ public:
+  Lent() = default;
+  Lent(const Lent&) = delete;
+  Lent& operator=(const Lent&) = delete;
+  ~Lent() { reset(); }
+  PyObject* get() const { return o_; }
+  // t (`o`'s tensor) with `sizes` and `strides`: a kept alias re-pointed where one has t's
+  // dispatch keys, a new alias otherwise, `view()` (the same, made the ordinary way) where an
+  // alias may not be made.
+  template <typename View>
+  bool make(PyObject* o, const at::Tensor& t, c10::IntArrayRef sizes, c10::IntArrayRef strides, View view) {
+    reset();
+    if (!plain_alias_ok(o, t)) {
+      o_ = THPVariable_Wrap(view());
+      return o_ != nullptr;
+    }
+#ifndef Py_GIL_DISABLED
+    if (t.is_cpu()) {
+      const auto keys = t.key_set();
+      for (PyObject*& kept : g_kept) {
+        if (kept == nullptr) continue;
+        c10::TensorImpl* impl = THPVariable_Unpack(kept).unsafeGetTensorImpl();
+        if (impl->key_set() != keys) continue;
+        o_ = std::exchange(kept, nullptr);
+        impl->set_storage_and_dtype(t.storage(), t.dtype());
+        impl->set_sizes_and_strides(sizes, strides, t.storage_offset());
+        if (!t.is_inference()) impl->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
+        lent_ = true;
+        return true;
+      }
+      lent_ = true;
+    }
+#endif
+    o_ = alias(t, sizes, strides);
+    return o_ != nullptr;
+  }
+  // t with its last two dims swapped.
+  bool make_swapped(PyObject* o, const at::Tensor& t) {
+    Swapped sw(t);
+    return make(o, t, sw.sizes, sw.strides, [&t] { return t.transpose(-1, -2); });
+  }
+  void borrow(PyObject* o) {
+    reset();
+    o_ = Py_NewRef(o);
+  }
+
+ private:
+  void reset() {
+    PyObject* o = std::exchange(o_, nullptr);
+    if (o == nullptr) return;
+    // Not after an error: the traceback may hold it, and it is no step's common case.
+    if (std::exchange(lent_, false) && !PyErr_Occurred() && only_ours(o)) {
+      for (PyObject*& kept : g_kept) {
+        if (kept != nullptr) continue;
+        THPVariable_Unpack(o).unsafeGetTensorImpl()->set_storage_keep_dtype(empty_storage());
+        kept = o;
+        return;
+      }
+    }
+    Py_DECREF(o);
+  }
+  PyObject* o_ = nullptr;
+  bool lent_ = false;
+};
+
 PyObject* swapped_alias(PyObject* o, const at::Tensor& t) {
   if (!plain_alias_ok(o, t)) return THPVariable_Wrap(t.transpose(-1, -2));
-  c10::SmallVector<int64_t, 5> sizes(t.sizes().begin(), t.sizes().end());
-  c10::SmallVector<int64_t, 5> strides(t.strides().begin(), t.strides().end());
-  const size_t n = sizes.size();
-  std::swap(sizes[n - 1], sizes[n - 2]);
-  std::swap(strides[n - 1], strides[n - 2]);
-  return alias(t, sizes, strides);
+  Swapped sw(t);
+  return alias(t, sw.sizes, sw.strides);
 }
 
 // channel_last(t): t with its last two dims swapped (a (dim, T) x as [T, dim], a (T, dim) result
@@ -1353,26 +1456,48 @@ PyObject* channel_last(PyObject*, PyObject* o) {
   END_HANDLE_TH_ERRORS
 }
 
-// An engine's slot ids for `batch` sequences as the op takes them: None, a [B] tensor, or with
-// `table` a [B, k] one's column 0 (an alias). nullptr with *refused and no error set where they
-// are neither (the adapter's general path serves them); nullptr with an error set on a failure.
-PyObject* slot_ids(PyObject* io, int64_t batch, bool table, bool* refused) {
-  *refused = true;
-  if (io == Py_None) return Py_NewRef(io);
-  if (!THPVariable_Check(io)) return nullptr;
-  const at::Tensor& i = THPVariable_Unpack(io);
-  if (i.dim() == 0 || i.size(0) != batch) return nullptr;
-  if (i.dim() == 1) return Py_NewRef(io);
-  if (i.dim() != 2 || i.size(1) < 1 || !table) return nullptr;
-  *refused = false;
-  if (!plain_alias_ok(io, i)) return THPVariable_Wrap(i.select(1, 0));
-  const int64_t size = i.size(0), stride = i.stride(0);
-  return alias(i, c10::IntArrayRef(&size, 1), c10::IntArrayRef(&stride, 1));
+// The op's [T, dim] result `y` (a reference stolen) as the engine's (dim, T): y itself restrided
+// where nothing else holds it (a fresh output: no allocation), else its alias.
+PyObject* engine_layout(PyObject* y) {
+  THPObjectPtr owned(y);
+  if (THPVariable_CheckExact(y)) {
+    const at::Tensor& t = THPVariable_Unpack(y);
+    if (t.dim() == 2 && plain_alias_ok(y, t) && only_ours(y)) {
+      Swapped sw(t);
+      t.unsafeGetTensorImpl()->set_sizes_and_strides(sw.sizes, sw.strides, t.storage_offset());
+      return owned.release();
+    }
+  }
+  return channel_last(nullptr, y);
 }
 
-// Whether a CPU [B+1] int32/int64 tensor has no two equal neighbours; -1 where it is not read here.
+// An engine's slot ids for `batch` sequences as the op takes them, into `out`: None, a [B]
+// tensor, or with `table` a [B, k] one's column 0 (a lent alias). 1 where done, 0 where they are
+// neither (the adapter's general path serves them), -1 with an error set.
+int slot_ids(PyObject* io, int64_t batch, bool table, Lent& out) {
+  if (io == Py_None) {
+    out.borrow(io);
+    return 1;
+  }
+  if (!THPVariable_Check(io)) return 0;
+  const at::Tensor& i = THPVariable_Unpack(io);
+  if (i.dim() == 0 || i.size(0) != batch) return 0;
+  if (i.dim() == 1) {
+    out.borrow(io);
+    return 1;
+  }
+  if (i.dim() != 2 || i.size(1) < 1 || !table) return 0;
+  const int64_t size = i.size(0), stride = i.stride(0);
+  return out.make(io, i, c10::IntArrayRef(&size, 1), c10::IntArrayRef(&stride, 1), [&i] { return i.select(1, 0); })
+             ? 1
+             : -1;
+}
+
+// Whether a CPU [B+1] int32/int64 tensor has no two equal neighbours; -1 where it is not read here
+// (a fake or functional tensor under torch.export has no data to read).
 int none_empty(const at::Tensor& t) {
   if (!t.is_cpu() || t.dim() != 1 || !t.has_storage()) return -1;
+  if (typeid(*t.unsafeGetTensorImpl()) != typeid(c10::TensorImpl) || t.key_set().has(c10::DispatchKey::Python)) return -1;
   const int64_t n = t.size(0), st = t.stride(0);
   if (t.scalar_type() == at::kInt) {
     const int32_t* p = t.const_data_ptr<int32_t>();
@@ -1435,14 +1560,13 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   const int table = PyObject_IsTrue(args[9]);
   if (table < 0) return nullptr;
-  bool refused = false;
-  THPObjectPtr idx(slot_ids(io, x.size(0), table == 1, &refused));
-  if (!idx) {
-    if (refused && !PyErr_Occurred()) Py_RETURN_NONE;
+  Lent idx, state;
+  const int ids = slot_ids(io, x.size(0), table == 1, idx);
+  if (ids <= 0) {
+    if (ids == 0) Py_RETURN_NONE;
     return nullptr;
   }
-  THPObjectPtr state(swapped_alias(po, pool));
-  if (!state) return nullptr;
+  if (!state.make_swapped(po, pool)) return nullptr;
   // x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens, pad_slot_id, out
   PyObject* stack[10] = {nullptr, xo, state.get(), wo, args[5], args[6], idx.get(), Py_None, args[8], Py_None};
   return call_op(cpu_core(args[0], x), args[1], args[1], stack + 1, 9 | PY_VECTORCALL_ARGUMENTS_OFFSET);
@@ -1506,31 +1630,28 @@ PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (known < 0) return nullptr;
     if (known == 0) Py_RETURN_NONE;
   }
-  THPObjectPtr pv;
+  Lent pv, idx, xv;
   if (po == Py_None) {
-    pv = THPObjectPtr(Py_NewRef(po));
+    pv.borrow(po);
   } else {
     if (!THPVariable_Check(po)) Py_RETURN_NONE;
     const at::Tensor& pool = THPVariable_Unpack(po);
     if (pool.dim() != 3 || pool.size(2) != w.size(1) - 1 || pool.scalar_type() != x.scalar_type()) Py_RETURN_NONE;
     if (known != 1 && none_empty(q) != 1) Py_RETURN_NONE;
-    pv = THPObjectPtr(swapped_alias(po, pool));
-    if (!pv) return nullptr;
+    if (!pv.make_swapped(po, pool)) return nullptr;
   }
-  bool refused = false;
-  THPObjectPtr idx(slot_ids(io, batch, table == 1, &refused));
-  if (!idx) {
-    if (refused && !PyErr_Occurred()) Py_RETURN_NONE;
+  const int ids = slot_ids(io, batch, table == 1, idx);
+  if (ids <= 0) {
+    if (ids == 0) Py_RETURN_NONE;
     return nullptr;
   }
-  THPObjectPtr xv(swapped_alias(xo, x));
-  if (!xv) return nullptr;
+  if (!xv.make_swapped(xo, x)) return nullptr;
   // x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc, activation,
   // pad_slot_id, out
   PyObject* stack[11] = {nullptr, xv.get(), wo, args[4], pv.get(), idx.get(), ho, qo, args[9], args[10], Py_None};
   THPObjectPtr y(call_op(cpu_core(args[0], x), args[1], args[1], stack + 1, 10 | PY_VECTORCALL_ARGUMENTS_OFFSET));
   if (!y) return nullptr;
-  return channel_last(nullptr, y.get());
+  return engine_layout(y.release());
   END_HANDLE_TH_ERRORS
 }
 
