@@ -17,8 +17,10 @@ allocations, as the engines hand them over):
 
 A no-op variant (KV_QUALIFY=off lets it be chosen without a force) makes the difference to a
 direct call of it exactly what the path adds, whatever any kernel costs. The decode step of the
-issue (B=1, D=2048, W=4, bf16, the variant the dispatcher chooses here) is timed the same way
-against a direct call of that variant. Each round calls every form ``--number`` times, the
+issue (B=1, D=2048, W=4, bf16, the variant the dispatcher chooses here) and a prefill of one
+4-token sequence at that width are timed the same way against a direct call of that variant
+(whose output is fresh: the no-op variant's is not, so only these rows show what the adapter
+does with a fresh output). Each round calls every form ``--number`` times, the
 order rotated each round; a form's figure is the median over ``--rounds`` rounds of its
 per-call time minus the direct call's in the same round. One thread; grad mode (a plain
 script) and torch.inference_mode (serving). Measures whatever kernel_variants is on the path,
@@ -249,6 +251,18 @@ def _decode_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str
     return rows, {f"decode/{vid}": data}
 
 
+def _prefill_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, object]]:
+    """A small prefill on the variant chosen here: one sequence of 4 tokens, D=2048, bf16 (a
+    real variant's fresh output, which the no-op variant's cached one is not)."""
+    reset()
+    s = Setup(batch=1, dim=2048, length=4, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        vid, fn = _chosen("causal_conv1d_fn", s.xt, s.w, s.b, **s.prefill_kw(0))
+        t = _rounds(s.prefill_forms(fn, {"fn": fn}), number, rounds)
+    rows, data = _rows(f"{vid} (chosen) prefill 1x4 D=2048 bf16", "inference_mode", t)
+    return rows, {f"prefill/{vid}": data}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="reports")
@@ -261,9 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     built_call_core("bench_adapters")
     path = _call_path()
     rows, data = _noop_rows(args.number, args.rounds)
-    more, more_data = _decode_rows(max(args.number // 5, 100), args.rounds)
-    rows += more
-    data.update(more_data)
+    for kernel_rows in (_decode_rows, _prefill_rows):
+        more, more_data = kernel_rows(max(args.number // 5, 100), args.rounds)
+        rows += more
+        data.update(more_data)
     headers = ["call", "mode", "form", "direct us", "floor added", "floor + views added", "added us",
                f"<= {TARGET_US} us"]
     cpu = cpu_model()
