@@ -1172,7 +1172,7 @@ def test_a_step_s_views_are_reused_only_where_nothing_holds_them(path):
             assert y.shape == (D + k, 7) and y.data_ptr() == x.data_ptr()
 
     # The op's result as the engine's (dim, T): a fresh output is restrided in place, one the
-    # variant also holds is left as it is and aliased.
+    # variant also holds (or weak-references) is left as it is and aliased.
     cache, values = torch.zeros(7, D), torch.randn(7, D)
 
     made = []
@@ -1182,13 +1182,23 @@ def test_a_step_s_views_are_reused_only_where_nothing_holds_them(path):
         made.append(id(y))
         return y.copy_(values)
 
-    for entry_, holder in ((fresh, None), (lambda *a: cache, cache)):
+    watched = []
+
+    def watched_fresh(*args):  # a fresh output the variant keeps a weak reference to
+        y = torch.empty(7, D).copy_(values)
+        watched.append(weakref.ref(y))
+        return y
+
+    for entry_, holder in ((fresh, None), (lambda *a: cache, cache), (watched_fresh, watched)):
         with torch.no_grad():
             y = FUNCTIONS.prefill_step(None, entry_, torch.randn(7, D).t(), torch.zeros(D, W), None, None, qsl, None,
                                        None, "silu", 0, True, None)
         assert y.shape == (D, 7) and y.stride() == (1, D)
         if holder is None:
             assert torch.equal(y, values.t()) and id(y) == made[-1], "the variant's own output, no alias"
+        elif holder is watched:
+            # Not restrided: the watched object died with the step, y is an alias of its data.
+            assert watched[-1]() is None and torch.equal(y, values.t())
         else:
             assert holder.shape == (7, D) and y.data_ptr() == holder.data_ptr()
 

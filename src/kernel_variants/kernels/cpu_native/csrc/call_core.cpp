@@ -1355,18 +1355,33 @@ const c10::Storage& empty_storage() {
   return *s;
 }
 
-bool only_ours(PyObject* o) {
+// Whether `o` (an exact torch.Tensor) is held by its caller's reference alone: no other Python
+// reference or weak reference, and its TensorImpl (a plain one) by no C++ reference or autograd
+// data. Its metadata may then change without anyone seeing it.
+bool sole_owner(PyObject* o) {
   if (Py_REFCNT(o) != 1) return false;
+  // The weak reference list where CPython's own _PyObject_GET_WEAKREFS_LISTPTR finds it: at
+  // tp_weaklistoffset, negative for a managed list (3.12+).
   const Py_ssize_t weaklist = Py_TYPE(o)->tp_weaklistoffset;
-  if (weaklist <= 0 || *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + weaklist) != nullptr) return false;
-  PyObject** dict = _PyObject_GetDictPtr(o);
-  if (dict != nullptr && *dict != nullptr && PyDict_GET_SIZE(*dict) != 0) return false;
-  const auto* v = reinterpret_cast<const THPVariable*>(o);
-  if (v->backward_hooks != nullptr || v->post_accumulate_grad_hooks != nullptr) return false;
-  const at::Tensor& t = v->cdata;
+  if (weaklist == 0 || *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + weaklist) != nullptr) return false;
+  const at::Tensor& t = THPVariable_Unpack(o);
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   return t.use_count() == 1 && t.weak_use_count() == 1 && impl->autograd_meta() == nullptr &&
          impl->allow_tensor_metadata_change() && typeid(*impl) == typeid(c10::TensorImpl);
+}
+
+// sole_owner, and nothing set on the object that a later step's argument would carry: no
+// attribute (its dict is made once, then kept with it), no hook.
+bool reusable(PyObject* o) {
+  if (!sole_owner(o)) return false;
+  const auto* v = reinterpret_cast<const THPVariable*>(o);
+  if (v->backward_hooks != nullptr || v->post_accumulate_grad_hooks != nullptr) return false;
+  THPObjectPtr dict(PyObject_GenericGetDict(o, nullptr));
+  if (!dict) {
+    PyErr_Clear();
+    return false;
+  }
+  return PyDict_Check(dict.get()) && PyDict_GET_SIZE(dict.get()) == 0;
 }
 
 // An owned reference to a step's view of an engine tensor, given back when the step is done.
@@ -1422,7 +1437,7 @@ class Lent {
     PyObject* o = std::exchange(o_, nullptr);
     if (o == nullptr) return;
     // Not after an error: the traceback may hold it, and it is no step's common case.
-    if (std::exchange(lent_, false) && !PyErr_Occurred() && only_ours(o)) {
+    if (std::exchange(lent_, false) && !PyErr_Occurred() && reusable(o)) {
       for (PyObject*& kept : g_kept) {
         if (kept != nullptr) continue;
         THPVariable_Unpack(o).unsafeGetTensorImpl()->set_storage_keep_dtype(empty_storage());
@@ -1462,7 +1477,7 @@ PyObject* engine_layout(PyObject* y) {
   THPObjectPtr owned(y);
   if (THPVariable_CheckExact(y)) {
     const at::Tensor& t = THPVariable_Unpack(y);
-    if (t.dim() == 2 && plain_alias_ok(y, t) && only_ours(y)) {
+    if (t.dim() == 2 && plain_alias_ok(y, t) && sole_owner(y)) {
       Swapped sw(t);
       t.unsafeGetTensorImpl()->set_sizes_and_strides(sw.sizes, sw.strides, t.storage_offset());
       return owned.release();
