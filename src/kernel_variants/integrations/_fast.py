@@ -27,9 +27,10 @@ from kernel_variants.ops.causal_conv1d import FN_SPEC, UPDATE_SPEC
 
 # Folded to True while Dynamo traces (the layout functions are C, which it cannot trace); one
 # frame eagerly, where is_compiling takes two. A real run under torch.export or a compile session
-# gets here: its fake or functional tensors get ordinary views, the core never serves them, and
-# the op's entry records its custom op.
+# gets to the steps, which hand its fake or functional tensors (symbolic sizes among them) to the
+# general path without reading them.
 _compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+_any_trace = torch.compiler.is_compiling
 # Where the ops' entries find their call cores: read per call, the core itself is called from C
 # (the entry frame and its compile check skipped: a step has asked already). Where it misses, the
 # Python entry serves (the ops' public functions may call their C entries by now).
@@ -55,6 +56,8 @@ def _slot_ids_py(indices: Any, batch: int, table: bool) -> Any:
 
 def _decode_step_py(core: Any, entry: Any, x: Any, pool: Any, weight: Any, bias: Any, act: Any, indices: Any,
                     sentinel: int, table: bool) -> Any:
+    if _any_trace():  # the C step's readable(): nothing traced is read here
+        return None
     if not all(isinstance(t, torch.Tensor) for t in (x, pool, weight)):
         return None
     if (x.ndim != 2 or pool.ndim != 3 or weight.ndim != 2 or pool.shape[2] != weight.shape[1] - 1
@@ -73,6 +76,8 @@ def _host_lengths_fill(lengths: Any, total: int) -> bool:
 
 def _prefill_step_py(core: Any, entry: Any, x: Any, weight: Any, bias: Any, pool: Any, qsl: Any, indices: Any,
                      init: Any, act: Any, sentinel: Any, table: bool, lengths: Any) -> Any:
+    if _any_trace():
+        return None
     if type(sentinel) is not int or not all(isinstance(t, torch.Tensor) for t in (x, weight, qsl)):
         return None
     if x.ndim != 2 or weight.ndim != 2 or qsl.ndim != 1 or qsl.shape[0] < 1 or x.dtype != weight.dtype:

@@ -1508,11 +1508,23 @@ int slot_ids(PyObject* io, int64_t batch, bool table, Lent& out) {
              : -1;
 }
 
-// Whether a CPU [B+1] int32/int64 tensor has no two equal neighbours; -1 where it is not read here
-// (a fake or functional tensor under torch.export has no data to read).
+// Whether `o` is None or a tensor whose sizes and data a step may read: a plain TensorImpl
+// without a Python or functionalization key and with concrete sizes. A run under torch.export or
+// a compile session hands fake or functional tensors, symbolic sizes among them: reading one
+// here would fix a dynamic size to a constant, so such a call takes the adapter's general path.
+bool readable(PyObject* o) {
+  if (o == Py_None) return true;
+  if (!THPVariable_Check(o)) return false;
+  const c10::TensorImpl* impl = THPVariable_Unpack(o).unsafeGetTensorImpl();
+  const auto ks = impl->key_set();
+  return typeid(*impl) == typeid(c10::TensorImpl) && !impl->has_symbolic_sizes_strides() &&
+         !ks.has(c10::DispatchKey::Python) && !ks.has(c10::DispatchKey::Functionalize);
+}
+
+// Whether a CPU [B+1] int32/int64 tensor (a readable one) has no two equal neighbours; -1 where it
+// is not read here.
 int none_empty(const at::Tensor& t) {
   if (!t.is_cpu() || t.dim() != 1 || !t.has_storage()) return -1;
-  if (typeid(*t.unsafeGetTensorImpl()) != typeid(c10::TensorImpl) || t.key_set().has(c10::DispatchKey::Python)) return -1;
   const int64_t n = t.size(0), st = t.stride(0);
   if (t.scalar_type() == at::kInt) {
     const int32_t* p = t.const_data_ptr<int32_t>();
@@ -1566,6 +1578,7 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject *xo = args[2], *po = args[3], *wo = args[4], *io = args[7];
   if (!THPVariable_Check(xo) || !THPVariable_Check(po) || !THPVariable_Check(wo)) Py_RETURN_NONE;
+  if (!readable(xo) || !readable(po) || !readable(wo) || !readable(io)) Py_RETURN_NONE;
   const at::Tensor& x = THPVariable_Unpack(xo);
   const at::Tensor& pool = THPVariable_Unpack(po);
   const at::Tensor& w = THPVariable_Unpack(wo);
@@ -1626,6 +1639,9 @@ PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!PyLong_CheckExact(args[10])) Py_RETURN_NONE;  // a pad id the general path converts
   PyObject *xo = args[2], *wo = args[3], *po = args[5], *qo = args[6], *io = args[7], *ho = args[8];
   if (!THPVariable_Check(xo) || !THPVariable_Check(wo) || !THPVariable_Check(qo)) Py_RETURN_NONE;
+  if (!readable(xo) || !readable(wo) || !readable(qo) || !readable(po) || !readable(io) || !readable(ho)) {
+    Py_RETURN_NONE;
+  }
   const at::Tensor& x = THPVariable_Unpack(xo);
   const at::Tensor& w = THPVariable_Unpack(wo);
   const at::Tensor& q = THPVariable_Unpack(qo);
