@@ -1089,16 +1089,20 @@ def test_sglang_prefill_s_host_lengths_are_checked_in_the_core_as_in_python(refe
 def test_a_step_s_views_are_reused_only_where_nothing_holds_them(path):
     """The views a fast step hands the op (the pool, a prefill's x, a slot table's column) are
     kept after the call and re-pointed at the next step's tensors, unless something holds one:
-    a tensor the variant kept, weak-referenced or tagged is never changed afterwards; a kept view
-    holds none of the engine's storage; each step's view has its own tensor's sizes, strides,
+    a tensor the variant kept, weak-referenced, tagged or gave another class is never changed
+    afterwards; a kept view holds none of the engine's storage and is out of the GC's reach; each step's view has its own tensor's sizes, strides,
     data, dtype, version counter and inference state."""
+    import gc
     import weakref
 
     import kernel_variants.integrations._fast  # noqa: F401  (provides the steps)
     from kernel_variants._runtime.callcore import FUNCTIONS
 
     path(True)
-    seen, held, refs = [], [], []
+    seen, held, refs, seen_types = [], [], [], []
+
+    class Sub(torch.Tensor):
+        pass
 
     def entry(*args):  # the op's entry, as a step calls it where no core serves
         state = args[1]
@@ -1111,6 +1115,9 @@ def test_a_step_s_views_are_reused_only_where_nothing_holds_them(path):
             refs.append((weakref.ref(state), state.shape))
         elif what == "tag":
             state.tag = "mine"
+        elif what == "subclass":
+            state.__class__ = Sub
+        seen_types.append(type(state))
         return args[0]
 
     def step(pool: torch.Tensor) -> None:
@@ -1133,13 +1140,15 @@ def test_a_step_s_views_are_reused_only_where_nothing_holds_them(path):
         step(torch.zeros(N, D, W - 1, dtype=torch.bfloat16))
         assert seen[-1][0] == seen[0][0], "for another dtype too"
 
-        for what in ("keep", "weak", "tag"):
+        assert seen[-1][0] not in {id(o) for o in gc.get_objects()}, "a kept view is out of the GC's reach"
+        for what in ("keep", "weak", "tag", "subclass"):
             behaviour[0] = what
             for k in range(3):
                 step(torch.full((N, D + k, W - 1), float(k)))
             behaviour[0] = "plain"
             step(torch.zeros(N, D, W - 1))
             assert seen[-1][1] is None, "a reused view carries no attribute of an earlier call"
+            assert seen_types[-1] is torch.Tensor, "nor the class an earlier call gave it"
         for k, (state, shape, values) in enumerate(held):
             assert state.shape == shape and torch.equal(state, values) and state[1, 1, 1] == k
         for ref, shape in refs:

@@ -23,6 +23,7 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
@@ -1348,18 +1349,21 @@ struct Swapped {
 // engine's: a pool its owner frees is freed. CPU tensors, under the GIL (a free-threaded build,
 // or a Python whose weak reference list this cannot read, makes a new alias every time).
 constexpr int kKept = 4;
-PyObject* g_kept[kKept] = {};
+PyObject* g_kept[kKept] = {};  // parked: untracked by the GC, unreachable from Python
+int g_evict = 0;               // where a view of new dispatch keys goes when every place is taken
 
+// What a parked view holds: zero bytes from the CPU allocator (no dispatcher, no mode, no throw).
 const c10::Storage& empty_storage() {
-  static const auto* s = new c10::Storage(at::empty({0}).storage());  // never freed: no exit-order hazard
+  static const auto* s = new c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::GetDefaultCPUAllocator(),
+                                          /*resizable=*/false);  // never freed: no exit-order hazard
   return *s;
 }
 
-// Whether `o` (an exact torch.Tensor) is held by its caller's reference alone: no other Python
-// reference or weak reference, and its TensorImpl (a plain one) by no C++ reference or autograd
-// data. Its metadata may then change without anyone seeing it.
+// Whether `o`, a torch.Tensor of exactly that class, is held by its caller's reference alone: no
+// other Python reference or weak reference, and its TensorImpl (a plain one) by no C++ reference
+// or autograd data. Its metadata may then change without anyone seeing it.
 bool sole_owner(PyObject* o) {
-  if (Py_REFCNT(o) != 1) return false;
+  if (!Py_IS_TYPE(o, reinterpret_cast<PyTypeObject*>(THPVariableClass)) || Py_REFCNT(o) != 1) return false;
   // The weak reference list where CPython's own _PyObject_GET_WEAKREFS_LISTPTR finds it: at
   // tp_weaklistoffset, negative for a managed list (3.12+).
   const Py_ssize_t weaklist = Py_TYPE(o)->tp_weaklistoffset;
@@ -1371,9 +1375,9 @@ bool sole_owner(PyObject* o) {
 }
 
 // sole_owner, and nothing set on the object that a later step's argument would carry: no
-// attribute (its dict is made once, then kept with it), no hook.
+// attribute (its dict is made once, then kept with it), no hook. The dict first: making it may
+// run the GC, and so other code, which the ownership test must come after.
 bool reusable(PyObject* o) {
-  if (!sole_owner(o)) return false;
   const auto* v = reinterpret_cast<const THPVariable*>(o);
   if (v->backward_hooks != nullptr || v->post_accumulate_grad_hooks != nullptr) return false;
   THPObjectPtr dict(PyObject_GenericGetDict(o, nullptr));
@@ -1381,7 +1385,9 @@ bool reusable(PyObject* o) {
     PyErr_Clear();
     return false;
   }
-  return PyDict_Check(dict.get()) && PyDict_GET_SIZE(dict.get()) == 0;
+  if (!PyDict_Check(dict.get()) || PyDict_GET_SIZE(dict.get()) != 0) return false;
+  dict = nullptr;
+  return sole_owner(o);
 }
 
 // An owned reference to a step's view of an engine tensor, given back when the step is done.
@@ -1413,10 +1419,13 @@ class Lent {
         impl->set_storage_and_dtype(t.storage(), t.dtype());
         impl->set_sizes_and_strides(sizes, strides, t.storage_offset());
         if (!t.is_inference()) impl->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
+        PyObject_GC_Track(o_);
         lent_ = true;
         return true;
       }
-      lent_ = true;
+      o_ = alias(t, sizes, strides);
+      lent_ = o_ != nullptr;
+      return o_ != nullptr;
     }
 #endif
     o_ = alias(t, sizes, strides);
@@ -1435,15 +1444,33 @@ class Lent {
  private:
   void reset() {
     PyObject* o = std::exchange(o_, nullptr);
+    const bool lent = std::exchange(lent_, false);
     if (o == nullptr) return;
     // Not after an error: the traceback may hold it, and it is no step's common case.
-    if (std::exchange(lent_, false) && !PyErr_Occurred() && reusable(o)) {
+    if (lent && !PyErr_Occurred() && reusable(o)) {
+      // The engine's storage let go first (its release may run a weak reference's callback,
+      // which may step again), then parked where nothing (the GC included) reaches it.
+      c10::TensorImpl* impl = THPVariable_Unpack(o).unsafeGetTensorImpl();
+      impl->set_storage_keep_dtype(empty_storage());
+      const int64_t none = 0;
+      impl->set_sizes_contiguous(c10::IntArrayRef(&none, 1));
+      PyObject_GC_UnTrack(o);
+      PyObject** place = nullptr;
       for (PyObject*& kept : g_kept) {
-        if (kept != nullptr) continue;
-        THPVariable_Unpack(o).unsafeGetTensorImpl()->set_storage_keep_dtype(empty_storage());
-        kept = o;
-        return;
+        if (kept == nullptr) {
+          place = &kept;
+          break;
+        }
       }
+      PyObject* evicted = nullptr;
+      if (place == nullptr) {  // dispatch keys seen no more hold every place: the oldest goes
+        place = &g_kept[g_evict];
+        g_evict = (g_evict + 1) % kKept;
+        evicted = *place;
+      }
+      *place = o;
+      Py_XDECREF(evicted);
+      return;
     }
     Py_DECREF(o);
   }
@@ -1475,7 +1502,8 @@ PyObject* channel_last(PyObject*, PyObject* o) {
 // where nothing else holds it (a fresh output: no allocation), else its alias.
 PyObject* engine_layout(PyObject* y) {
   THPObjectPtr owned(y);
-  if (THPVariable_CheckExact(y)) {
+#ifndef Py_GIL_DISABLED  // ownership read without the GIL's guarantee: always the alias there
+  if (THPVariable_Check(y)) {
     const at::Tensor& t = THPVariable_Unpack(y);
     if (t.dim() == 2 && plain_alias_ok(y, t) && sole_owner(y)) {
       Swapped sw(t);
@@ -1483,6 +1511,7 @@ PyObject* engine_layout(PyObject* y) {
       return owned.release();
     }
   }
+#endif
   return channel_last(nullptr, y);
 }
 
