@@ -1238,3 +1238,38 @@ def test_the_engine_adapters_under_a_non_strict_export_record_the_ops(reference_
     assert "causal_conv1d" in str(program.graph)
     exported, eager = [a.clone() for a in args], [a.clone() for a in args]
     _same([*program.module()(*exported), exported[2]], [*Step()(*eager), eager[2]])
+
+
+def test_kept_views_survive_dispatch_keys_that_come_and_go(path):
+    """Views of tensors with several dispatch key sets (inference or not, a conjugate bit) in
+    turn, three at once from a prefill step: every place is taken, the oldest view is let go
+    for a new key set, and each step's writes land in its own pool."""
+    import kernel_variants.integrations._fast  # noqa: F401  (provides the steps)
+    from kernel_variants._runtime.callcore import FUNCTIONS
+
+    path(True)
+
+    def decode_entry(*args):
+        args[1][0, 0, 0] += 1
+        return args[0]
+
+    def prefill_entry(x, weight, bias, pool, slots, init, qsl, act, pad, out):
+        pool[int(slots[0]), 0, 0] += 1
+        return x
+
+    def pool(inference: bool, conj: bool) -> torch.Tensor:
+        with torch.inference_mode(inference):
+            p = torch.zeros(N, D, W - 1, dtype=torch.complex64 if conj else torch.float32)
+            return p.conj() if conj else p
+
+    qsl, table = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([[2, 0]], dtype=torch.int32)
+    for _ in range(5):
+        for inference in (True, False):
+            for conj in (False, True):
+                with torch.inference_mode(inference):
+                    p = pool(inference, conj)
+                    x, w = torch.zeros(3, D, dtype=p.dtype), torch.zeros(D, W, dtype=p.dtype)
+                    FUNCTIONS.decode_step(None, decode_entry, x[:1], p, w, None, "silu", None, -1, True)
+                    FUNCTIONS.prefill_step(None, prefill_entry, x.t(), w, None, p, qsl, table, None, "silu", -1,
+                                           True, None)
+                assert p[0, 0, 0] == 1 and p[2, 0, 0] == 1 and int((p != 0).sum()) == 2

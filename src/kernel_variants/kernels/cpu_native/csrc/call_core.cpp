@@ -1469,7 +1469,10 @@ class Lent {
         evicted = *place;
       }
       *place = o;
-      Py_XDECREF(evicted);
+      if (evicted != nullptr) {
+        PyObject_GC_Track(evicted);  // freed as it was made: tracked
+        Py_DECREF(evicted);
+      }
       return;
     }
     Py_DECREF(o);
