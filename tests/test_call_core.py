@@ -1273,3 +1273,25 @@ def test_kept_views_survive_dispatch_keys_that_come_and_go(path):
                     FUNCTIONS.prefill_step(None, prefill_entry, x.t(), w, None, p, qsl, table, None, "silu", -1,
                                            True, None)
                 assert p[0, 0, 0] == 1 and p[2, 0, 0] == 1 and int((p != 0).sum()) == 2
+
+
+def test_an_accelerator_s_call_is_never_taught_to_the_core(reference_only, path, monkeypatch):
+    """The core keys CPU tensors only: a CPU call is taught to it once and then served, and a call
+    on an accelerator (simulated: index values not checked on the host) is never taught, where
+    each call would otherwise pay a frame and a refused key build."""
+    from kernel_variants._runtime import call as _op
+
+    path(True)
+    taught = []
+    real = _callcore.learn
+    monkeypatch.setattr(_callcore, "learn", lambda *a: taught.append(1) or real(*a))
+    x, pool, w = torch.randn(2, D), torch.randn(N, W - 1, D), torch.randn(D, W)
+    idx = torch.tensor([1, 4], dtype=torch.int32)
+    for _ in range(3):
+        kv.causal_conv1d_update(x, pool.clone(), w, activation="silu", conv_state_indices=idx)
+    assert taught == [1]
+    path(True)  # a fresh dispatcher: the same call's decision is made again, as an accelerator's
+    monkeypatch.setattr(_op, "host_values", lambda t: False)  # as on an accelerator
+    for _ in range(3):
+        kv.causal_conv1d_update(x, pool.clone(), w, activation="silu", conv_state_indices=idx)
+    assert taught == [1]
