@@ -143,21 +143,22 @@ def causal_conv1d_fn(x, weight, bias=None, *, conv_states=None, cache_indices=No
     return out if varlen else out.view(x.shape)
 
 
+def _btd_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """A ``[B, L, D]`` tensor's strides; a ``[B, D]`` one's as its ``unsqueeze(1)`` would have
+    them (so the kernel specialises alike), without the view (a dispatched op, microseconds of a
+    decode call's host time)."""
+    if t.ndim == 2:
+        sb, sd = t.stride()
+        return sb, t.shape[1] * sd, sd
+    return t.stride()
+
+
 def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, conv_state_indices=None,
                          num_accepted_tokens=None, pad_slot_id=-1, blocks: Blocks | None = None, out=None):
     """x: [B, D] or [B, L, D]; conv_state: [N, S, D] updated in place; weight: [D, W]. Returns
     x's shape and dtype, or writes ``out`` (x's shape and dtype, not x; any strides)."""
     k = kernels(interpreting())
-    # A [B, D] x is the kernel's [B, 1, D] one: its strides are passed as unsqueeze(1) would
-    # make them (so the kernel specialises as before), without the views (each a dispatched op,
-    # microseconds of a decode call's host time).
-    if x.ndim == 2:
-        (batch, dim), length = x.shape, 1
-        sx_b, sx_d = x.stride()
-        sx_t = dim * sx_d
-    else:
-        batch, length, dim = x.shape
-        sx_b, sx_t, sx_d = x.stride()
+    batch, length, dim = (x.shape[0], 1, x.shape[1]) if x.ndim == 2 else x.shape
     width = weight.shape[1]
     rows = conv_state.shape[1]
     spec = num_accepted_tokens is not None
@@ -165,11 +166,6 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, c
     given = out
     if given is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.ndim == 2:
-        so_b, so_d = out.stride()
-        so_t = dim * so_d
-    else:
-        so_b, so_t, so_d = out.stride()
     kept = max(rows - length, 0) if spec else rows  # rows of the old slot in the stream old ++ x
     offset = kept + length - rows  # first stream row of the new slot
     dummy = out
@@ -181,7 +177,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, c
             dense(conv_state_indices) if conv_state_indices is not None else dummy,
             dense(num_accepted_tokens) if spec else dummy, out, counter if counter is not None else dummy,
             dim, length, rows, conv_state.shape[0], kept, offset, pad_slot_id,
-            sx_b, sx_t, sx_d, weight.stride(0), weight.stride(1), *conv_state.stride(), so_b, so_t, so_d,
+            *_btd_strides(x), weight.stride(0), weight.stride(1), *conv_state.stride(), *_btd_strides(out),
             W=width, HAS_BIAS=bias is not None, SILU=activation is not None, HAS_CI=conv_state_indices is not None,
             SPEC=spec, COUNT=counter is not None, BLOCK_L=pow2(length), BLOCK_S=pow2(rows), BLOCK_D=blocks.d,
             BLOCK_B=64)  # earlier slots compared 64 at a time: one compile for every batch
