@@ -1423,9 +1423,7 @@ class Lent {
         lent_ = true;
         return true;
       }
-      o_ = alias(t, sizes, strides);
-      lent_ = o_ != nullptr;
-      return o_ != nullptr;
+      lent_ = true;  // a new alias, kept after the step where nothing holds it
     }
 #endif
     o_ = alias(t, sizes, strides);
@@ -1681,8 +1679,7 @@ PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
   }
   const int64_t batch = q.size(0) - 1;
-  if (ho != Py_None && (!THPVariable_Check(ho) || THPVariable_Unpack(ho).dim() != 1 ||
-                        THPVariable_Unpack(ho).size(0) != batch)) {
+  if (ho != Py_None && (THPVariable_Unpack(ho).dim() != 1 || THPVariable_Unpack(ho).size(0) != batch)) {
     Py_RETURN_NONE;
   }
   const int table = PyObject_IsTrue(args[11]);
@@ -1696,8 +1693,7 @@ PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Lent pv, idx, xv;
   if (po == Py_None) {
     pv.borrow(po);
-  } else {
-    if (!THPVariable_Check(po)) Py_RETURN_NONE;
+  } else {  // a tensor: readable() above
     const at::Tensor& pool = THPVariable_Unpack(po);
     if (pool.dim() != 3 || pool.size(2) != w.size(1) - 1 || pool.scalar_type() != x.scalar_type()) Py_RETURN_NONE;
     if (known != 1 && none_empty(q) != 1) Py_RETURN_NONE;
