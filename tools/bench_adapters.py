@@ -244,27 +244,23 @@ def _noop_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, 
     return rows, data
 
 
-def _decode_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, object]]:
-    """The issue's decode step: B=1, D=2048, W=4, bf16, on the variant chosen here."""
+def _kernel_rows(step: str, number: int, rounds: int) -> tuple[list[list[object]], dict[str, object]]:
+    """A ``step`` on the variant chosen here, D=2048, W=4, bf16: the issue's ``decode`` (B=1), or a
+    ``prefill`` of one 4-token sequence (a real variant's fresh output, which the no-op variant's
+    cached one is not)."""
     reset()
-    s = Setup(batch=1, dim=2048, length=1, dtype=torch.bfloat16)
+    decode = step == "decode"
+    s = Setup(batch=1, dim=2048, length=1 if decode else 4, dtype=torch.bfloat16)
     with torch.inference_mode():
-        vid, fn = _chosen("causal_conv1d_update", s.x1, s.pool, s.w, s.b, **s.decode_kw(0))
-        t = _rounds(s.decode_forms(fn, {"update": fn}), number, rounds)
-    rows, data = _rows(f"{vid} (chosen) decode B=1 D=2048 bf16", "inference_mode", t)
-    return rows, {f"decode/{vid}": data}
-
-
-def _prefill_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, object]]:
-    """A small prefill on the variant chosen here: one sequence of 4 tokens, D=2048, bf16 (a
-    real variant's fresh output, which the no-op variant's cached one is not)."""
-    reset()
-    s = Setup(batch=1, dim=2048, length=4, dtype=torch.bfloat16)
-    with torch.inference_mode():
-        vid, fn = _chosen("causal_conv1d_fn", s.xt, s.w, s.b, **s.prefill_kw(0))
-        t = _rounds(s.prefill_forms(fn, {"fn": fn}), number, rounds)
-    rows, data = _rows(f"{vid} (chosen) prefill 1x4 D=2048 bf16", "inference_mode", t)
-    return rows, {f"prefill/{vid}": data}
+        if decode:
+            vid, fn = _chosen("causal_conv1d_update", s.x1, s.pool, s.w, s.b, **s.decode_kw(0))
+            forms = s.decode_forms(fn, {"update": fn})
+        else:
+            vid, fn = _chosen("causal_conv1d_fn", s.xt, s.w, s.b, **s.prefill_kw(0))
+            forms = s.prefill_forms(fn, {"fn": fn})
+        t = _rounds(forms, number, rounds)
+    rows, data = _rows(f"{vid} (chosen) {step} {'B=1' if decode else '1x4'} D=2048 bf16", "inference_mode", t)
+    return rows, {f"{step}/{vid}": data}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     built_call_core("bench_adapters")
     path = _call_path()
     rows, data = _noop_rows(args.number, args.rounds)
-    for kernel_rows in (_decode_rows, _prefill_rows):
-        more, more_data = kernel_rows(max(args.number // 5, 100), args.rounds)
+    for step in ("decode", "prefill"):
+        more, more_data = _kernel_rows(step, max(args.number // 5, 100), args.rounds)
         rows += more
         data.update(more_data)
     headers = ["call", "mode", "form", "direct us", "floor added", "floor + views added", "added us",
