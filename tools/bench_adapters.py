@@ -43,6 +43,7 @@ from collections.abc import Callable
 import torch
 from _report import (  # tools/ is sys.path[0]
     built_call_core,
+    conv_noops,
     cpu_model,
     markdown_table,
     noop_registry,
@@ -213,13 +214,7 @@ def _rows(label: str, mode: str, t: dict[str, list[float]]) -> tuple[list[list[o
 
 def _noop_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, object]]:
     s = Setup(batch=1, dim=64, length=4, dtype=torch.float32)
-    out1, out_t = torch.empty_like(s.x1), torch.empty_like(s.xt)
-
-    def noop_update(x, conv_state, weight, bias=None, **kw):
-        return out1
-
-    def noop_fn(x, weight, bias=None, **kw):
-        return out_t
+    noop_fn, noop_update = conv_noops(torch.empty_like(s.xt), torch.empty_like(s.x1))
 
     caps = dict(devices={"cpu"}, dtypes={"float32"})
     variants = (Variant(id="noop", op="causal_conv1d_update", version="1", fn=noop_update, priority=10_000,

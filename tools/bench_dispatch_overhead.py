@@ -10,7 +10,9 @@ the write guard run on every call):
   the least any Python-level dispatcher adds on this machine.
 
 With a no-op variant the difference to the direct call is exactly what the path adds,
-independent of any kernel's time (KV_QUALIFY=off lets the no-op be chosen without a force).
+independent of any kernel's time (KV_QUALIFY=off lets the no-op be chosen without a force). The
+no-op takes the op's parameters, as a registered variant does (``_report.conv_noops``): the path
+hands it every keyword, the direct call only the four it sets.
 The decode step of the issue (causal_conv1d_update, B=1, D=2048, W=4, bf16, one thread, the
 cpu_native kernel when it is built) is timed the same way against its chosen variant.
 
@@ -40,6 +42,7 @@ from collections.abc import Callable
 import torch
 from _report import (  # tools/ is sys.path[0]
     built_call_core,
+    conv_noops,
     cpu_model,
     markdown_table,
     noop_registry,
@@ -106,10 +109,7 @@ def _floor(fn: Callable[..., object]) -> Callable[..., object]:
 
 def _noop_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, object]]:
     B, L, D, W = 1, 1, 64, 4
-    out_buf = torch.empty(B, L, D)
-
-    def noop(x, weight, bias=None, **kw):
-        return out_buf
+    noop, _ = conv_noops(torch.empty(B, L, D), None)
 
     variant = Variant(id="noop", op="causal_conv1d_fn", version="1", fn=noop, priority=10_000,
                       capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}))
@@ -164,10 +164,7 @@ def _noop_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, 
 def _cold_rows(calls: int, flush_mb: float) -> tuple[list[list[object]], dict[str, object]]:
     """Single calls of the no-op variant's forms, ``flush_mb`` MB written before each."""
     B, L, D, W = 1, 1, 64, 4
-    out_buf = torch.empty(B, L, D)
-
-    def noop(x, weight, bias=None, **kw):
-        return out_buf
+    noop, _ = conv_noops(torch.empty(B, L, D), None)
 
     variant = Variant(id="noop", op="causal_conv1d_fn", version="1", fn=noop, priority=10_000,
                       capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"}))
