@@ -15,7 +15,7 @@ import kernel_variants as kv
 from kernel_variants._runtime import callcore as _callcore
 from kernel_variants._runtime import dispatcher as _dispatcher
 from kernel_variants._runtime.dispatcher import dispatcher
-from kernel_variants._runtime.errors import VariantFailed
+from kernel_variants._runtime.errors import VariantFailed, result_error
 from kernel_variants._runtime.pins import pins_in_context
 from kernel_variants.kernels.cpu_native import _build
 from kernel_variants.ops.causal_conv1d import FN_SPEC, ConvCapabilities, _reference
@@ -574,7 +574,7 @@ import kernel_variants as kv
 from kernel_variants._registry.registry import Registry, make_plugin_manager
 from kernel_variants._runtime.dispatcher import reset
 from kernel_variants.ops.causal_conv1d import ConvCapabilities, _reference
-from kernel_variants.plugin import Variant, hookimpl
+from kernel_variants.plugin import Capabilities, Variant, hookimpl
 import kernel_variants._runtime.custom_ops  # what a process's first trace imports
 
 c_level = os.environ.get("KV_CALL_CORE") != "0"
@@ -604,6 +604,20 @@ with torch.no_grad():
         op(*args(pool.clone()))
     except (TypeError, RuntimeError) as exc:
         print(type(exc).__name__ + ": " + str(exc).splitlines()[0])
+
+# A two-output op's variant returning one tensor.
+class One:
+    @hookimpl
+    def kv_register_variants(self, register):
+        register(Variant(id="one", op="add_gemma_rms_norm", version="1", fn=lambda x, weight, residual, eps=1e-6: x,
+                         priority=10_000, capabilities=Capabilities(devices={"cpu"}, dtypes={"float32"})))
+
+reset(Registry(make_plugin_manager(extra_plugins=[("one", One())])))
+with torch.no_grad():
+    try:
+        torch.ops.kernel_variants.add_gemma_rms_norm.default(x, torch.randn(8), x.clone(), 1e-6)
+    except (TypeError, RuntimeError) as exc:
+        print(type(exc).__name__ + ": " + str(exc).splitlines()[0])
 print("ok")
 """
 
@@ -613,8 +627,8 @@ def test_a_process_s_graph_kernel_is_the_core_s_c_kernel_where_the_core_is_built
     """In a process whose first trace finds the core built, each op's graph kernel is the core's
     C++ one: a served call enters no Python kernel, only the variant, with the eager call's result
     and state write. With KV_CALL_CORE=0 the Python kernel is registered, with the same results.
-    A variant returning no tensor: a TypeError from the C++ kernel (torch's RuntimeError from the
-    Python one)."""
+    A variant returning no tensor: the same TypeError from either kernel, written once
+    (``errors.result_error``)."""
     import os
     import subprocess
     import sys
@@ -627,8 +641,8 @@ def test_a_process_s_graph_kernel_is_the_core_s_c_kernel_where_the_core_is_built
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert lines[-1] == "ok", run.stdout
-    assert lines[0] == ("TypeError: kernel_variants graph kernel: expected the variant to return a tensor, got str" if on
-                        else "RuntimeError: Unable to cast not a tensor to Tensor"), lines
+    assert lines[0] == "TypeError: " + str(result_error("causal_conv1d_update", 1, "not a tensor")), lines
+    assert lines[1] == "TypeError: " + str(result_error("add_gemma_rms_norm", 2, torch.empty(0))), lines
 
 
 _C_ENTRY = """

@@ -172,16 +172,17 @@ def graph_module() -> ModuleType | None:
 
 
 def graph_kernel(module: ModuleType | None, name: str, slot: Slot, kernel: Callable[..., Any],
-                 miss: Callable[..., Any], n_out: int) -> bool:
+                 miss: Callable[..., Any], bad: Callable[[Any], BaseException], n_out: int) -> bool:
     """Register ``module``'s C++ kernel (:func:`graph_module`) for the op ``kernel_variants::<name>``
     (``op.overload``): a compiled graph's call reaches ``slot``'s core from the dispatcher with
     no Python frame. ``kernel``: the Python kernel, which serves while the slot holds no core;
-    ``miss``: its path for a call the core hands back. False (nothing registered) without a
+    ``miss``: its path for a call the core hands back; ``bad(result)``: the exception raised
+    for a result that is not the op's ``n_out`` tensors. False (nothing registered) without a
     module, or for an op the core does not serve (over 32 parameters): the caller registers
     ``kernel`` itself."""
     if module is None or len(slot.spec.params) > MAX_PARAMS:
         return False
-    module.graph_kernel(name, slot, kernel, miss, len(slot.spec.params), n_out)
+    module.graph_kernel(name, slot, kernel, miss, bad, len(slot.spec.params), n_out)
     return True
 
 

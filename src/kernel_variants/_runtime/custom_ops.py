@@ -25,8 +25,8 @@ output checks) cost ~35 us per call where this kernel adds ~3 us over an eager c
   arguments from the dispatcher's stack and calls the core with no Python frame between; the
   Python kernel below serves what it hands over (the core not yet found or off, a call the core
   does not serve), and is the kernel where the core was not built then. Both give the same
-  results and errors, but for a variant that returns no tensor: a TypeError from the C++
-  kernel, torch's RuntimeError from the Python one.
+  results and errors (a variant's result that is not the op's outputs: ``result_error``'s
+  TypeError from either).
 
 The public functions route here only while Dynamo traces them, or in a real run under
 ``torch.export`` or a compile session that the call core hands back; the graph calls the op,
@@ -50,6 +50,7 @@ own (no entry, no custom op, no default of the public function).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import types
 import typing
@@ -63,6 +64,7 @@ from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime import callcore
 from kernel_variants._runtime.bind import _params_source, grad_source
 from kernel_variants._runtime.call import MADE, ON_MADE, call
+from kernel_variants._runtime.errors import result_error
 
 NAMESPACE = "kernel_variants"
 # A fragment, not a definition: another library (a plugin's C++ extension) may add ops to the
@@ -197,8 +199,9 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
     outs = ", ".join(out_params(spec))
     n_out = len(spec.outputs)
     # Generated from the spec's parameter names (the same source make_op generates from).
+    bad = functools.partial(result_error, spec.name, n_out)
     namespace: dict[str, Any] = {"_slot": callcore.slot_of(spec), "_miss": callcore.MISS, "_call": call,
-                                 "_graph": callcore.GRAPH,
+                                 "_graph": callcore.GRAPH, "_bad": bad, "_outputs": _outputs, "_Tensor": torch.Tensor,
                                  "_spec": spec, "_c": callcore.FUNCTIONS, "_torch": torch, "_eager": _eager(spec),
                                  "_grad_enabled": torch.is_grad_enabled}
     tensors = ", ".join(spec.params[i] for i in spec.tensor_indices)
@@ -228,7 +231,9 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
            f"    core = _slot.core\n"
            f"    res = _miss if core is None else core({names}, _graph)\n"
            f"    if res is _miss:\n"
-           f"        return kernel_miss({names})\n"
+           f"        res = kernel_miss({names})\n"
+           f"    if not {'isinstance(res, _Tensor)' if n_out == 1 else f'_outputs(res, {n_out})'}:\n"
+           f"        raise _bad(res)\n"
            f"    return res\n"
            f"def kernel_miss({names}):\n"
            f"    return _c.unaliased(_call(_spec, ({names},), None, _slot.core), {tensors})\n"
@@ -273,10 +278,15 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
             qualified = _qualified(name, overload)
             # The ops that return their outputs take the core's C++ kernel where it is built
             # (no Python frame between the graph and the core); the Python one otherwise.
-            if k is not kernel or not callcore.graph_kernel(_CORE, qualified, slot, kernel, kernel_miss, n_out):
+            if k is not kernel or not callcore.graph_kernel(_CORE, qualified, slot, kernel, kernel_miss, bad, n_out):
                 LIB.impl(qualified, k, "CompositeExplicitAutograd")
             torch.library.register_fake(f"{NAMESPACE}::{qualified}", f, lib=LIB)
     return traced
+
+
+def _outputs(res: Any, n: int) -> bool:
+    """Whether ``res`` is an op's ``n`` outputs, as its schema returns them (``n`` > 1)."""
+    return isinstance(res, tuple | list) and len(res) == n and all(isinstance(o, torch.Tensor) for o in res)
 
 
 def _eager(spec: OpSpec) -> Callable[[tuple[Any, ...], Any], Any]:

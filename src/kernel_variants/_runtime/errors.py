@@ -17,6 +17,18 @@ def variant_failed(spec: OpSpec, vid: str, exc: BaseException) -> VariantFailed:
     return VariantFailed(f"variant {vid!r} of {spec.name} failed: {type(exc).__name__}: {exc}")
 
 
+def result_error(name: str, n_out: int, got: Any) -> TypeError:
+    """A compiled graph's kernel of the op ``name`` handed something other than its ``n_out``
+    outputs by the variant it ran (an eager call returns what the variant returns)."""
+    expected = "a tensor" if n_out == 1 else f"a tuple or list of {n_out} tensors"
+    if isinstance(got, tuple | list) and n_out > 1:
+        kinds = ", ".join(type(o).__name__ for o in got)
+        got_text = f"a {type(got).__name__} of {len(got)} ({kinds})"
+    else:
+        got_text = type(got).__name__
+    return TypeError(f"{name}: expected its variant to return {expected} in a compiled graph, got {got_text}")
+
+
 def inference_error(name: str) -> ValueError:
     return ValueError(f"{name}: an inference tensor (made under torch.inference_mode) cannot be "
                       "updated outside inference mode; allocate it outside, or call inside inference_mode")

@@ -1757,8 +1757,8 @@ PyObject* op_entry(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
 // the frame, its globals and the slot's attribute, each a cache miss after a large kernel, on
 // top of what a plain op's Python kernel costs; this kernel reads the slot's core and calls it
 // as the Python kernel would, and hands anything else (the core not yet resolved, off, a miss)
-// to that Python kernel's code, so both give the same results and errors (but for a variant
-// that returns no tensor: a TypeError here, torch's RuntimeError from the Python kernel).
+// to that Python kernel's code, so both give the same results and errors (a variant's result
+// that is not the op's outputs: both raise errors.result_error's TypeError).
 
 // A Python object for a schema argument of the op's (Tensor, Tensor?, int, float, bool, str and
 // their optional forms): a new reference, or nullptr with a Python error set.
@@ -1783,8 +1783,9 @@ class GraphKernel final : public c10::OperatorKernel {
   // where the slot holds no CallCore; miss: its Python path, called on the core's miss. Held
   // for the life of the process, as the registration is.
   // core_name: the interned "core" (an attribute read by a str made per call costs more).
-  GraphKernel(PyObject* slot, PyObject* kernel, PyObject* miss, PyObject* core_name, int n, int n_out)
-      : slot_(Py_NewRef(slot)), kernel_(Py_NewRef(kernel)), miss_(Py_NewRef(miss)),
+  // bad(result): the exception for a result that is not the op's n_out tensors.
+  GraphKernel(PyObject* slot, PyObject* kernel, PyObject* miss, PyObject* bad, PyObject* core_name, int n, int n_out)
+      : slot_(Py_NewRef(slot)), kernel_(Py_NewRef(kernel)), miss_(Py_NewRef(miss)), bad_(Py_NewRef(bad)),
         core_name_(Py_NewRef(core_name)), n_(n), n_out_(n_out) {}
 
   void operator()(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) {
@@ -1835,44 +1836,49 @@ class GraphKernel final : public c10::OperatorKernel {
     return PyObject_Vectorcall(miss_, args, n_, nullptr);
   }
 
-  // The kernel's result (a tensor; a tuple or list of n_out tensors) onto the stack.
+  // The kernel's result (a tensor; a tuple or list of n_out tensors) onto the stack, all checked
+  // before any is pushed.
   void push_outputs(PyObject* res, torch::jit::Stack* stack) const {
-    if (n_out_ == 1 && is_tensor(res)) {
+    if (n_out_ == 1) {
+      if (!is_tensor(res)) raise_bad(res);
       torch::jit::push(*stack, THPVariable_Unpack(res));
       return;
     }
-    const bool seq = PyTuple_Check(res) || PyList_Check(res);
-    TORCH_CHECK_TYPE(n_out_ > 1 && seq && PySequence_Fast_GET_SIZE(res) == n_out_, "kernel_variants graph kernel: "
-                "expected the variant to return ", n_out_ == 1 ? "a tensor" : std::to_string(n_out_) + " tensors",
-                ", got ", Py_TYPE(res)->tp_name);
-    for (int i = 0; i < n_out_; ++i) {
-      PyObject* o = PySequence_Fast_GET_ITEM(res, i);
-      TORCH_CHECK_TYPE(is_tensor(o), "kernel_variants graph kernel: expected output ", i, " to be a tensor, got ",
-                  Py_TYPE(o)->tp_name);
-      torch::jit::push(*stack, THPVariable_Unpack(o));
-    }
+    if (!(PyTuple_Check(res) || PyList_Check(res)) || PySequence_Fast_GET_SIZE(res) != n_out_) raise_bad(res);
+    for (int i = 0; i < n_out_; ++i)
+      if (!is_tensor(PySequence_Fast_GET_ITEM(res, i))) raise_bad(res);
+    for (int i = 0; i < n_out_; ++i) torch::jit::push(*stack, THPVariable_Unpack(PySequence_Fast_GET_ITEM(res, i)));
+  }
+
+  // The Python side's exception for a bad result (errors.result_error), raised through the
+  // dispatcher as itself.
+  [[noreturn]] void raise_bad(PyObject* res) const {
+    THPObjectPtr exc(PyObject_CallOneArg(bad_, res));
+    if (exc) PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.get())), exc.get());
+    throw python_error_now();
   }
 
   PyObject* slot_;
   PyObject* kernel_;
   PyObject* miss_;
+  PyObject* bad_;
   PyObject* core_name_;
   int n_;
   int n_out_;
 };
 
-// graph_kernel(name, slot, kernel, miss, n, n_out): registers GraphKernel as the
+// graph_kernel(name, slot, kernel, miss, bad, n, n_out): registers GraphKernel as the
 // CompositeExplicitAutograd kernel of `kernel_variants::<name>` (an overload as
 // "op.overload"). The registration is never undone: the Library is kept for the process, as
 // the op's Python one is (undone at exit, it would run after the op's definition is gone).
 PyObject* graph_kernel(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 6 || !PyUnicode_Check(a[0])) {
-    PyErr_SetString(PyExc_TypeError, "graph_kernel(name, slot, kernel, miss, n, n_out): expected 6 arguments");
+  if (nargs != 7 || !PyUnicode_Check(a[0])) {
+    PyErr_SetString(PyExc_TypeError, "graph_kernel(name, slot, kernel, miss, bad, n, n_out): expected 7 arguments");
     return nullptr;
   }
-  const long n = PyLong_AsLong(a[4]);
-  const long n_out = PyLong_AsLong(a[5]);
+  const long n = PyLong_AsLong(a[5]);
+  const long n_out = PyLong_AsLong(a[6]);
   if (PyErr_Occurred()) return nullptr;
   if (n < 0 || n > kMaxParams || n_out < 1) {
     PyErr_Format(PyExc_ValueError, "graph_kernel: n in 0..%d and n_out >= 1, got %ld and %ld", kMaxParams, n, n_out);
@@ -1886,7 +1892,7 @@ PyObject* graph_kernel(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   libs->push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "kernel_variants",
                                                    c10::DispatchKey::CompositeExplicitAutograd, __FILE__, __LINE__));
   libs->back()->impl(name, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<GraphKernel>(
-                               a[1], a[2], a[3], core_name.get(), static_cast<int>(n), static_cast<int>(n_out))));
+                               a[1], a[2], a[3], a[4], core_name.get(), static_cast<int>(n), static_cast<int>(n_out))));
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -1899,7 +1905,7 @@ PyMethodDef module_methods[] = {
      "prefill_step(core, entry, x, weight, bias, pool, query_start_loc, indices, has_initial_state, activation, "
      "sentinel, table, lengths) -> (dim, T) or None"},
     {"graph_kernel", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(graph_kernel)), METH_FASTCALL,
-     "graph_kernel(name, slot, kernel, miss, n, n_out): the op's compiled-graph kernel in C++"},
+     "graph_kernel(name, slot, kernel, miss, bad, n, n_out): the op's compiled-graph kernel in C++"},
     {"op_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(op_entry)), METH_FASTCALL,
      "op_entry(name, slot, python, after_miss): an op's entry in C, serving through the slot's core"},
     {"unaliased", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unaliased)), METH_FASTCALL,
