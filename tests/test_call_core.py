@@ -1289,23 +1289,65 @@ def test_kept_views_survive_dispatch_keys_that_come_and_go(path):
                 assert p[0, 0, 0] == 1 and p[2, 0, 0] == 1 and int((p != 0).sum()) == 2
 
 
-def test_an_accelerator_s_call_is_never_taught_to_the_core(reference_only, path, monkeypatch):
-    """The core keys CPU tensors only: a CPU call is taught to it once and then served, and a call
-    on an accelerator (simulated: index values not checked on the host) is never taught, where
-    each call would otherwise pay a frame and a refused key build."""
+def test_an_accelerator_s_call_is_served_by_the_core_with_the_device_rule(reference_only, path, python_calls,
+                                                                         monkeypatch):
+    """A call whose index values are not read on the host (an accelerator's; simulated on CPU
+    tensors) is taught to the core once and then served there, running the op's device rule per
+    call as the Python path does: the same results, pool and device-rule counts on both paths.
+    While its device captures a graph the core serves nothing and learns nothing."""
     from kernel_variants._runtime import call as _op
+    from kernel_variants._runtime import device_errors as _device_errors
+
+    monkeypatch.setattr(_op, "host_values", lambda t: False)  # as on an accelerator
+    x, pool, w = torch.randn(3, D), torch.randn(N, W - 1, D), torch.randn(D, W)
+    idx = torch.tensor([1, N + 2, 4], dtype=torch.int32)  # one slot outside the pool: a pad, counted
+    outcomes = {}
+    for on in (True, False):
+        path(on)
+        monkeypatch.setattr(_device_errors, "_counters", {})
+        python_calls[0] = 0
+        mine, results = pool.clone(), []
+        for _ in range(3):
+            results.append(kv.causal_conv1d_update(x, mine, w, activation="silu", conv_state_indices=idx))
+        counts = _device_errors._counters[torch.device("cpu")].tolist()
+        outcomes[on] = (results, mine, counts, python_calls[0])
+        with pytest.raises(ValueError, match="bad index values"):
+            kv.check_errors()
+    (got, got_pool, got_counts, served_in_python), (want, want_pool, want_counts, _) = outcomes[True], outcomes[False]
+    for g, w_ in zip(got, want, strict=True):
+        assert torch.equal(g, w_) and not g[1].any()  # the bad slot's row is a pad's: zeros
+    assert torch.equal(got_pool, want_pool)
+    assert got_counts == want_counts == [3, 0, 0, 0]  # every call's rule ran and counted
+    assert served_in_python == 1  # the first call decided; the core served the others
 
     path(True)
-    taught = []
-    real = _callcore.learn
-    monkeypatch.setattr(_callcore, "learn", lambda *a: taught.append(1) or real(*a))
-    x, pool, w = torch.randn(2, D), torch.randn(N, W - 1, D), torch.randn(D, W)
-    idx = torch.tensor([1, 4], dtype=torch.int32)
-    for _ in range(3):
-        kv.causal_conv1d_update(x, pool.clone(), w, activation="silu", conv_state_indices=idx)
-    assert taught == [1]
-    path(True)  # a fresh dispatcher: the same call's decision is made again, as an accelerator's
-    monkeypatch.setattr(_op, "host_values", lambda t: False)  # as on an accelerator
-    for _ in range(3):
-        kv.causal_conv1d_update(x, pool.clone(), w, activation="silu", conv_state_indices=idx)
-    assert taught == [1]
+    module = _callcore.core_module()
+    capturing = [True]
+    before = module.capture_check("cpu", lambda: capturing[0])
+    try:
+        python_calls[0] = 0
+        for _ in range(2):
+            kv.causal_conv1d_update(x, pool.clone(), w, activation="silu", conv_state_indices=idx)
+        assert python_calls[0] == 2  # in a capture: the Python path's, and nothing taught
+        capturing[0] = False
+        for _ in range(3):
+            kv.causal_conv1d_update(x, pool.clone(), w, activation="silu", conv_state_indices=idx)
+        assert python_calls[0] == 3  # taught at the first call outside it, served from then on
+    finally:
+        module.capture_check("cpu", before)
+    with pytest.raises(ValueError, match="bad index values"):
+        kv.check_errors()
+
+
+def test_a_call_is_taught_only_where_the_core_serves_its_device():
+    """CPU tensors always; another device's only where the core keys it (CUDA where torch sees a
+    GPU) and the call reads no index values on the host."""
+    from types import SimpleNamespace
+
+    def tensor(device_type):
+        return SimpleNamespace(is_cpu=device_type == "cpu", device=SimpleNamespace(type=device_type))
+
+    assert _callcore.serves(tensor("cpu"), host_checks=True) and _callcore.serves(tensor("cpu"), host_checks=False)
+    assert not _callcore.serves(tensor("npu"), host_checks=False)
+    assert _callcore.serves(tensor("cuda"), host_checks=False) == ("cuda" in _callcore._SERVED)
+    assert not _callcore.serves(tensor("cuda"), host_checks=True)

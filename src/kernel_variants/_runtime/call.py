@@ -102,9 +102,10 @@ def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None, core: Any = None)
     elif hit.checks is not None:
         hit.checks(args)
     aliased = hit.guard is not None and hit.guard(args, out)
-    # Taught only what it can key: CPU tensors (call_core.cpp: kServed). An accelerator's call
-    # would be refused there on every call, at a frame and a key build (~1 us) each time.
-    if core is not None and sig is not None and on_cpu(spec, args) and sig in d.memo:  # not one kept out of the memo
+    # Taught only what it can key and run (callcore.serves): another device's call would be
+    # refused there on every call, at a frame and a key build (~1 us) each time.
+    if (core is not None and sig is not None and sig in d.memo  # not one kept out of the memo
+            and callcore.serves(args[spec.tensor_indices[0]], hit.checks is not None)):
         callcore.learn(core, spec, args, out, hit)
     if hit.subs:
         args = with_subs(args, hit.subs)

@@ -8,10 +8,13 @@ path (``call.call``) serves every call, and the first call says so once on stder
 ``KV_CALL_CORE=0`` turns the core off (read at the first call after each ``kv.reload()``).
 
 The core decides nothing. A call it has no entry for, or one it does not serve (``out=``, a
-tensor off the CPU or of a subclass, a torch function mode) or in which it detects a problem (a
-bad index value, an overlap with a written tensor), goes to the Python path, which validates,
-decides, raises with its message, or memoises the decision and hands the core the same entry
-(:func:`learn`). Anything that clears the Python memo clears every core too.
+tensor of a subclass or on a device other than the CPU and CUDA, a torch function mode, a graph
+being captured on the call's device) or in which it detects a problem (a bad index value, an
+overlap with a written tensor), goes to the Python path, which validates, decides, raises with
+its message, or memoises the decision and hands the core the same entry (:func:`learn`).
+Anything that clears the Python memo clears every core too. CUDA tensors are served where torch
+sees a GPU when the core loads, with the op's device rule in place of the host value checks
+(:func:`serves`).
 """
 
 from __future__ import annotations
@@ -97,12 +100,32 @@ def _library() -> tuple[ModuleType | None, str]:
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
                 module.CallCore  # noqa: B018 - a stand-in file without the type is not the core
+                _serve_cuda(module)
                 _loaded[str(path)] = (module, None)
             except Exception as exc:
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 _loaded[str(path)] = (None, f"the build does not load ({first}); run kv build")
         module, why = _loaded[str(path)]
     return module, why or ""
+
+
+def _serve_cuda(module: ModuleType) -> None:
+    """Let ``module``'s cores serve CUDA tensors where torch sees a GPU: they then ask
+    ``torch.cuda.is_current_stream_capturing`` per CUDA call, as the Python path's key does
+    (``_capture.capturing``), and leave a call made while a graph is captured to it."""
+    if hasattr(module, "capture_check") and torch.cuda.is_available():
+        module.capture_check("cuda", torch.cuda.is_current_stream_capturing)
+        _SERVED.add("cuda")
+
+
+_SERVED = {"cpu"}  # the device types whose tensors the loaded core keys
+
+
+def serves(t: Any, host_checks: bool) -> bool:
+    """Whether a core can serve (and so be taught) a call whose first tensor is ``t``: a CPU
+    tensor, or one on a device it keys when the call reads no index values on the host
+    (``host_checks`` False: the device rule runs instead, or nothing is checked)."""
+    return t.is_cpu or (not host_checks and t.device.type in _SERVED)
 
 
 def status() -> tuple[bool, str]:
@@ -331,12 +354,13 @@ def clear_all() -> None:
 
 def learn(core: Any, spec: OpSpec, args: tuple[Any, ...], out: Any, hit: Hit) -> None:
     """Hand ``core`` the entry the Python path memoised for this call. A hit the core cannot
-    run (an ``out=`` runner, a device rule, a write guard or value check it cannot read) is
-    kept as the Python path's, so the core hands such calls over without asking again."""
+    run (an ``out=`` runner, a write guard or value check it cannot read) is kept as the Python
+    path's, so the core hands such calls over without asking again. A device rule the core
+    calls as the Python path does (``rule(args)``, after the normalised values)."""
     if not hasattr(core, "learn"):  # the slot's resolver: another thread re-armed it meanwhile
         return
     vid, fn, invoke, subs, guard, checks, rule = hit.vid, hit.fn, hit.invoke, hit.subs, hit.guard, hit.checks, hit.rule
-    python_only = rule is not None or invoke is not spec.invoke or out is not None
+    python_only = invoke is not spec.invoke or out is not None
     data = py_checks = gate = None
     if checks is not None and not python_only:
         declared = getattr(checks, "declared", None)
@@ -352,6 +376,6 @@ def learn(core: Any, spec: OpSpec, args: tuple[Any, ...], out: Any, hit: Hit) ->
             guards = declared[0]
         else:
             python_only = True
-    core.learn(args, out, fn, vid, subs, data, gate, py_checks, guards, python_only)
+    core.learn(args, out, fn, vid, subs, data, gate, py_checks, guards, python_only, rule)
 
 

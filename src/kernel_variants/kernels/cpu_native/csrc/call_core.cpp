@@ -9,7 +9,9 @@
 // OpSpec.invoke does (positional parameters by position, keyword-only ones by name).
 //
 // The C++ detects, the Python raises: on a miss, on anything it does not serve (an `out`, a
-// tensor subclass, a tensor off the CPU or with another dispatch key, a torch function mode)
+// tensor subclass, a tensor on a device the core does not serve (the CPU, and CUDA where a
+// capture check is installed: capture_check), or with another dispatch key, a torch function
+// mode, a graph being captured on the call's device)
 // and on any problem it detects (a bad index value, an overlap with a written tensor, an
 // inference tensor written outside inference mode) it returns the MISS sentinel, and the
 // Python path (_runtime/call.py: call) decides, raises with its own message, or fills the memo and then
@@ -77,6 +79,8 @@ struct Entry {
   std::vector<Check> checks;
   PyObject* gate = nullptr;  // the device whose pending device-rule counts a host check reports first
   PyObject* py_checks = nullptr;  // a value check the core cannot read as data: called as is
+  // The op's device rule (values not read on the host): rule(args) -> the arguments it hands on.
+  PyObject* rule = nullptr;
   std::vector<Guard> guards;
 
   Entry() = default;
@@ -89,6 +93,7 @@ struct Entry {
     Py_XDECREF(vid);
     Py_XDECREF(gate);
     Py_XDECREF(py_checks);
+    Py_XDECREF(rule);
   }
 };
 
@@ -137,6 +142,22 @@ struct CallCore {
 const uint64_t kServed = c10::DispatchKeySet({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
                                               c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU})
                              .raw_repr();
+// The same for dense CUDA tensors, served where a capture check for CUDA is installed.
+const uint64_t kServedCuda = c10::DispatchKeySet({c10::DispatchKey::CUDA, c10::DispatchKey::AutogradCUDA,
+                                                  c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCUDA})
+                                 .raw_repr();
+
+// Per device type, what says whether a graph is being captured on it now (a Python callable
+// returning a bool; torch.cuda.is_current_stream_capturing for CUDA), installed by
+// capture_check() when the module is loaded. A call on a device with one is keyed only while
+// it says no: a decision made in a capture may be provisional (a variant not yet qualified
+// is passed over there), and the Python path keeps such calls. Process-wide, as the devices are.
+PyObject* g_capturing[static_cast<int>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)] = {};
+
+inline bool served_keys(uint64_t ks) {
+  return (ks & ~kServed) == 0 ||
+         (g_capturing[static_cast<int>(c10::DeviceType::CUDA)] != nullptr && (ks & ~kServedCuda) == 0);
+}
 
 // The dispatch keys a bound call compares with its example's: all but autograd's and autocast's,
 // which an inference tensor lacks (a serving loop's tensors, bound with an example made
@@ -184,7 +205,7 @@ inline bool tensor_words(PyObject* a, int8_t kind, bool mutated, Out& out, const
   if (!THPVariable_CheckExact(a)) return false;
   const at::Tensor& tensor = THPVariable_Unpack(a);
   c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
-  if (served_only && (impl->key_set().raw_repr() & ~kServed) != 0) return false;
+  if (served_only && !served_keys(impl->key_set().raw_repr())) return false;
   auto sizes = impl->sizes();
   size_t nd = sizes.size();
   if (!out.room(3 + 2 * nd) || !out.put(static_cast<int64_t>(nd))) return false;
@@ -234,6 +255,23 @@ struct Match {
 int build_key(State* st, PyObject* const* args, PyObject* out, const at::Tensor** ts, uint64_t* hash) {
   if (out != Py_None || at::impl::torch_function_mode_enabled()) {
     return 0;
+  }
+  // A graph being captured on the call's device (the first tensor's: the Python path refuses a
+  // call spread over devices): the Python path serves the call and keeps its decision apart.
+  // Asked before the scratch key is written: the check is Python code.
+  for (int i = 0; i < st->n; ++i) {
+    if (st->kind[i] == kValue || !THPVariable_CheckExact(args[i])) continue;
+    PyObject* check = g_capturing[static_cast<int>(THPVariable_Unpack(args[i]).unsafeGetTensorImpl()->device_type())];
+    if (check != nullptr) {
+      PyObject* r = PyObject_CallNoArgs(check);
+      const int busy = r == nullptr ? -1 : PyObject_IsTrue(r);
+      Py_XDECREF(r);
+      if (busy != 0) {
+        if (busy < 0) PyErr_Clear();
+        return 0;
+      }
+    }
+    break;
   }
   auto& objs = st->objs;
   objs.clear();
@@ -336,7 +374,8 @@ struct Index {
 bool as_index(const at::Tensor& t, Index* out) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   auto type = impl->dtype().toScalarType();
-  if (impl->dim() != 1 || (type != at::kInt && type != at::kLong)) return false;
+  // Read in place on the host: a tensor elsewhere is the Python path's (never taught so).
+  if (impl->dim() != 1 || (type != at::kInt && type != at::kLong) || !impl->device().is_cpu()) return false;
   out->data = impl->data();
   out->n = impl->sizes()[0];
   out->stride = impl->strides()[0];
@@ -487,6 +526,22 @@ PyObject* run(State* st, Entry* e, PyObject* const* args, const at::Tensor* cons
   for (int i = 0; i < st->n; ++i) {
     PyObject* s = e->subs[i];
     stack[i + 1] = s != nullptr ? s : args[i];
+  }
+  THPObjectPtr ruled;
+  if (e->rule != nullptr) {
+    // The device rule, as the Python path runs it: on the arguments with their normalised
+    // values, handing on what it returns (in signature order). Its own errors are raised as is.
+    THPObjectPtr tup(PyTuple_New(st->n));
+    if (!tup) return nullptr;
+    for (int i = 0; i < st->n; ++i) PyTuple_SET_ITEM(tup.get(), i, Py_NewRef(stack[i + 1]));
+    ruled = PyObject_CallOneArg(e->rule, tup.get());
+    if (!ruled) return nullptr;
+    if (!PyTuple_Check(ruled.get()) || PyTuple_GET_SIZE(ruled.get()) != st->n) {
+      PyErr_Format(PyExc_TypeError, "the op's device rule returned %s, where a tuple of its %d arguments was expected",
+                   Py_TYPE(ruled.get())->tp_name, st->n);
+      return nullptr;
+    }
+    for (int i = 0; i < st->n; ++i) stack[i + 1] = PyTuple_GET_ITEM(ruled.get(), i);
   }
   PyObject* r = PyObject_Vectorcall(e->fn, stack + 1, st->npos | PY_VECTORCALL_ARGUMENTS_OFFSET, st->kwnames);
   if (r == nullptr) return variant_failed(st->fail, e->vid);
@@ -682,13 +737,13 @@ bool unpack_call(State* st, PyObject* args_tuple, const char* who) {
   return true;
 }
 
-// learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only) -> bool:
+// learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only, rule) -> bool:
 // remember what the Python path decided for this call's key (False: not a call it serves).
 PyObject* core_learn(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
   State* st = reinterpret_cast<CallCore*>(self)->st;
-  if (nargs != 10) {
+  if (nargs != 11) {
     PyErr_SetString(PyExc_TypeError,
-                    "learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only)");
+                    "learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only, rule)");
     return nullptr;
   }
   if (!unpack_call(st, a[0], "learn")) return nullptr;
@@ -726,6 +781,7 @@ PyObject* core_learn(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
   if (!parse_checks(st->n, st->kind, a[5], e->checks, "learn") || !parse_guards(st->n, st->kind, a[8], e->guards)) return nullptr;
   if (a[6] != Py_None) e->gate = Py_NewRef(a[6]);
   if (a[7] != Py_None) e->py_checks = Py_NewRef(a[7]);
+  if (a[10] != Py_None) e->rule = Py_NewRef(a[10]);
   if (st->size >= kMapLimit) clear_map(st);
   auto& bucket = st->map[hash];
   for (Entry*& old : bucket) {
@@ -1897,7 +1953,27 @@ PyObject* graph_kernel(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// capture_check(device_type, check): install (or, with None, remove) the callable that says
+// whether a graph is being captured on devices of `device_type` ("cuda"); with one for CUDA,
+// the cores serve CUDA tensors too. Returns the one it replaces (or None).
+PyObject* capture_check(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 2 || !PyUnicode_Check(a[0]) || (a[1] != Py_None && !PyCallable_Check(a[1]))) {
+    PyErr_SetString(PyExc_TypeError, "capture_check(device_type, check): a device type and a callable or None");
+    return nullptr;
+  }
+  const char* name = PyUnicode_AsUTF8(a[0]);
+  if (name == nullptr) return nullptr;
+  const auto type = static_cast<int>(c10::Device(std::string(name)).type());
+  PyObject* before = g_capturing[type];
+  g_capturing[type] = a[1] == Py_None ? nullptr : Py_NewRef(a[1]);
+  return before != nullptr ? before : Py_NewRef(Py_None);  // the table's reference, handed over
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef module_methods[] = {
+    {"capture_check", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(capture_check)), METH_FASTCALL,
+     "capture_check(device_type, check) -> the check it replaces: whether a graph is being captured there"},
     {"channel_last", channel_last, METH_O, "channel_last(t) -> t.transpose(-1, -2) as a plain alias"},
     {"decode_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(decode_step)), METH_FASTCALL,
      "decode_step(core, entry, x, pool, weight, bias, activation, indices, sentinel, table) -> [B, dim] or None"},
@@ -1915,7 +1991,7 @@ PyMethodDef module_methods[] = {
 
 PyMethodDef core_methods[] = {
     {"learn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_learn)), METH_FASTCALL,
-     "learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only) -> bool"},
+     "learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only, rule) -> bool"},
     {"key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_key)), METH_FASTCALL,
      "key(args, out) -> (words, objects) or None"},
     {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_lookup)), METH_FASTCALL,
