@@ -3,8 +3,10 @@
 Five steps, in this order, each in its own child process with its own timeout (a hung kernel
 kills its step, not the run; the steps after it still run):
 
-- ``environment``: GPU, torch, Triton, CUDA and Python versions, each variant's availability,
-  and which call path ran (the compiled core serves CPU tensors: a CUDA call takes the Python one);
+- ``environment``: GPU, torch, Triton, CUDA and Python versions, each variant's availability;
+  it builds the compiled call core (``kv build``'s; a cache hit where built), which serves CUDA
+  calls as it serves CPU ones, and says which call path CUDA calls take (the Python one where
+  the build failed: no compiler or no ninja, the reason in the report);
 - ``qualify``: every available variant of all four ops on the device in bf16, fp16 and fp32
   (``kv.qualify``), passed / failed with each failure; tactics (``triton:d64``...) only with
   ``--tactics`` (on a fresh H200 the fp16 conv tactics alone compiled 382 Triton kernels, more
@@ -44,9 +46,9 @@ this project is tested with)::
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
         -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
-        typing-inspection==0.4.5 typing-extensions==4.16.0 diskcache==5.6.3
+        typing-inspection==0.4.5 typing-extensions==4.16.0 diskcache==5.6.3 ninja==1.13.0
 
-(about 2.8 MB; never committed). Then one run, carrying ``.whl``, with a timeout that leaves
+(about 3 MB; never committed; ninja builds the call core there). Then one run, carrying ``.whl``, with a timeout that leaves
 room for a rerun::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -80,9 +82,10 @@ from pathlib import Path
 from typing import Any
 
 STEPS = ("environment", "qualify", "calibrate", "graphs", "overhead")
-# Seconds per step on CUDA: 235 in all, so that a run with every step at its limit still ends
-# inside the 4 minutes a device call is planned for.
-CUDA_TIMEOUTS = {"environment": 15, "qualify": 75, "calibrate": 85, "graphs": 40, "overhead": 20}
+# Seconds per step on CUDA: 240 in all, so that a run with every step at its limit still ends
+# inside the 4 minutes a device call is planned for (the environment step builds the call core:
+# ~15 s of one compiler process).
+CUDA_TIMEOUTS = {"environment": 40, "qualify": 65, "calibrate": 75, "graphs": 40, "overhead": 20}
 # On the CPU the check is the test suite's: generous, since a first run may build cpu_native.
 CPU_TIMEOUTS = dict.fromkeys(STEPS, 240)
 COMPILE_CAP = 150  # Triton kernels compiled before no further Triton variant is qualified
@@ -181,10 +184,27 @@ def compiled_kernels(cache: Path) -> int:
 def _call_path(ctx: Ctx) -> str:
     from kernel_variants._runtime import callcore
 
-    words = callcore.status()[1]
-    if ctx.cuda:
-        return f"Python on {ctx.device} (the compiled core serves CPU tensors; on the CPU here: {words})"
-    return words
+    on, words = callcore.status()  # loads the core where it is built: it then says what it serves
+    if not ctx.cuda:
+        return words
+    if not (on and "cuda" in callcore._SERVED):
+        return f"Python on {ctx.device} (the compiled core does not serve it here; on the CPU: {words})"
+    return f"{words} on {ctx.device}"
+
+
+def _build_core() -> dict[str, Any]:
+    """Build the compiled call core now (a cache hit where it is built), as ``kv build`` does."""
+    from kernel_variants._runtime import callcore
+    from kernel_variants.kernels.cpu_native import _build
+
+    started = time.monotonic()
+    try:
+        where = str(Path(_build.load_extension(_build.CORE).__file__).parent)
+    except Exception as exc:  # no compiler or ninja here: the Python path serves, and the report says why
+        return {"ok": False, "reason": str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                "seconds": round(time.monotonic() - started, 1)}
+    callcore.rearm()  # the ops take it from their next call
+    return {"ok": True, "where": where, "seconds": round(time.monotonic() - started, 1)}
 
 
 def step_environment(ctx: Ctx) -> dict[str, Any]:
@@ -202,16 +222,15 @@ def step_environment(ctx: Ctx) -> dict[str, Any]:
         except PackageNotFoundError:
             return None
 
+    # On the CPU (the test suite's --tiny run) the core is what kv build left: no compile here.
+    build = _build_core() if ctx.cuda else {"ok": None, "reason": "a CPU run builds nothing"}
     out: dict[str, Any] = {
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": dist("triton") or dist("pytorch-triton"), "kernel_variants": kv.__version__,
         "kernel_variants_from": str(Path(kv.__file__).parent),
         "packages": {n: dist(n) for n in ("pydantic", "pydantic-core", "diskcache", "pluggy", "numpy")},
         "device": ctx.device, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-        # The compiled core serves dense CPU tensors only; on the device every call takes the
-        # Python path whatever this says. `kv build` is not run here: the core is not what a
-        # CUDA call uses, and the step's time is kept for what is.
-        "call_core": _call_path(ctx),
+        "call_core": _call_path(ctx), "call_core_build": build,
     }
     if ctx.cuda:
         p = torch.cuda.get_device_properties(0)
@@ -661,6 +680,21 @@ def _aten_ops(fn: Callable[[], Any]) -> Counter[str]:
     return seen
 
 
+def _served_by_core(fn: Callable[[], Any]) -> bool:
+    """Whether a warm call of ``fn`` was served by the compiled call core (it then reads
+    nothing of the Python path's memo)."""
+    from kernel_variants._runtime import dispatcher as _dispatcher
+
+    lookups = []
+    get = _dispatcher.Memo.get
+    _dispatcher.Memo.get = lambda self, *a: lookups.append(1) or get(self, *a)
+    try:
+        fn()
+    finally:
+        _dispatcher.Memo.get = get
+    return not lookups
+
+
 def _host_us(calls: dict[str, Callable[[], Any]], device: str, iters: int, rounds: int,
              within: dict[str, Callable[[], Any]]) -> dict[str, float]:
     """Host microseconds per call of each entry: ``iters`` calls in a row with no sync between
@@ -799,9 +833,11 @@ def step_overhead(ctx: Ctx) -> dict[str, Any]:
             _sync(ctx.device)
             t = measure_interleaved({k: [f] for k, f in unpinned.items()}, ctx.device, config)
             ops = {k: _aten_ops(f) for k, f in unpinned.items()}
+            by_core = {"dispatched": _served_by_core(dispatched)}
             with pinned():
                 t["forced"] = measure_interleaved({"forced": [dispatched]}, ctx.device, config)["forced"]
                 ops["forced"] = _aten_ops(dispatched)
+                by_core["forced"] = _served_by_core(dispatched)
             # Off the CPU only: a rule run on the CPU makes its counter, which every CPU call after
             # it then reads first (the host checks report the device's counts before their own).
             extra = {"rule": rule} if ctx.cuda else {}
@@ -815,6 +851,7 @@ def step_overhead(ctx: Ctx) -> dict[str, Any]:
                                    "aten_ops_outside_by_form": {k: sum((ops[k] - ops["direct"]).values())
                                                                 for k in forms if k != "direct"},
                                    "aten_ops_in_variant": sum(ops["direct"].values()),
+                                   "served_by_core": by_core,
                                    "host_us": host, "rule_host_us": rule_us,
                                    "chosen_counts_bad_values": bool(getattr(chosen.variant.capabilities,
                                                                             "counts_bad_values", False)),
@@ -1012,11 +1049,12 @@ def summary_md(report: dict[str, Any]) -> str:
                            or r.get("skipped", "none")] for r in o["rows"]]), "",
                   "Host clock (what the CPU spends per call; added = form - direct; the rule: its own "
                   "launch, which a variant declaring counts_bad_values is spared):", "",
-                  _table(["B", "direct us", "dispatched +", "forced +", "bind +", "rule us",
+                  _table(["B", "direct us", "dispatched +", "forced +", "bind +", "rule us", "by the core (d/f)",
                           "aten ops outside (d/f/b)", "kernels per call (d/b/direct)"],
                          [[r["B"], r.get("host_us", {}).get("direct"),
                            *(r.get("host_added_us", {}).get(k) for k in ("dispatched", "forced", "bind")),
                            r.get("rule_host_us"),
+                           "/".join("yes" if r.get("served_by_core", {}).get(k) else "no" for k in ("dispatched", "forced")),
                            "/".join(str(r.get("aten_ops_outside_by_form", {}).get(k, "-"))
                                     for k in ("dispatched", "forced", "bind")),
                            "/".join(_f(r.get("kernels_per_call", {}).get(k)) for k in ("dispatched", "bind", "direct"))]
