@@ -51,6 +51,7 @@ from _report import (  # tools/ is sys.path[0]
 )
 
 import kernel_variants as kv
+from kernel_variants._runtime import call as _call
 from kernel_variants._runtime import callcore as _callcore
 from kernel_variants._runtime.dispatcher import dispatcher, reset
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
@@ -161,6 +162,40 @@ def _noop_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, 
     return rows, data
 
 
+def _rule_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, object]]:
+    """A decode call as off the CPU: the index values not read on the host, the op's device rule
+    run instead (simulated on CPU tensors), the no-op variant declaring that its kernel masks and
+    counts bad values itself (as the Triton decode does, so the rule launches nothing): what the
+    core and the Python path add around the rule's own call."""
+    B, D, W, N = 1, 64, 4, 8
+    _, noop = conv_noops(None, torch.empty(B, D))
+    caps = ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, slot_bounds_safe=True, counts_bad_values=True)
+    reset(noop_registry(Variant(id="noop", op="causal_conv1d_update", version="1", fn=noop, priority=10_000,
+                                capabilities=caps)))
+    x, pool, w = torch.randn(B, D), torch.randn(N, W - 1, D), torch.randn(D, W)
+    idx = torch.tensor([3], dtype=torch.int32)
+    op = kv.causal_conv1d_update
+    host_values = _call.host_values
+    _call.host_values = lambda t: False  # as on an accelerator
+    try:
+        with torch.inference_mode():
+            forms = {
+                "direct": (None, lambda: noop(x, pool, w, None, activation="silu", conv_state_indices=idx,
+                                              num_accepted_tokens=None, pad_slot_id=-1)),
+                "dispatched, core": (True, lambda: op(x, pool, w, activation="silu", conv_state_indices=idx)),
+                "dispatched, Python": (False, lambda: op(x, pool, w, activation="silu", conv_state_indices=idx)),
+            }
+            t = _rounds(forms, number, rounds)
+    finally:
+        _call.host_values = host_values
+    added = _added(t)
+    direct_us = statistics.median(t["direct"])
+    row = ["no-op, counts_bad_values", "decode B=1, device rule (as off the CPU), inference_mode", direct_us, "",
+           added["dispatched, core"], added["dispatched, Python"], "", "", "", ""]
+    return [row], {"device_rule": {"direct_us": direct_us, **{f"{k} added_us": v for k, v in added.items()},
+                                   "rounds": t}}
+
+
 def _cold_rows(calls: int, flush_mb: float) -> tuple[list[list[object]], dict[str, object]]:
     """Single calls of the no-op variant's forms, ``flush_mb`` MB written before each."""
     B, L, D, W = 1, 1, 64, 4
@@ -250,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     more, more_data = _decode_rows(max(args.number // 10, 100), args.rounds)
     rows += more
     data.update(more_data)
+    more, more_data = _rule_rows(args.number, args.rounds)
+    rows += more
+    data.update(more_data)
     cold, cold_data = _cold_rows(max(args.number // 10, 300), args.flush_mb)
     rows += cold
     data.update(cold_data)
@@ -262,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{table}\n\n"
             "Added = median over alternating rounds of (the form's per-call us - the direct call's, same round). "
             "'floor' is the op's signature plus one dict lookup around the variant, the least any Python-level "
-            "dispatcher adds here. 'core': the compiled call core; 'Python': KV_CALL_CORE=0. The last row: "
+            "dispatcher adds here. 'core': the compiled call core; 'Python': KV_CALL_CORE=0. The device-rule row: "
+            "the path of a call off the CPU (CUDA), simulated on CPU tensors. The last row: "
             "medians of single calls, each after the given megabytes were written (cold caches), not a target. "
             "Targets: "
             + ", ".join(f"{k} <= {v} us" for k, v in TARGETS_US.items()) + ".")
