@@ -1645,9 +1645,13 @@ PyObject* call_op(PyObject* core, PyObject* entry, PyObject* missed, PyObject* c
   return PyObject_Vectorcall(entry, args, nargsf, nullptr);
 }
 
-// The op's call core for an adapter's views: the slot's core where x is a CPU tensor, None
-// otherwise (the core serves no other, and asking it first would build the key twice).
-PyObject* cpu_core(PyObject* core, const at::Tensor& x) { return x.is_cpu() ? core : Py_None; }
+// The op's call core for an adapter's views: the slot's core where it keys x's device (the
+// CPU; CUDA where a capture check is installed), None otherwise (the op's entry then: asking a
+// core that serves no such tensor first would build the key twice).
+PyObject* step_core(PyObject* core, const at::Tensor& x) {
+  const bool served = x.is_cpu() || (x.is_cuda() && g_capturing[static_cast<int>(c10::DeviceType::CUDA)] != nullptr);
+  return served ? core : Py_None;
+}
 
 // decode_step(core, entry, x, pool, weight, bias, activation, indices, sentinel, table): a
 // channel-first engine's decode step (x [B, dim], pool (N, dim, W-1), weight [dim, W], one
@@ -1683,7 +1687,7 @@ PyObject* decode_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!state.make_swapped(po, pool)) return nullptr;
   // x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens, pad_slot_id, out
   PyObject* stack[10] = {nullptr, xo, state.get(), wo, args[5], args[6], idx.get(), Py_None, args[8], Py_None};
-  return call_op(cpu_core(args[0], x), args[1], args[1], stack + 1, 9 | PY_VECTORCALL_ARGUMENTS_OFFSET);
+  return call_op(step_core(args[0], x), args[1], args[1], stack + 1, 9 | PY_VECTORCALL_ARGUMENTS_OFFSET);
   END_HANDLE_TH_ERRORS
 }
 
@@ -1764,7 +1768,7 @@ PyObject* prefill_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   // x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc, activation,
   // pad_slot_id, out
   PyObject* stack[11] = {nullptr, xv.get(), wo, args[4], pv.get(), idx.get(), ho, qo, args[9], args[10], Py_None};
-  THPObjectPtr y(call_op(cpu_core(args[0], x), args[1], args[1], stack + 1, 10 | PY_VECTORCALL_ARGUMENTS_OFFSET));
+  THPObjectPtr y(call_op(step_core(args[0], x), args[1], args[1], stack + 1, 10 | PY_VECTORCALL_ARGUMENTS_OFFSET));
   if (!y) return nullptr;
   return engine_layout(y.release());
   END_HANDLE_TH_ERRORS
