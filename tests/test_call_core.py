@@ -1339,15 +1339,24 @@ def test_an_accelerator_s_call_is_served_by_the_core_with_the_device_rule(refere
         kv.check_errors()
 
 
-def test_a_call_is_taught_only_where_the_core_serves_its_device():
-    """CPU tensors always; another device's only where the core keys it (CUDA where torch sees a
-    GPU) and the call reads no index values on the host."""
+def test_a_call_is_taught_only_where_the_core_serves_its_device(path, monkeypatch):
+    """CPU tensors always; a CUDA call only without host checks of its index values, and from the
+    first one the Python path sees on, the core asks torch whether a graph is being captured (so
+    nothing asks CUDA anything before such a call); another device's never."""
     from types import SimpleNamespace
 
     def tensor(device_type):
         return SimpleNamespace(is_cpu=device_type == "cpu", device=SimpleNamespace(type=device_type))
 
+    path(True)
+    module = _callcore.core_module()
+    monkeypatch.setattr(_callcore, "_SERVED", {"cpu"})
     assert _callcore.serves(tensor("cpu"), host_checks=True) and _callcore.serves(tensor("cpu"), host_checks=False)
     assert not _callcore.serves(tensor("npu"), host_checks=False)
-    assert _callcore.serves(tensor("cuda"), host_checks=False) == ("cuda" in _callcore._SERVED)
-    assert not _callcore.serves(tensor("cuda"), host_checks=True)
+    assert not _callcore.serves(tensor("cuda"), host_checks=True) and sorted(_callcore._SERVED) == ["cpu"]
+    try:
+        assert _callcore.serves(tensor("cuda"), host_checks=False) and sorted(_callcore._SERVED) == ["cpu", "cuda"]
+        installed = module.capture_check("cuda", None)  # what the first CUDA call installed, taken out
+        assert installed is torch.cuda.is_current_stream_capturing
+    finally:
+        module.capture_check("cuda", None)

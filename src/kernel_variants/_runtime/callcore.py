@@ -12,9 +12,9 @@ tensor of a subclass or on a device other than the CPU and CUDA, a torch functio
 being captured on the call's device) or in which it detects a problem (a bad index value, an
 overlap with a written tensor), goes to the Python path, which validates, decides, raises with
 its message, or memoises the decision and hands the core the same entry (:func:`learn`).
-Anything that clears the Python memo clears every core too. CUDA tensors are served where torch
-sees a GPU when the core loads, with the op's device rule in place of the host value checks
-(:func:`serves`).
+Anything that clears the Python memo clears every core too. CUDA tensors are served from the
+first CUDA call the Python path sees on, with the op's device rule in place of the host value
+checks (:func:`serves`).
 """
 
 from __future__ import annotations
@@ -100,7 +100,6 @@ def _library() -> tuple[ModuleType | None, str]:
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
                 module.CallCore  # noqa: B018 - a stand-in file without the type is not the core
-                _serve_cuda(module)
                 _loaded[str(path)] = (module, None)
             except Exception as exc:
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -109,23 +108,36 @@ def _library() -> tuple[ModuleType | None, str]:
     return module, why or ""
 
 
-def _serve_cuda(module: ModuleType) -> None:
-    """Let ``module``'s cores serve CUDA tensors where torch sees a GPU: they then ask
-    ``torch.cuda.is_current_stream_capturing`` per CUDA call, as the Python path's key does
-    (``_capture.capturing``), and leave a call made while a graph is captured to it."""
-    if hasattr(module, "capture_check") and torch.cuda.is_available():
-        module.capture_check("cuda", torch.cuda.is_current_stream_capturing)
-        _SERVED.add("cuda")
-
-
 _SERVED = {"cpu"}  # the device types whose tensors the loaded core keys
+
+
+def _serve_cuda() -> None:
+    """Let the cores serve CUDA tensors: they then ask ``torch.cuda.is_current_stream_capturing``
+    per CUDA call, as the Python path's key does (``_capture.capturing``), and leave a call made
+    while a graph is captured to it. Done at the first CUDA call the Python path sees, so that
+    nothing here asks CUDA anything before the process itself has (a process that forks its
+    CUDA workers later keeps CUDA uninitialised)."""
+    module = core_module()
+    if module is None or not hasattr(module, "capture_check"):
+        return
+    with _lock:
+        if "cuda" not in _SERVED:
+            module.capture_check("cuda", torch.cuda.is_current_stream_capturing)
+            _SERVED.add("cuda")
 
 
 def serves(t: Any, host_checks: bool) -> bool:
     """Whether a core can serve (and so be taught) a call whose first tensor is ``t``: a CPU
-    tensor, or one on a device it keys when the call reads no index values on the host
-    (``host_checks`` False: the device rule runs instead, or nothing is checked)."""
-    return t.is_cpu or (not host_checks and t.device.type in _SERVED)
+    tensor, or a CUDA one when the call reads no index values on the host (``host_checks``
+    False: the device rule runs instead, or nothing is checked)."""
+    if t.is_cpu:
+        return True
+    if host_checks:
+        return False
+    kind = t.device.type
+    if kind == "cuda" and kind not in _SERVED:
+        _serve_cuda()
+    return kind in _SERVED
 
 
 def status() -> tuple[bool, str]:
