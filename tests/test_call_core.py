@@ -1349,14 +1349,19 @@ def test_a_call_is_taught_only_where_the_core_serves_its_device(path, monkeypatc
         return SimpleNamespace(is_cpu=device_type == "cpu", device=SimpleNamespace(type=device_type))
 
     path(True)
-    module = _callcore.core_module()
-    monkeypatch.setattr(_callcore, "_SERVED", {"cpu"})
-    assert _callcore.serves(tensor("cpu"), host_checks=True) and _callcore.serves(tensor("cpu"), host_checks=False)
-    assert not _callcore.serves(tensor("npu"), host_checks=False)
-    assert not _callcore.serves(tensor("cuda"), host_checks=True) and sorted(_callcore._SERVED) == ["cpu"]
+    core = _callcore.core_for(dispatcher().registry.spec("causal_conv1d_update"))
+    module, _ = _callcore._SERVED[type(core)]
+    served = {"cpu"}
+    monkeypatch.setitem(_callcore._SERVED, type(core), (module, served))
+    assert _callcore.serves(core, tensor("cpu"), host_checks=True)
+    assert _callcore.serves(core, tensor("cpu"), host_checks=False)
+    assert not _callcore.serves(core, tensor("npu"), host_checks=False)
+    assert not _callcore.serves(core, tensor("cuda"), host_checks=True) and served == {"cpu"}
+    assert not _callcore.serves(object(), tensor("cuda"), host_checks=False)  # not a core: a resolver
     try:
-        assert _callcore.serves(tensor("cuda"), host_checks=False) and sorted(_callcore._SERVED) == ["cpu", "cuda"]
+        assert _callcore.serves(core, tensor("cuda"), host_checks=False) and served == {"cpu", "cuda"}
         installed = module.capture_check("cuda", None)  # what the first CUDA call installed, taken out
-        assert installed is torch.cuda.is_current_stream_capturing
+        assert installed in (getattr(torch._C, "_cuda_isCurrentStreamCapturing", None),
+                             torch.cuda.is_current_stream_capturing)
     finally:
         module.capture_check("cuda", None)

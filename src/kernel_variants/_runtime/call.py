@@ -37,8 +37,8 @@ def finish(spec: OpSpec, args: tuple[Any, ...], out: Any, values: bool) -> Calla
         if values:
             checks = spec.value_checks(*args) if spec.value_checks is not None else None
         elif dispatcher().device_values and spec.device_values is not None:  # off the CPU: no host read
-            def rule(a: Any) -> Any:
-                return spec.device_values(a, caps)
+            def rule(a: Any) -> tuple[Any, ...]:  # a tuple, as the call core hands the variant
+                return tuple(spec.device_values(a, caps))
         invoke = hit.invoke
         if out is not None:
             direct = caps.takes_out and all(o.is_contiguous() for o in spec.out_tensors(out))
@@ -105,7 +105,7 @@ def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None, core: Any = None)
     # Taught only what it can key and run (callcore.serves): another device's call would be
     # refused there on every call, at a frame and a key build (~1 us) each time.
     if (core is not None and sig is not None and sig in d.memo  # not one kept out of the memo
-            and callcore.serves(args[spec.tensor_indices[0]], hit.checks is not None)):
+            and callcore.serves(core, args[spec.tensor_indices[0]], hit.checks is not None)):
         callcore.learn(core, spec, args, out, hit)
     if hit.subs:
         args = with_subs(args, hit.subs)

@@ -99,7 +99,7 @@ def _library() -> tuple[ModuleType | None, str]:
                     raise ImportError(f"{path} is not an extension module")
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
-                module.CallCore  # noqa: B018 - a stand-in file without the type is not the core
+                _SERVED[module.CallCore] = (module, {"cpu"})  # a stand-in file without the type is not the core
                 _loaded[str(path)] = (module, None)
             except Exception as exc:
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -108,36 +108,42 @@ def _library() -> tuple[ModuleType | None, str]:
     return module, why or ""
 
 
-_SERVED = {"cpu"}  # the device types whose tensors the loaded core keys
+# Per loaded core module (by its CallCore type): the module, and the device types its cores key.
+_SERVED: dict[type, tuple[ModuleType, set[str]]] = {}
 
 
-def _serve_cuda() -> None:
-    """Let the cores serve CUDA tensors: they then ask ``torch.cuda.is_current_stream_capturing``
-    per CUDA call, as the Python path's key does (``_capture.capturing``), and leave a call made
-    while a graph is captured to it. Done at the first CUDA call the Python path sees, so that
-    nothing here asks CUDA anything before the process itself has (a process that forks its
-    CUDA workers later keeps CUDA uninitialised)."""
-    module = core_module()
-    if module is None or not hasattr(module, "capture_check"):
+def _serve_cuda(module: ModuleType, served: set[str]) -> None:
+    """Let ``module``'s cores serve CUDA tensors: they then ask whether the current stream is
+    being captured per CUDA call, as the Python path's key does (``_capture.capturing``), and
+    leave a call made while a graph is captured to it. Done at the first CUDA call the Python
+    path sees, so that nothing here asks CUDA anything before the process itself has (a process
+    that forks its CUDA workers later keeps CUDA uninitialised)."""
+    if not hasattr(module, "capture_check"):
         return
+    # The builtin behind torch.cuda.is_current_stream_capturing: no Python frame per call.
+    check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
     with _lock:
-        if "cuda" not in _SERVED:
-            module.capture_check("cuda", torch.cuda.is_current_stream_capturing)
-            _SERVED.add("cuda")
+        if "cuda" not in served:
+            module.capture_check("cuda", check)
+            served.add("cuda")
 
 
-def serves(t: Any, host_checks: bool) -> bool:
-    """Whether a core can serve (and so be taught) a call whose first tensor is ``t``: a CPU
+def serves(core: Any, t: Any, host_checks: bool) -> bool:
+    """Whether ``core`` can serve (and so be taught) a call whose first tensor is ``t``: a CPU
     tensor, or a CUDA one when the call reads no index values on the host (``host_checks``
     False: the device rule runs instead, or nothing is checked)."""
     if t.is_cpu:
         return True
     if host_checks:
         return False
+    found = _SERVED.get(type(core))
+    if found is None:  # the slot's resolver: another thread re-armed it meanwhile
+        return False
+    module, served = found
     kind = t.device.type
-    if kind == "cuda" and kind not in _SERVED:
-        _serve_cuda()
-    return kind in _SERVED
+    if kind == "cuda" and kind not in served:
+        _serve_cuda(module, served)
+    return kind in served
 
 
 def status() -> tuple[bool, str]:

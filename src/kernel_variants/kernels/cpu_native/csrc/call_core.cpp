@@ -72,7 +72,7 @@ struct Entry {
   int refs = 1;
   std::vector<int64_t> words;
   std::vector<PyObject*> objs;  // owned: the non-tensor arguments, then the pins
-  bool python_only = false;  // the Python path serves this key (an out= runner, a device rule)
+  bool python_only = false;  // the Python path serves this key (an out= runner, a guard it cannot read)
   PyObject* fn = nullptr;
   PyObject* vid = nullptr;
   std::vector<PyObject*> subs;  // per parameter: the normalised value, or nullptr
@@ -258,7 +258,9 @@ int build_key(State* st, PyObject* const* args, PyObject* out, const at::Tensor*
   }
   // A graph being captured on the call's device (the first tensor's: the Python path refuses a
   // call spread over devices): the Python path serves the call and keeps its decision apart.
-  // Asked before the scratch key is written: the check is Python code.
+  // Asked before the scratch key is written: the check may be Python code. (The Python key's
+  // capture test also asks whether torch.compile traces; a traced call's tensors are fake or
+  // functional, which served_keys refuses.)
   for (int i = 0; i < st->n; ++i) {
     if (st->kind[i] == kValue || !THPVariable_CheckExact(args[i])) continue;
     PyObject* check = g_capturing[static_cast<int>(THPVariable_Unpack(args[i]).unsafeGetTensorImpl()->device_type())];
@@ -945,6 +947,7 @@ int core_traverse(PyObject* self, visitproc visit, void* arg) {
     for (Entry* e : kv.second) {
       Py_VISIT(e->fn);
       Py_VISIT(e->py_checks);
+      Py_VISIT(e->rule);  // a closure over the spec, as fail is
     }
   return 0;
 }
