@@ -79,3 +79,20 @@ def reference_only(monkeypatch):
     blocked = [name for name, _ in BUILTIN_PLUGINS if name not in ESSENTIAL_PLUGINS]
     monkeypatch.setenv("KV_DISABLE_PLUGINS", ",".join(blocked))
     kernel_variants.reload()
+
+
+@pytest.fixture
+def python_calls(monkeypatch):
+    """How many calls the Python path served (each reads the memo once; a call the compiled
+    call core serves reads none)."""
+    from kernel_variants._runtime import dispatcher as _dispatcher
+
+    count = [0]
+    get = _dispatcher.Memo.get
+
+    def counting(self, key, default=None):
+        count[0] += 1
+        return get(self, key, default)
+
+    monkeypatch.setattr(_dispatcher.Memo, "get", counting)
+    return count

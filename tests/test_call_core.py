@@ -13,7 +13,6 @@ import torch
 
 import kernel_variants as kv
 from kernel_variants._runtime import callcore as _callcore
-from kernel_variants._runtime import dispatcher as _dispatcher
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._runtime.errors import VariantFailed, result_error
 from kernel_variants._runtime.pins import pins_in_context
@@ -42,20 +41,6 @@ def path(monkeypatch):
         kv.reload()
 
     return use
-
-
-@pytest.fixture
-def python_calls(monkeypatch):
-    """How many calls the Python path served (each reads the memo once)."""
-    count = [0]
-    get = _dispatcher.Memo.get
-
-    def counting(self, key, default=None):
-        count[0] += 1
-        return get(self, key, default)
-
-    monkeypatch.setattr(_dispatcher.Memo, "get", counting)
-    return count
 
 
 def _fn_call(seed: int = 0, **changes):
