@@ -12,12 +12,11 @@ values, shape and strides. Seeded, so CI runs the same examples every time."""
 from __future__ import annotations
 
 import contextlib
-from unittest import mock
 
 import pytest
 import torch
+from helpers.fast_steps import general_path
 
-from kernel_variants.integrations import _sglang_adapters, _vllm_adapters
 from kernel_variants.integrations import sglang as kv_sglang
 from kernel_variants.integrations import vllm as kv_vllm
 
@@ -89,16 +88,6 @@ def _call(s, x, pool, weight, bias, idx, qsl, init):
                                    activation="silu")
 
 
-def _general():
-    """The adapters with their fast steps refusing every call (the general path serves)."""
-    stack = contextlib.ExitStack()
-    for module in (_vllm_adapters, _sglang_adapters):
-        for step in ("decode_step", "prefill_step"):
-            if hasattr(module, step):
-                stack.enter_context(mock.patch.object(module, step, lambda *a, **k: None))
-    return stack
-
-
 def _same(got, want):
     assert got.shape == want.shape and got.stride() == want.stride() and got.dtype == want.dtype
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
@@ -119,7 +108,7 @@ def test_fast_steps_over_a_sequence_equal_the_general_path_and_leave_held_tensor
             mine[1], theirs[1] = (args[1].clone(memory_format=torch.preserve_format) for _ in range(2))
             assert mine[1].stride() == theirs[1].stride() == args[1].stride()
             got = _call(s, *mine)
-            with _general():
+            with general_path():
                 want = _call(s, *theirs)
         _same(got, want)
         _same(mine[1], theirs[1])

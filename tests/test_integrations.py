@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.fast_steps import general_path
 
 import kernel_variants
 from kernel_variants.integrations import _common, _fast
@@ -1083,8 +1084,6 @@ def _fast_cases() -> dict[str, Any]:
 def test_the_fast_steps_give_what_the_general_path_gives(name, monkeypatch):
     """Each adapter's fast step (where it serves) against the adapter with it refusing: the same
     result and layout, the same pool afterwards, or the same error."""
-    from kernel_variants.integrations import _sglang_adapters, _vllm_adapters, _vllm_cpu
-
     adapter, make, pool_at, fast = _fast_cases()[name]
 
     def run():
@@ -1098,11 +1097,7 @@ def test_the_fast_steps_give_what_the_general_path_gives(name, monkeypatch):
     spy = Spy(monkeypatch)
     got, got_pool = run()
     assert bool(spy.calls) and (spy.calls[0]["op"] == "fn") == ("prefill" in name)
-    with monkeypatch.context() as m:
-        for module in (_vllm_adapters, _vllm_cpu, _sglang_adapters):
-            for step in ("decode_step", "prefill_step"):
-                if hasattr(module, step):
-                    m.setattr(module, step, lambda *a, **k: None)
+    with general_path():
         entries = len(spy.calls)
         want, want_pool = run()
         general = len(spy.calls) > entries

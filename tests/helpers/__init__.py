@@ -9,4 +9,5 @@
 - ``no_sync``: the guard that fails on any host synchronisation;
 - ``naive``: a scalar oracle for the conv reference;
 - ``processes``: a free port, and the two-rank gloo launcher.
+- ``fast_steps``: the engine adapters with their fast steps refused (their general path).
 """
