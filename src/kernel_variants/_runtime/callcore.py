@@ -99,7 +99,8 @@ def _library() -> tuple[ModuleType | None, str]:
                     raise ImportError(f"{path} is not an extension module")
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
-                _SERVED[module.CallCore] = (module, {"cpu"})  # a stand-in file without the type is not the core
+                # (a stand-in file without the CallCore type is not the core: it raises here)
+                _SERVED[module.CallCore] = (module, {"cpu"})
                 _loaded[str(path)] = (module, None)
             except Exception as exc:
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

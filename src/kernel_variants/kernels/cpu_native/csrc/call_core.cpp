@@ -147,16 +147,21 @@ const uint64_t kServedCuda = c10::DispatchKeySet({c10::DispatchKey::CUDA, c10::D
                                                   c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCUDA})
                                  .raw_repr();
 
-// Per device type, what says whether a graph is being captured on it now (a Python callable
-// returning a bool; torch.cuda.is_current_stream_capturing for CUDA), installed by
-// capture_check() when the module is loaded. A call on a device with one is keyed only while
-// it says no: a decision made in a capture may be provisional (a variant not yet qualified
-// is passed over there), and the Python path keeps such calls. Process-wide, as the devices are.
+// Per device type, what says whether a graph is being captured on it now (a callable returning a
+// bool; for CUDA the builtin behind torch.cuda.is_current_stream_capturing), installed by
+// capture_check() (callcore.py installs CUDA's at the first CUDA call its Python path sees). A
+// call on a device with one is keyed only while it says no: a decision made in a capture may be
+// provisional (a variant not yet qualified is passed over there), and the Python path keeps such
+// calls. Process-wide, as the devices are.
 PyObject* g_capturing[static_cast<int>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)] = {};
 
+// Whether the cores key CUDA tensors: once a capture check for CUDA is installed.
+inline bool cuda_served() {
+  return g_capturing[static_cast<int>(c10::DeviceType::CUDA)] != nullptr;
+}
+
 inline bool served_keys(uint64_t ks) {
-  return (ks & ~kServed) == 0 ||
-         (g_capturing[static_cast<int>(c10::DeviceType::CUDA)] != nullptr && (ks & ~kServedCuda) == 0);
+  return (ks & ~kServed) == 0 || (cuda_served() && (ks & ~kServedCuda) == 0);
 }
 
 // The dispatch keys a bound call compares with its example's: all but autograd's and autocast's,
@@ -1652,8 +1657,7 @@ PyObject* call_op(PyObject* core, PyObject* entry, PyObject* missed, PyObject* c
 // CPU; CUDA where a capture check is installed), None otherwise (the op's entry then: asking a
 // core that serves no such tensor first would build the key twice).
 PyObject* step_core(PyObject* core, const at::Tensor& x) {
-  const bool served = x.is_cpu() || (x.is_cuda() && g_capturing[static_cast<int>(c10::DeviceType::CUDA)] != nullptr);
-  return served ? core : Py_None;
+  return x.is_cpu() || (x.is_cuda() && cuda_served()) ? core : Py_None;
 }
 
 // decode_step(core, entry, x, pool, weight, bias, activation, indices, sentinel, table): a
