@@ -94,25 +94,31 @@ def per_call_us(fn: Callable[[], object], number: int) -> float:
     return (time.perf_counter() - t0) / number * 1e6
 
 
-def built_call_core(tool: str) -> None:
+def built_call_core(tool: str) -> str | None:
     """The compiled call core, built as ``kv build`` builds it, unless ``KV_CALL_CORE=0`` asks for
     the Python path: a benchmark judges the ops as deployed, and a virtualenv that skipped ``kv
     build`` would otherwise time the Python path. Call it before ``custom_ops`` is imported: a
     compiled graph's kernel is chosen then. A failed build is said on stderr and the run goes
-    on; each report's header says which path served."""
+    on; each report's header says which path served. Returns why the core is not in use (None
+    where it is)."""
     import sys
 
     import kernel_variants as kv
     from kernel_variants._runtime import callcore
     from kernel_variants.kernels.cpu_native import _build
 
-    if callcore.status()[0] or callcore._off(os.environ.get(callcore.ENV, "")):
-        return
+    if callcore._off(os.environ.get(callcore.ENV, "")):
+        return f"{callcore.ENV}=0"
+    if callcore.status()[0]:
+        return None
+    why = None
     try:
         _build.load_extension(_build.CORE)
     except RuntimeError as exc:
-        print(f"{tool}: the call core did not build ({str(exc).splitlines()[0]})", file=sys.stderr)
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"{tool}: the call core did not build ({why})", file=sys.stderr)
     kv.reload()  # the ops take the core from here on
+    return why
 
 
 def conv_noops(prefill_out: Any, decode_out: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:

@@ -192,21 +192,6 @@ def _call_path(ctx: Ctx) -> str:
     return f"{words} on {ctx.device} (from the first CUDA call on; the overhead rows say what it served)"
 
 
-def _build_core() -> dict[str, Any]:
-    """Build the compiled call core now (a cache hit where it is built), as ``kv build`` does."""
-    from kernel_variants._runtime import callcore
-    from kernel_variants.kernels.cpu_native import _build
-
-    started = time.monotonic()
-    try:
-        where = str(Path(_build.load_extension(_build.CORE).__file__).parent)
-    except Exception as exc:  # no compiler or ninja here: the Python path serves, and the report says why
-        return {"ok": False, "reason": str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
-                "seconds": round(time.monotonic() - started, 1)}
-    callcore.rearm()  # the ops take it from their next call
-    return {"ok": True, "where": where, "seconds": round(time.monotonic() - started, 1)}
-
-
 def step_environment(ctx: Ctx) -> dict[str, Any]:
     import platform
     from importlib.metadata import PackageNotFoundError, version
@@ -223,7 +208,13 @@ def step_environment(ctx: Ctx) -> dict[str, Any]:
             return None
 
     # On the CPU (the test suite's --tiny run) the core is what kv build left: no compile here.
-    build = _build_core() if ctx.cuda else {"ok": None, "reason": "a CPU run builds nothing"}
+    build: dict[str, Any] = {"ok": None, "reason": "a CPU run builds nothing"}
+    if ctx.cuda:
+        from _report import built_call_core  # a sibling module: tools/ is sys.path[0]
+
+        started = time.monotonic()
+        why = built_call_core("gpu_check")
+        build = {"ok": why is None, "reason": why, "seconds": round(time.monotonic() - started, 1)}
     out: dict[str, Any] = {
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": dist("triton") or dist("pytorch-triton"), "kernel_variants": kv.__version__,
