@@ -3,8 +3,9 @@ what the rule as separate aten ops does.
 
 - The Triton kernel (one launch on CUDA) equals the composite of aten ops, under the Triton
   interpreter on the CPU (and compiled where there is a GPU), on edge cases and random inputs.
-- ``device_fn_values`` / ``device_update_values`` hand on the same arguments and count the same
-  as the oracle below: the rule written as separate aten ops, as the docstrings specify it.
+- The rules ``device_fn_rule`` / ``device_update_rule`` plan hand on the same arguments and
+  count the same as the oracle below: the rule written as separate aten ops, as the docstrings
+  specify it. A call with nothing to check, or for a variant whose kernel counts, gets no rule.
 - A dispatched call, with the accelerator path forced on CPU tensors, issues at most one aten
   op outside the variant's own body (counted with a ``TorchDispatchMode``).
 """
@@ -26,7 +27,7 @@ from kernel_variants._runtime import device_errors as _device_errors
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants.ops.causal_conv1d import ConvCapabilities, _checks, _device_rule
 from kernel_variants.ops.causal_conv1d import _reference as reference
-from kernel_variants.plugin import Variant
+from kernel_variants.plugin import Variant, bad_value_counter
 
 FN, UP = "causal_conv1d_fn", "causal_conv1d_update"
 D, W = 8, 3
@@ -315,8 +316,8 @@ def rule_impl(request, monkeypatch):
 
 @pytest.mark.parametrize("op", [FN, UP])
 def test_the_rule_hands_on_and_counts_what_the_oracle_does(counters, rule_impl, op):
-    rule, oracle = ((_checks.device_fn_values, _oracle_fn) if op == FN
-                    else (_checks.device_update_values, _oracle_update))
+    plan, oracle = ((_checks.device_fn_rule, _oracle_fn) if op == FN
+                    else (_checks.device_update_rule, _oracle_update))
     caps = ConvCapabilities(devices={"cpu"}, dtypes={"float32"})
     total = [0] * 4
     for seed in range(60 if rule_impl == "op" else 25):
@@ -324,7 +325,8 @@ def test_the_rule_hands_on_and_counts_what_the_oracle_does(counters, rule_impl, 
         for safe in (False, True):
             c = caps.model_copy(update={"slot_bounds_safe": safe})
             want, counts = oracle(args, safe)
-            got = rule(args, c)
+            rule = plan(c, *args)  # planned from the call's metadata, as the dispatcher does
+            got = args if rule is None else rule(args)
             assert (got is args) == (want is args), (seed, safe)
             assert _same(got, want) is None, (seed, safe, _same(got, want))
             total = [a + b for a, b in zip(total, counts, strict=True)]
@@ -370,9 +372,10 @@ _MODE: list[_Ops] = []
 _RECEIVED: dict[str, tuple] = {}
 
 
-def _marked(op: str, safe: bool) -> Variant:
+def _marked(op: str, safe: bool, counts: bool = False) -> Variant:
     """The reference, its body marked for :class:`_Ops`, remembering the arguments it got (in
-    the op's signature order)."""
+    the op's signature order). ``counts``: a decode kernel that also counts the bad values it
+    masks into ``bad_value_counter(x)``, as ``triton``'s does (``counts_bad_values``)."""
     ref = getattr(reference, op)
     sig = inspect.signature(ref)
     params = dispatcher().registry.spec(op).params
@@ -386,20 +389,25 @@ def _marked(op: str, safe: bool) -> Variant:
             mode.inside += 1
         try:
             if safe:  # a slot_bounds_safe kernel masks bad values itself (the reference would raise)
-                got = (_oracle_fn if op == FN else _oracle_update)(got, False)[0]
+                got, met = (_oracle_fn if op == FN else _oracle_update)(got, False)
+                counter = bad_value_counter(got[0]) if counts else None
+                if counter is not None:
+                    counter.add_(torch.tensor(met))
             return ref(**dict(zip(params, got, strict=True)))
         finally:
             if mode is not None:
                 mode.inside -= 1
 
     caps = ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, width=(1, None), varlen=op == FN,
-                            num_accepted_tokens=op == UP, noncontiguous_states=True, slot_bounds_safe=safe)
-    return Variant(id="safe" if safe else "rewritten", op=op, version="1", fn=run, capabilities=caps)
+                            num_accepted_tokens=op == UP, noncontiguous_states=True, slot_bounds_safe=safe,
+                            counts_bad_values=counts)
+    vid = "counting" if counts else "safe" if safe else "rewritten"
+    return Variant(id=vid, op=op, version="1", fn=run, capabilities=caps)
 
 
 @pytest.fixture
 def accelerator(monkeypatch, with_variants, counters):
-    with_variants(*[_marked(op, safe) for op in (FN, UP) for safe in (False, True)])
+    with_variants(*[_marked(op, safe) for op in (FN, UP) for safe in (False, True)], _marked(UP, True, counts=True))
     monkeypatch.setattr(_op, "host_values", lambda t: False)
     assert dispatcher().device_values, "KV_CHECK_VALUES unset: the device rule runs off the CPU"
     _RECEIVED.clear()
@@ -465,6 +473,37 @@ def test_a_dispatched_call_issues_at_most_one_op_outside_the_variant(accelerator
             kv.check_errors()
     kv.check_errors()
 
+
+
+@pytest.mark.parametrize("name", ["update idx", "update idx accepted"])
+def test_a_variant_that_counts_in_its_kernel_gets_no_rule_and_a_c_level_bind(accelerator, name, python_calls):
+    """``counts_bad_values``: no rule is planned for its calls, so nothing runs between the call
+    and its kernel (not even a Python function), and ``kv.bind`` serves it from C."""
+    _, op, kwargs = next(f for f in FORMS if f[0] == name)
+    spec = dispatcher().registry.spec(op)
+    args = tuple(kwargs.get(p, inspect.signature(spec.signature).parameters[p].default) for p in spec.params)
+    _, counts = _oracle_update(args, True)
+    assert any(counts), "the form has bad values for the kernel to count"
+    with kv.force(**{op: "counting"}):
+        getattr(kv, op)(**kwargs)
+        decided = python_calls[0]
+        mode = _Ops()
+        _MODE.append(mode)
+        try:
+            with mode:
+                getattr(kv, op)(**kwargs)
+        finally:
+            _MODE.pop()
+        bound = kv.bind(op, **kwargs)
+    assert mode.seen == [], mode.seen
+    on = _callcore.status()[0]
+    assert (python_calls[0] == decided) == on, "the core serves the repeated call where it is on"
+    assert (type(bound).__name__ == "BoundCore") is on
+    assert _same(list(_RECEIVED[op]), list(args)) is None, "the caller's indices, as they came"
+    bound(**kwargs)
+    assert accelerator.counters() == [3 * n for n in counts], "each call counted, by the variant"
+    with pytest.raises(ValueError, match="bad index values"):
+        kv.check_errors()
 
 
 def test_the_kernel_compiles_for_sm_90_without_a_gpu(monkeypatch, tmp_path):

@@ -231,8 +231,8 @@ def test_a_slot_bounds_safe_variant_gets_the_callers_indices_and_the_values_are_
     args = (torch.randn(3, 2, D), torch.randn(N, W, D), torch.randn(D, W), None, None, idx, accepted, PAD)
     safe = ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, num_accepted_tokens=True, slot_bounds_safe=True)
     with NoHostSync():
-        assert _checks.device_update_values(args, safe) is args
-        unsafe = _checks.device_update_values(args, safe.model_copy(update={"slot_bounds_safe": False}))
+        assert _checks.device_update_rule(safe, *args)(args) is args
+        unsafe = _checks.device_update_rule(safe.model_copy(update={"slot_bounds_safe": False}), *args)(args)
     assert unsafe[5].tolist() == [0, PAD, PAD] and unsafe[6].tolist() == [1, 1, 1]
     _counted(SLOT=2, ACCEPTED=2)  # both calls counted
 

@@ -71,6 +71,7 @@ def _bound_pair(op: Callable[..., object], *args: object, **kwargs: object) -> t
     """kv.bind's object with the core (C) and without it (a Python function)."""
     _core(True)
     fast = kv.bind(op, *args, **kwargs)
+    assert type(fast).__name__ == "BoundCore", f"kv.bind made a {type(fast).__name__}, not the C object"
     _core(False)
     slow = kv.bind(op, *args, **kwargs)
     return fast, slow
@@ -165,8 +166,8 @@ def _noop_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, 
 def _rule_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, object]]:
     """A decode call as off the CPU: the index values not read on the host, the op's device rule
     run instead (simulated on CPU tensors), the no-op variant declaring that its kernel masks and
-    counts bad values itself (as the Triton decode does, so the rule launches nothing): what the
-    core and the Python path add around the rule's own call."""
+    counts bad values itself (as the Triton decode does): the dispatcher plans no rule for such a
+    variant, so this is what a Triton decode's call path adds on a GPU, dispatched and bound."""
     B, D, W, N = 1, 64, 4, 8
     _, noop = conv_noops(None, torch.empty(B, D))
     caps = ConvCapabilities(devices={"cpu"}, dtypes={"float32"}, slot_bounds_safe=True, counts_bad_values=True)
@@ -179,11 +180,14 @@ def _rule_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, 
     _call.host_values = lambda t: False  # as on an accelerator
     try:
         with torch.inference_mode():
+            bound_c, bound_py = _bound_pair(op, x, pool, w, activation="silu", conv_state_indices=idx)
             forms = {
                 "direct": (None, lambda: noop(x, pool, w, None, activation="silu", conv_state_indices=idx,
                                               num_accepted_tokens=None, pad_slot_id=-1)),
                 "dispatched, core": (True, lambda: op(x, pool, w, activation="silu", conv_state_indices=idx)),
                 "dispatched, Python": (False, lambda: op(x, pool, w, activation="silu", conv_state_indices=idx)),
+                "bound, core": (None, lambda: bound_c(x, pool, w, activation="silu", conv_state_indices=idx)),
+                "bound, Python": (None, lambda: bound_py(x, pool, w, activation="silu", conv_state_indices=idx)),
             }
             t = _rounds(forms, number, rounds)
     finally:
@@ -191,7 +195,7 @@ def _rule_rows(number: int, rounds: int) -> tuple[list[list[object]], dict[str, 
     added = _added(t)
     direct_us = statistics.median(t["direct"])
     row = ["no-op, counts_bad_values", "decode B=1, device rule (as off the CPU), inference_mode", direct_us, "",
-           added["dispatched, core"], added["dispatched, Python"], "", "", "", ""]
+           added["dispatched, core"], added["dispatched, Python"], "", "", added["bound, core"], added["bound, Python"]]
     return [row], {"device_rule": {"direct_us": direct_us, **{f"{k} added_us": v for k, v in added.items()},
                                    "rounds": t}}
 

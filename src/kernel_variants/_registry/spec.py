@@ -59,10 +59,13 @@ class OpSpec:
       argument), or None when such calls have nothing to read. Made once per signature, so it
       may rely on the call's shapes, dtypes, devices and non-tensor arguments: a memoised call
       then pays only for reading its indices. ``check`` with ``values`` runs the same checks.
-    - ``device_values(args, capabilities) -> args``: optional; off the CPU, unless
-      KV_CHECK_VALUES says otherwise, replaces the host value checks: makes bad index values
-      harmless with device ops (no sync) for the chosen variant (``capabilities``), counting them
-      for ``kv.check_errors()``.
+    - ``device_rule(capabilities, *args)``: optional; off the CPU, unless KV_CHECK_VALUES says
+      otherwise, it replaces ``value_checks``: for a call whose metadata passed and the chosen
+      variant's ``capabilities``, the function ``rule(args) -> args`` (a tuple in signature
+      order) that makes bad index values harmless with device ops (no sync) and counts them for
+      ``kv.check_errors()``, on every call with the same memo signature; or None when such
+      calls need no rule (nothing to check, or a variant whose kernel checks and counts itself),
+      so that they pay nothing for it.
     - ``normalize``: per non-tensor parameter, the value variants receive (``"swish"`` ->
       ``"silu"``); applied once per memoised signature.
     - ``reference``: the oracle, registered as the variant ``reference`` (never blockable).
@@ -100,7 +103,7 @@ class OpSpec:
     aliases: tuple[str, ...] = ()
     description: str = ""
     value_checks: Callable[..., Callable[[Sequence[Any]], None] | None] | None = None
-    device_values: Callable[[Sequence[Any], Capabilities], Sequence[Any]] | None = None
+    device_rule: Callable[..., Callable[[Sequence[Any]], tuple[Any, ...]] | None] | None = None
     out_like: str | None = None
     out_aliases: Mapping[str, str] = field(default_factory=dict)
     edge_cases: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)

@@ -81,8 +81,9 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     Where the compiled call core is built, the result is usually a C object that behaves as this
     function (and hands it every call it does not run itself, which this function runs or refuses
     with its message: ``out=``, a changed value or tensor, a bad index, an overlap); a Python
-    function where the op normalises its arguments by a rule, or the variant must check for a
-    graph capture on each call.
+    function where the op's device rule runs on each call (off the CPU, for a variant whose
+    kernel does not mask and count bad values itself), or the variant must check for a graph
+    capture on each call.
     """
     d = dispatcher()
     name = op if isinstance(op, str) else getattr(op, "__name__", None)

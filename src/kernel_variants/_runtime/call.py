@@ -36,9 +36,8 @@ def finish(spec: OpSpec, args: tuple[Any, ...], out: Any, values: bool) -> Calla
         checks = rule = None
         if values:
             checks = spec.value_checks(*args) if spec.value_checks is not None else None
-        elif dispatcher().device_values and spec.device_values is not None:  # off the CPU: no host read
-            def rule(a: Any) -> tuple[Any, ...]:  # a tuple, as the call core hands the variant
-                return tuple(spec.device_values(a, caps))
+        elif dispatcher().device_values and spec.device_rule is not None:  # off the CPU: no host read
+            rule = spec.device_rule(caps, *args)
         invoke = hit.invoke
         if out is not None:
             direct = caps.takes_out and all(o.is_contiguous() for o in spec.out_tensors(out))

@@ -2,7 +2,7 @@
 
 On CUDA or an NPU the dispatcher does not read index tensors on the host (that is a
 host-device synchronisation per call, which stalls an eager serving loop's launch queue).
-Instead an op's device rule (``OpSpec.device_values``) makes each bad value harmless on the
+Instead an op's device rule (``OpSpec.device_rule``) makes each bad value harmless on the
 device and adds how many it met to a per-device ``int64`` counter, with device ops only.
 :func:`check_errors` is the one place that synchronises: it reads the counters, resets them and
 raises ``ValueError`` saying how many values of which kind were bad. A host value check

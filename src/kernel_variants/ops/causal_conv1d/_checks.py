@@ -3,8 +3,8 @@
 Checks come in two kinds. Metadata checks (ndim, sizes, dtypes, devices) are pure Python on
 shapes. Value checks read the index tensors (slot ranges, duplicates, query_start_loc order,
 num_accepted_tokens range) on the host: free on the CPU, where they always run, but a device
-sync on an accelerator. There, by default, the device rule (:func:`device_fn_values`,
-:func:`device_update_values`) runs instead: it makes every bad value harmless with device ops
+sync on an accelerator. There, by default, the device rule (:func:`device_fn_rule`,
+:func:`device_update_rule`) runs instead: it makes every bad value harmless with device ops
 and counts it for ``kv.check_errors()``, without a sync. ``KV_CHECK_VALUES=1`` runs the host
 checks everywhere (debugging); ``KV_CHECK_VALUES=0`` runs neither off the CPU.
 """
@@ -212,11 +212,14 @@ def check_update(features: type[Features], x, conv_state, weight, bias, activati
 # ------------------------------------------------------------------------------------------
 
 
-def device_fn_values(args, capabilities) -> tuple:
-    """The device rule of ``causal_conv1d_fn``; ``args`` in signature order, device tensors.
+def device_fn_rule(capabilities, x, weight, bias, conv_states, cache_indices, has_initial_state, query_start_loc,
+                   activation, pad_slot_id) -> Callable[[Sequence[Any]], tuple] | None:
+    """The device rule of ``causal_conv1d_fn`` calls with this call's metadata, for the chosen
+    variant (``capabilities``): ``rule(args) -> args`` (signature order, device tensors), or None
+    when such calls have nothing to check (no ``query_start_loc``, no ``cache_indices``).
 
     - ``cache_indices`` ``[B]``: a slot outside ``[0, N)`` that is not ``pad_slot_id`` makes its
-      sequence a pad (zero output rows, no state read or written). Rewritten here, unless the
+      sequence a pad (zero output rows, no state read or written). Rewritten, unless the
       chosen variant declares ``slot_bounds_safe`` (its kernel does the same).
     - ``query_start_loc`` ``[B+1]``: repaired to ``0 = start <= ... <= end = T`` (values clamped
       to ``[0, T]``, the ends set, then a running maximum), so that no kernel reads outside x;
@@ -225,25 +228,30 @@ def device_fn_values(args, capabilities) -> tuple:
     - live slots used twice are counted, not repaired (the memory touched stays inside the pool;
       the duplicated slot ends with one of the writes).
     Each kind is counted on the device for :func:`kernel_variants.check_errors`. No host read;
-    one device op (``kernel_variants::conv_device_rule``), none when there is nothing to check.
+    one device op per call (``kernel_variants::conv_device_rule``).
     """
-    x, _, _, conv_states, cache_indices, _, query_start_loc, _, pad = args
     if query_start_loc is None and cache_indices is None:  # cache_indices needs conv_states
-        return args
+        return None
+    apply, device, safe = _device_rule.apply, x.device, capabilities.slot_bounds_safe
     batch = cache_indices.shape[0] if query_start_loc is None else query_start_loc.shape[0] - 1
-    safe = capabilities.slot_bounds_safe
-    idx, _, qsl, fixed_pad = _device_rule.apply(
-        x.device, cache_indices, None, query_start_loc, pad, batch=batch,
-        n_slots=conv_states.shape[0] if conv_states is not None else 0,
-        total=x.shape[0] if query_start_loc is not None else 0, rewrite=not safe)
+    sizes = dict(batch=batch, n_slots=conv_states.shape[0] if conv_states is not None else 0,
+                 total=x.shape[0] if query_start_loc is not None else 0, rewrite=not safe)
     if query_start_loc is None and safe:
-        return args
-    out = list(args)
-    if query_start_loc is not None:
-        out[6] = qsl
-    if conv_states is not None:
-        out[4], out[8] = idx, fixed_pad
-    return tuple(out)
+        def count(args: Sequence[Any]) -> tuple:  # the variant masks bad slots itself
+            apply(device, args[4], None, None, args[8], **sizes)
+            return tuple(args)
+        return count
+    varlen, states = query_start_loc is not None, conv_states is not None
+
+    def rule(args: Sequence[Any]) -> tuple:
+        idx, _, qsl, fixed_pad = apply(device, args[4], None, args[6], args[8], **sizes)
+        out = list(args)
+        if varlen:
+            out[6] = qsl
+        if states:
+            out[4], out[8] = idx, fixed_pad
+        return tuple(out)
+    return rule
 
 
 def bad_value_counter(x: torch.Tensor) -> torch.Tensor | None:
@@ -258,29 +266,39 @@ def bad_value_counter(x: torch.Tensor) -> torch.Tensor | None:
     return device_errors.counter(x.device)
 
 
-def device_update_values(args, capabilities) -> tuple:
-    """The device rule of ``causal_conv1d_update``; ``args`` in signature order, device tensors.
+def device_update_rule(capabilities, x, conv_state, weight, bias, activation, conv_state_indices,
+                       num_accepted_tokens, pad_slot_id) -> Callable[[Sequence[Any]], tuple] | None:
+    """The device rule of ``causal_conv1d_update`` calls with this call's metadata, for the
+    chosen variant (``capabilities``): ``rule(args) -> args`` (signature order, device tensors),
+    or None when such calls need none: nothing to check, or the variant declares
+    ``counts_bad_values`` (its kernel counts into :func:`bad_value_counter` and masks).
 
     - ``conv_state_indices`` ``[B]``: a slot outside ``[0, N)`` that is not ``pad_slot_id``
       makes its sequence a pad (zero output, no state read or written).
     - ``num_accepted_tokens`` ``[B]``: a count outside ``1..L`` makes its sequence a pad too
       (any other count would address rows outside the slot), and is handed to the variant as 1.
-    - live slots used twice are counted, not repaired (see :func:`device_fn_values`).
-    Rewritten here unless the chosen variant declares ``slot_bounds_safe``; counted on the
-    device for :func:`kernel_variants.check_errors` in every case. No host read; one device op
-    (``kernel_variants::conv_device_rule``), none when there is nothing to check or the variant
-    declares ``counts_bad_values`` (its kernel counts into :func:`bad_value_counter`).
+    - live slots used twice are counted, not repaired (see :func:`device_fn_rule`).
+    Rewritten unless the chosen variant declares ``slot_bounds_safe``; counted on the device for
+    :func:`kernel_variants.check_errors` in every case. No host read; one device op per call
+    (``kernel_variants::conv_device_rule``).
     """
-    x, conv_state, _, _, _, indices, accepted, pad = args
-    if (indices is None and accepted is None) or capabilities.counts_bad_values:
-        return args  # nothing to check, or the variant's kernel counts (and masks) itself
-    idx, fixed_accepted, _, fixed_pad = _device_rule.apply(
-        x.device, indices, accepted, None, pad, batch=x.shape[0], n_slots=conv_state.shape[0],
-        length=x.shape[1] if x.ndim == 3 else 1, rewrite=not capabilities.slot_bounds_safe)
-    if capabilities.slot_bounds_safe:
-        return args
-    out = list(args)
-    if accepted is not None:
-        out[6] = fixed_accepted
-    out[5], out[7] = idx, fixed_pad
-    return tuple(out)
+    if (conv_state_indices is None and num_accepted_tokens is None) or capabilities.counts_bad_values:
+        return None
+    apply, device, safe = _device_rule.apply, x.device, capabilities.slot_bounds_safe
+    sizes = dict(batch=x.shape[0], n_slots=conv_state.shape[0], length=x.shape[1] if x.ndim == 3 else 1,
+                 rewrite=not safe)
+    if safe:
+        def count(args: Sequence[Any]) -> tuple:  # the variant masks bad values itself
+            apply(device, args[5], args[6], None, args[7], **sizes)
+            return tuple(args)
+        return count
+    accepted = num_accepted_tokens is not None
+
+    def rule(args: Sequence[Any]) -> tuple:
+        idx, fixed_accepted, _, fixed_pad = apply(device, args[5], args[6], None, args[7], **sizes)
+        out = list(args)
+        if accepted:
+            out[6] = fixed_accepted
+        out[5], out[7] = idx, fixed_pad
+        return tuple(out)
+    return rule
