@@ -475,6 +475,36 @@ def test_a_dispatched_call_issues_at_most_one_op_outside_the_variant(accelerator
 
 
 
+@pytest.mark.parametrize("vid", ["rewritten", "safe"])
+@pytest.mark.parametrize(("name", "op", "kwargs"), FORMS, ids=[f[0] for f in FORMS])
+def test_a_bound_call_runs_the_rule_as_the_dispatched_call_does(accelerator, name, op, kwargs, vid):
+    """``kv.bind`` is the C object also where a rule runs (the core built): the variant gets what
+    the rule hands on, each call is counted, and nothing but the rule's op runs outside it."""
+    spec = dispatcher().registry.spec(op)
+    args = tuple(kwargs.get(p, inspect.signature(spec.signature).parameters[p].default) for p in spec.params)
+    want, counts = (_oracle_fn if op == FN else _oracle_update)(args, vid == "safe")
+    with kv.force(**{op: vid}):
+        bound = kv.bind(op, **kwargs)
+    assert (type(bound).__name__ == "BoundCore") is _callcore.status()[0]
+    bound(**kwargs)  # the device's counter made: the calls after it are what a server repeats
+    mode = _Ops()
+    _MODE.append(mode)
+    try:
+        with mode:
+            bound(**kwargs)
+    finally:
+        _MODE.pop()
+    index_params = {"cache_indices", "query_start_loc", "conv_state_indices", "num_accepted_tokens"}
+    assert mode.seen == (["kernel_variants.conv_device_rule.default"] if index_params & set(kwargs) else []), mode.seen
+    indices = [i for i, p in enumerate(spec.params) if p in index_params | {"pad_slot_id"}]
+    assert _same([_RECEIVED[op][i] for i in indices], [want[i] for i in indices]) is None
+    assert accelerator.counters() == [2 * n for n in counts], "both calls counted, as the oracle counts"
+    if any(counts):
+        with pytest.raises(ValueError, match="bad index values"):
+            kv.check_errors()
+    kv.check_errors()
+
+
 @pytest.mark.parametrize("name", ["update idx", "update idx accepted"])
 def test_a_variant_that_counts_in_its_kernel_gets_no_rule_and_a_c_level_bind(accelerator, name, python_calls):
     """``counts_bad_values``: no rule is planned for its calls, so nothing runs between the call

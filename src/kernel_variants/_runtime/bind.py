@@ -81,9 +81,7 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     Where the compiled call core is built, the result is usually a C object that behaves as this
     function (and hands it every call it does not run itself, which this function runs or refuses
     with its message: ``out=``, a changed value or tensor, a bad index, an overlap); a Python
-    function where the op's device rule runs on each call (off the CPU, for a variant whose
-    kernel does not mask and count bad values itself), or the variant must check for a graph
-    capture on each call.
+    function where the variant must check for a graph capture on each call.
     """
     d = dispatcher()
     name = op if isinstance(op, str) else getattr(op, "__name__", None)
@@ -156,8 +154,8 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     bound = define("bound", src, namespace, what=spec.name)
     # The same in C where the call core is built: this function then serves only what the C
     # object hands it, running it or raising with its messages.
-    fast = None if rule is not None or capture else callcore.bound(
-        spec, bound, vid, fn, subs, checks, fixed, tuple(args[i] for i in fixed), tuple(args), grad,
+    fast = None if capture else callcore.bound(
+        spec, bound, vid, fn, subs, checks, rule, fixed, tuple(args[i] for i in fixed), tuple(args), grad,
         () if guard is None else guard.declared[0])
     for made in (bound, fast) if fast is not None else (bound,):
         made.__doc__ = f"{spec.name}, bound to variant {vid!r} for calls shaped like the example (kernel_variants.bind)."

@@ -232,14 +232,16 @@ _REQUIRED = object()  # a BoundCore default slot: the parameter has none
 
 
 def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., Any],
-          subs: tuple[tuple[int, Any], ...], checks: Callable[..., None] | None, fixed: list[int],
+          subs: tuple[tuple[int, Any], ...], checks: Callable[..., None] | None,
+          rule: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None, fixed: list[int],
           expected: tuple[Any, ...], example: tuple[Any, ...], grad: bool, guards: tuple[Any, ...]) -> Any:
     """``kv.bind``'s object in C (the op's signature bound there, then the bound call's checks and
     the variant), handing any call it does not run to ``python``, the bound function in Python;
     None where the core is off or not built, the signature has positional-only parameters, or
     the example has a tensor subclass (but a Parameter). ``example``: the example's arguments in signature order,
     whose tensors each call's must be like; ``grad``: whether the example needed a gradient;
-    ``guards``: the write guard's data (``write_plan(...).declared[0]``)."""
+    ``guards``: the write guard's data (``write_plan(...).declared[0]``); ``rule``: off the CPU,
+    the op's device rule for the variant, run as the Python path runs it."""
     if core_for(spec) is None:
         return None
     module, _ = _library()
@@ -264,7 +266,7 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
 
     return module.BoundCore(
         tuple(p.name for p in params), npos, tuple(_REQUIRED if p.default is p.empty else p.default for p in params),
-        _REQUIRED, kinds, mutated, example, grad, guards, tuple(fixed), expected, subs, data, gate, py_checks,
+        _REQUIRED, kinds, mutated, example, grad, guards, tuple(fixed), expected, subs, data, gate, py_checks, rule,
         _counters, fn, vid, spec.params[npos:], fail, python)
 
 

@@ -516,6 +516,24 @@ bool gate_counted(PyObject* counters, PyObject* gate) {
   return has != 0;
 }
 
+// The device rule, as the Python path runs it: on the arguments the variant is about to get
+// (stack[1..n], normalised values in place), which it replaces by what it returns (in signature
+// order; `ruled` keeps them alive). False with its own error raised as is.
+bool apply_rule(PyObject* rule, int n, PyObject** stack, THPObjectPtr& ruled) {
+  THPObjectPtr tup(PyTuple_New(n));
+  if (!tup) return false;
+  for (int i = 0; i < n; ++i) PyTuple_SET_ITEM(tup.get(), i, Py_NewRef(stack[i + 1]));
+  ruled = PyObject_CallOneArg(rule, tup.get());
+  if (!ruled) return false;
+  if (!PyTuple_Check(ruled.get()) || PyTuple_GET_SIZE(ruled.get()) != n) {
+    PyErr_Format(PyExc_TypeError, "the op's device rule returned %s, where a tuple of its %d arguments was expected",
+                 Py_TYPE(ruled.get())->tp_name, n);
+    return false;
+  }
+  for (int i = 0; i < n; ++i) stack[i + 1] = PyTuple_GET_ITEM(ruled.get(), i);
+  return true;
+}
+
 PyObject* run(State* st, Entry* e, PyObject* const* args, const at::Tensor* const* ts) {
   if (!e->checks.empty() || e->py_checks != nullptr) {
     // What the device rule counted on this device is reported before a host check passes.
@@ -535,21 +553,7 @@ PyObject* run(State* st, Entry* e, PyObject* const* args, const at::Tensor* cons
     stack[i + 1] = s != nullptr ? s : args[i];
   }
   THPObjectPtr ruled;
-  if (e->rule != nullptr) {
-    // The device rule, as the Python path runs it: on the arguments with their normalised
-    // values, handing on what it returns (in signature order). Its own errors are raised as is.
-    THPObjectPtr tup(PyTuple_New(st->n));
-    if (!tup) return nullptr;
-    for (int i = 0; i < st->n; ++i) PyTuple_SET_ITEM(tup.get(), i, Py_NewRef(stack[i + 1]));
-    ruled = PyObject_CallOneArg(e->rule, tup.get());
-    if (!ruled) return nullptr;
-    if (!PyTuple_Check(ruled.get()) || PyTuple_GET_SIZE(ruled.get()) != st->n) {
-      PyErr_Format(PyExc_TypeError, "the op's device rule returned %s, where a tuple of its %d arguments was expected",
-                   Py_TYPE(ruled.get())->tp_name, st->n);
-      return nullptr;
-    }
-    for (int i = 0; i < st->n; ++i) stack[i + 1] = PyTuple_GET_ITEM(ruled.get(), i);
-  }
+  if (e->rule != nullptr && !apply_rule(e->rule, st->n, stack, ruled)) return nullptr;
   PyObject* r = PyObject_Vectorcall(e->fn, stack + 1, st->npos | PY_VECTORCALL_ARGUMENTS_OFFSET, st->kwnames);
   if (r == nullptr) return variant_failed(st->fail, e->vid);
   return r;
@@ -996,6 +1000,7 @@ struct BoundState {
   std::vector<Check> checks;
   PyObject* gate = nullptr;
   PyObject* py_checks = nullptr;
+  PyObject* rule = nullptr;  // off the CPU, the op's device rule for the bound variant
   PyObject* counters = nullptr;
   PyObject* fn = nullptr;
   PyObject* vid = nullptr;
@@ -1010,6 +1015,7 @@ struct BoundState {
     for (PyObject* o : subs) Py_XDECREF(o);
     Py_XDECREF(gate);
     Py_XDECREF(py_checks);
+    Py_XDECREF(rule);
     Py_XDECREF(counters);
     Py_XDECREF(fn);
     Py_XDECREF(vid);
@@ -1128,6 +1134,8 @@ PyObject* bound_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf,
   PyObject* stack[kMaxParams + 1];
   stack[0] = nullptr;
   for (int i = 0; i < st->n; ++i) stack[i + 1] = st->subs[i] != nullptr ? st->subs[i] : slot[i];
+  THPObjectPtr ruled;
+  if (st->rule != nullptr && !apply_rule(st->rule, st->n, stack, ruled)) return nullptr;
   PyObject* r = PyObject_Vectorcall(st->fn, stack + 1, st->npos | PY_VECTORCALL_ARGUMENTS_OFFSET, st->kwnames);
   if (r == nullptr) return variant_failed(st->fail, st->vid);
   return r;
@@ -1142,21 +1150,21 @@ bool owned_tuple(PyObject* t, std::vector<PyObject*>& out, PyObject* required) {
 }
 
 // BoundCore(names, npos, defaults, required, kinds, mutated, example, grad, guards, fixed, expected,
-//           subs, checks, gate, py_checks, counters, fn, vid, kwnames, fail, fallback)
+//           subs, checks, gate, py_checks, rule, counters, fn, vid, kwnames, fail, fallback)
 // example: the example's arguments in signature order; grad: whether it needed a gradient;
 // guards: its write guard's data (guards.write_plan's declared checks).
 PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *names, *defaults, *required, *kinds, *mutated, *example, *guards, *fixed, *expected, *subs, *checks, *gate,
-      *py_checks, *counters, *fn, *vid, *kwnames, *fail, *fallback;
+      *py_checks, *rule, *counters, *fn, *vid, *kwnames, *fail, *fallback;
   int npos, grad;
   if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
     PyErr_SetString(PyExc_TypeError, "BoundCore takes positional arguments only");
     return nullptr;
   }
-  if (!PyArg_ParseTuple(args, "O!iO!OO!O!O!pO!O!O!O!OOOO!OOO!OO", &PyTuple_Type, &names, &npos, &PyTuple_Type,
+  if (!PyArg_ParseTuple(args, "O!iO!OO!O!O!pO!O!O!O!OOOOO!OOO!OO", &PyTuple_Type, &names, &npos, &PyTuple_Type,
                         &defaults, &required, &PyTuple_Type, &kinds, &PyTuple_Type, &mutated, &PyTuple_Type, &example,
                         &grad, &PyTuple_Type, &guards, &PyTuple_Type, &fixed, &PyTuple_Type, &expected,
-                        &PyTuple_Type, &subs, &checks, &gate, &py_checks, &PyDict_Type, &counters, &fn, &vid,
+                        &PyTuple_Type, &subs, &checks, &gate, &py_checks, &rule, &PyDict_Type, &counters, &fn, &vid,
                         &PyTuple_Type, &kwnames, &fail, &fallback)) {
     return nullptr;
   }
@@ -1165,7 +1173,8 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (n < 1 || n > kMaxParams || PyTuple_GET_SIZE(defaults) != total || PyTuple_GET_SIZE(kinds) != n ||
       PyTuple_GET_SIZE(mutated) != n || PyTuple_GET_SIZE(example) != n ||
       PyTuple_GET_SIZE(fixed) != PyTuple_GET_SIZE(expected) || npos < 0 || npos > n ||
-      PyTuple_GET_SIZE(kwnames) != n - npos || !PyCallable_Check(fail) || !PyCallable_Check(fallback)) {
+      PyTuple_GET_SIZE(kwnames) != n - npos || !PyCallable_Check(fail) || !PyCallable_Check(fallback) ||
+      (rule != Py_None && !PyCallable_Check(rule))) {
     PyErr_SetString(PyExc_ValueError, "BoundCore: inconsistent signature data");
     return nullptr;
   }
@@ -1236,6 +1245,7 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (!parse_checks(st->n, st->kind, checks, st->checks, "BoundCore")) return nullptr;
   if (gate != Py_None) st->gate = Py_NewRef(gate);
   if (py_checks != Py_None) st->py_checks = Py_NewRef(py_checks);
+  if (rule != Py_None) st->rule = Py_NewRef(rule);
   st->counters = Py_NewRef(counters);
   st->fn = Py_NewRef(fn);
   st->vid = Py_NewRef(vid);
@@ -1253,6 +1263,7 @@ int bound_traverse(PyObject* self, visitproc visit, void* arg) {
     Py_VISIT(b->st->fail);
     Py_VISIT(b->st->fallback);
     Py_VISIT(b->st->py_checks);
+    Py_VISIT(b->st->rule);
   }
   return 0;
 }
