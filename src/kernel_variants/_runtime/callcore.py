@@ -99,8 +99,7 @@ def _library() -> tuple[ModuleType | None, str]:
                     raise ImportError(f"{path} is not an extension module")
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
-                # (a stand-in file without the CallCore type is not the core: it raises here)
-                _SERVED[module.CallCore] = (module, {"cpu"})
+                _SERVED[module.CallCore] = (module, {"cpu"})  # a file without the type is not the core
                 _loaded[str(path)] = (module, None)
             except Exception as exc:
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -231,17 +230,16 @@ def graph_kernel(module: ModuleType | None, name: str, slot: Slot, kernel: Calla
 _REQUIRED = object()  # a BoundCore default slot: the parameter has none
 
 
-def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., Any],
-          subs: tuple[tuple[int, Any], ...], checks: Callable[..., None] | None,
-          rule: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None, fixed: list[int],
+def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., Any], subs: tuple[tuple[int, Any], ...],
+          checks: Callable[..., None] | None, rule: Callable[..., tuple[Any, ...]] | None, fixed: list[int],
           expected: tuple[Any, ...], example: tuple[Any, ...], grad: bool, guards: tuple[Any, ...]) -> Any:
-    """``kv.bind``'s object in C (the op's signature bound there, then the bound call's checks and
-    the variant), handing any call it does not run to ``python``, the bound function in Python;
-    None where the core is off or not built, the signature has positional-only parameters, or
-    the example has a tensor subclass (but a Parameter). ``example``: the example's arguments in signature order,
-    whose tensors each call's must be like; ``grad``: whether the example needed a gradient;
-    ``guards``: the write guard's data (``write_plan(...).declared[0]``); ``rule``: off the CPU,
-    the op's device rule for the variant, run as the Python path runs it."""
+    """``kv.bind``'s object in C (the op's signature bound there, then the bound call's checks,
+    ``rule`` (off the CPU: the device rule) and the variant), handing any call it does not run to
+    ``python``, the bound function in Python; None where the core is off or not built, the
+    signature has positional-only parameters, or the example has a tensor subclass (but a
+    Parameter). ``example``: the example's arguments in signature order, whose tensors each
+    call's must be like; ``grad``: whether the example needed a gradient; ``guards``: the write
+    guard's data (``write_plan(...).declared[0]``)."""
     if core_for(spec) is None:
         return None
     module, _ = _library()
