@@ -824,7 +824,7 @@ def step_overhead(ctx: Ctx) -> dict[str, Any]:
             _sync(ctx.device)
             t = measure_interleaved({k: [f] for k, f in unpinned.items()}, ctx.device, config)
             ops = {k: _aten_ops(f) for k, f in unpinned.items()}
-            by_core = {"dispatched": _served_by_core(dispatched)}
+            by_core = {"dispatched": _served_by_core(dispatched), "bind": type(bound).__name__ == "BoundCore"}
             with pinned():
                 t["forced"] = measure_interleaved({"forced": [dispatched]}, ctx.device, config)["forced"]
                 ops["forced"] = _aten_ops(dispatched)
@@ -1040,12 +1040,13 @@ def summary_md(report: dict[str, Any]) -> str:
                            or r.get("skipped", "none")] for r in o["rows"]]), "",
                   "Host clock (what the CPU spends per call; added = form - direct; the rule: its own "
                   "launch, which a variant declaring counts_bad_values is spared):", "",
-                  _table(["B", "direct us", "dispatched +", "forced +", "bind +", "rule us", "by the core (d/f)",
+                  _table(["B", "direct us", "dispatched +", "forced +", "bind +", "rule us", "by the core (d/f/b)",
                           "aten ops outside (d/f/b)", "kernels per call (d/b/direct)"],
                          [[r["B"], r.get("host_us", {}).get("direct"),
                            *(r.get("host_added_us", {}).get(k) for k in ("dispatched", "forced", "bind")),
                            r.get("rule_host_us"),
-                           "/".join("yes" if r.get("served_by_core", {}).get(k) else "no" for k in ("dispatched", "forced")),
+                           "/".join("yes" if r.get("served_by_core", {}).get(k) else "no"
+                                    for k in ("dispatched", "forced", "bind")),
                            "/".join(str(r.get("aten_ops_outside_by_form", {}).get(k, "-"))
                                     for k in ("dispatched", "forced", "bind")),
                            "/".join(_f(r.get("kernels_per_call", {}).get(k)) for k in ("dispatched", "bind", "direct"))]
