@@ -162,26 +162,35 @@ def test_big_decode_in_place_matches(threads):
     _same(pool, want_pool)
 
 
-@pytest.mark.parametrize("op", ["fwd", "update", "update_tiles", "update_spec", "rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("op", ["fwd", "fwd_tiles", "update", "update_tiles", "update_spec", "rms_norm",
+                                "add_rms_norm"])
 def test_any_team_writes_every_item_once(op):
     """However the items are shared out (more threads than cores included), every output and
     state row is written once, exactly as one thread writes it: bit for bit the same at 1, 2, 3
     and 5 threads. The sizes make the item counts ragged at every team size (the kernels' own
-    splitting rules: 2048-channel tiles, time chunks halved to 4 items per thread, update rows
-    in up to 4 chunks per thread), with a ragged channel tail too."""
+    splitting rules: tiles of at most 2048 channels made equal, time chunks halved to 4 items per
+    thread, update rows in up to 4 chunks per thread), with a ragged channel tail too."""
     g = _gen(11)
     d = 1999  # one channel tile
-    if op == "fwd":  # varlen 333 + 301 + 95 rows: 13 items at 2 and 3 threads, 24 at 5
+    want = want_state = None
+    if op.startswith("fwd"):  # varlen 333 + 301 + 95 rows: 13 items at 2 and 3 threads, 24 at 5
+        # fwd_tiles: D=4160 as three equal tiles (1408, 1408, 1344 channels), not 2048 + 2048 + 64
+        d = 4160 if op == "fwd_tiles" else d
         lens = [333, 301, 95]
         x = torch.randn(sum(lens), d, generator=g).to(torch.bfloat16)
         w, b = _filter(d, 4, torch.bfloat16, g)
         state = torch.randn(5, 3, d, generator=g).to(torch.bfloat16)
         starts = torch.tensor([0, 333, 634, 729], dtype=torch.int32)
 
-        def call(st):
-            return cpu_native.causal_conv1d_fn(x, w, b, activation="silu", conv_states=st, query_start_loc=starts,
-                                               cache_indices=torch.tensor([4, 0, 2], dtype=torch.int32),
-                                               has_initial_state=torch.tensor([True, False, True]))
+        def call(st, fn=cpu_native.causal_conv1d_fn):
+            return fn(x, w, b, activation="silu", conv_states=st, query_start_loc=starts,
+                      cache_indices=torch.tensor([4, 0, 2], dtype=torch.int32),
+                      has_initial_state=torch.tensor([True, False, True]))
+
+        from kernel_variants.ops.causal_conv1d import _reference
+
+        want_state = state.clone()
+        want = call(want_state, _reference.causal_conv1d_fn)
     elif op.startswith("update"):
         # 41 rows, a few of them pads (so some items start on a pad: the taps, kept while the
         # tile stays, are converted at the first real row). One tile: 7, 11 and 14 items at 2,
@@ -229,7 +238,7 @@ def test_any_team_writes_every_item_once(op):
     for got, st in results[1:]:
         _same(got, results[0][0])
         _same(st, results[0][1])
-    if op.startswith("update"):  # and one thread's items are the reference's rows
+    if want is not None:  # and one thread's items are the reference's rows
         atol, rtol = TOLERANCES[torch.bfloat16]
         torch.testing.assert_close(results[0][0], want, atol=atol, rtol=rtol)
         _same(results[0][1], want_state)

@@ -6,7 +6,9 @@ candidate once, in turn; the minimum over repeats is kept, the median too for la
 so machine noise that drifts absolute times largely cancels in the ratios.
 
 1. cache-resident 1x256x4096 ([B, L, D]), one thread: fp32 without activation, bf16 with SiLU.
-2. the same, 1 -> 2 threads: the kernel's speedup over the copy's speedup.
+2. the same, 1 -> 2 threads: the kernel's speedup over the copy's speedup; and so at widths
+   that are not a multiple of the 2048-channel tile (1x1024xD bf16 with SiLU, ``out=``), where
+   the tiles are made equal so that each thread gets its share of the channels.
 3. large bf16 SiLU shapes, all threads: writing into a preallocated ``out=`` and into a fresh
    output, and the fresh-output call in a subprocess with glibc's malloc tunables set so freed
    outputs are reused instead of returned to the kernel (the allocator advice).
@@ -31,6 +33,7 @@ from _report import ALLOC_ENV, cpu_model  # a sibling module: tools/ is sys.path
 from kernel_variants.kernels import cpu_native
 
 SMALL = (1, 256, 4096)
+WIDTHS = (2048, 3072, 4160, 5376)  # one tile; 2 of 1536; 3 of 1408/1408/1344; 3 of 1792
 LARGE = ((2, 1024, 4096), (8, 1024, 2048), (4, 1024, 6144))
 
 
@@ -93,6 +96,32 @@ def small_targets(repeats: int) -> dict:
             "scaling_fresh": (one["fresh"] / two["fresh"]) / (one["copy"] / two["copy"]),
             "scaling_out": (one["out="] / two["out="]) / (one["copy"] / two["copy"]),
         }
+    torch.set_num_threads(os.cpu_count() or 1)
+    return res
+
+
+def width_scaling(repeats: int) -> dict:
+    """1 -> 2 threads, the kernel's speedup over the copy's, at each of WIDTHS: the median and
+    range over four placements of ``out`` against x ((out - x) mod 4 KiB in 0, 1, 2, 3 KiB),
+    since which cache sets the two threads' rows share moves a single placement's figure by
+    up to 2x on a shared VM (AMD EPYC: 0.45 to 1.0 at D=3072)."""
+    res = {}
+    for d in WIDTHS:
+        x, w, b = _inputs((1, 1024, d), torch.bfloat16)
+        buf = torch.empty(x.numel() + 4096, dtype=x.dtype)
+        got = []
+        for off in (0, 1024, 2048, 3072):
+            first = (off - (buf.data_ptr() - x.data_ptr())) % 4096 // x.element_size()
+            out = buf[first:first + x.numel()].view_as(x)
+            per_thr = {}
+            for thr in (1, 2):
+                torch.set_num_threads(thr)
+                t = interleaved({"copy": lambda: out.copy_(x), "out=": _call(x, w, b, "silu", out)}, repeats,
+                                0.03)
+                per_thr[thr] = {k: min(v) for k, v in t.items()}
+            one, two = per_thr[1], per_thr[2]
+            got.append((one["out="] / two["out="]) / (one["copy"] / two["copy"]))
+        res[d] = {"median": statistics.median(got), "min": min(got), "max": max(got)}
     torch.set_num_threads(os.cpu_count() or 1)
     return res
 
@@ -172,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, r in small.items():
         print(f"   {label:10s} fresh {r['scaling_fresh']:.2f}   out= {r['scaling_out']:.2f}   "
               f"(2 threads: fresh {r['fresh/copy_2t']:.2f}x, out= {r['out/copy_2t']:.2f}x)")
+    data["widths"] = widths = width_scaling(args.repeats)
+    print("   1x1024xD bf16+silu out=, by D, median (range) over 4 placements of out: "
+          + "   ".join(f"{d}: {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" for d, r in widths.items()))
     data["large"] = large = large_targets(max(3, args.repeats // 2))
     print(f"3. large bf16+silu, {torch.get_num_threads()} threads (target out= median <= 1.5)")
     for shape, r in large.items():

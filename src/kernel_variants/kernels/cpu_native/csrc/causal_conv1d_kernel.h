@@ -70,6 +70,7 @@ static_assert(kTimeBlock >= 3, "kTimeBlock must cover the largest halo (W=4)");
 // this many rows ahead.
 constexpr int64_t kPrefetchRows = KV_PF_ROWS;
 static_assert(kTileC % VW == 0, "tile must hold whole channel groups");
+static_assert(kTileAlign % VW == 0, "an equalised tile must start on a channel group");
 
 // ---------------------------------------------------------------- SiLU
 // The kernel is compute-bound per core (SiLU + dtype conversion), so SiLU is
@@ -725,8 +726,8 @@ template <typename T, int W, bool SILU>
 void fwd_item(const Params& p, const Seq& sq, int64_t chunk, int64_t tile,
               const float* wt, const float* bt, SplitTaps& sp) {
   constexpr int H = W - 1;
-  const int64_t c0 = tile * kTileC;
-  const int64_t nc = std::min(p.dim, c0 + kTileC) - c0;
+  const int64_t c0 = tile * p.tile_c;
+  const int64_t nc = std::min(p.dim, c0 + p.tile_c) - c0;
   const int64_t L = sq.len;
   const int64_t t0 = chunk * p.chunk_t;
   const int64_t t1 = std::min(L, t0 + p.chunk_t);
@@ -881,8 +882,8 @@ void fwd_range_t(const Params& p, int64_t begin, int64_t end) {
     while (s + 1 < p.nseq && seqs[s + 1].item0 <= r) ++s;
     const Seq& sq = seqs[s];
     if (!sq.pad && tile != taps_tile) {
-      const int64_t c0 = tile * kTileC;
-      load_taps<W>(p, c0, std::min(p.dim, c0 + kTileC) - c0, wt, bt);
+      const int64_t c0 = tile * p.tile_c;
+      load_taps<W>(p, c0, std::min(p.dim, c0 + p.tile_c) - c0, wt, bt);
       taps_tile = tile;
     }
     fwd_item<T, W, SILU>(p, sq, r - sq.item0, tile, wt, bt, sp);
@@ -907,8 +908,8 @@ void update_range_t(const Params& p, int64_t begin, int64_t end) {
     const int64_t b0 = (it / p.n_tiles) * p.chunk_t;
     const int64_t b1 = std::min(p.nseq, b0 + p.chunk_t);
     const int64_t tile = it % p.n_tiles;
-    const int64_t c0 = tile * kTileC;
-    const int64_t nc = std::min(p.dim, c0 + kTileC) - c0;
+    const int64_t c0 = tile * p.tile_c;
+    const int64_t nc = std::min(p.dim, c0 + p.tile_c) - c0;
     for (int64_t b = b0; b < b1; ++b) {
       const Seq& sq = p.seqs[b];
       const int64_t L = sq.len;

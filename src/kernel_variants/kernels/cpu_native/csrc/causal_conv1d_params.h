@@ -18,6 +18,9 @@ constexpr int kMaxWidth = 6;
 #define KV_TILE_C 2048
 #endif
 constexpr int64_t kTileC = KV_TILE_C;
+// A tile narrower than kTileC (the call's tiles made equal) starts on this many channels: whole
+// channel groups of every build.
+constexpr int64_t kTileAlign = 64;
 
 // One sequence of the batch (fwd) or one batch row (update).
 struct Seq {
@@ -53,6 +56,7 @@ struct Params {
   int64_t nseq;
   int64_t chunk_t;     // fwd: time rows per item; update: batch rows per item
   int64_t n_tiles;     // channel tiles per row
+  int64_t tile_c;      // channels per tile (<= kTileC, a multiple of kTileAlign); the last ragged
   int64_t items_per_tile;  // fwd: sum over sequences of their time chunks
   bool block_path;     // fwd: alias-safe block path allowed (not in place,
                        // x small enough to be cache-resident)
