@@ -440,6 +440,22 @@ def _forms():
 
 
 FORMS = list(_forms())
+INDEX_PARAMS = {"cache_indices", "query_start_loc", "conv_state_indices", "num_accepted_tokens"}
+
+
+def _ran_the_rule_once(accelerator, op, kwargs, mode, want, counts) -> None:
+    """The repeated call (seen by ``mode``) ran the rule's one op and nothing else outside the
+    variant (none without index tensors), the variant got the oracle's index values, and both
+    calls were counted as the oracle counts, reported by ``check_errors`` once."""
+    spec = dispatcher().registry.spec(op)
+    assert mode.seen == (["kernel_variants.conv_device_rule.default"] if INDEX_PARAMS & set(kwargs) else []), mode.seen
+    indices = [i for i, p in enumerate(spec.params) if p in INDEX_PARAMS | {"pad_slot_id"}]
+    assert _same([_RECEIVED[op][i] for i in indices], [want[i] for i in indices]) is None
+    assert accelerator.counters() == [2 * n for n in counts], "both calls counted, as the oracle counts"
+    if any(counts):
+        with pytest.raises(ValueError, match="bad index values"):
+            kv.check_errors()
+    kv.check_errors()
 
 
 @pytest.mark.parametrize("vid", ["rewritten", "safe"])
@@ -461,17 +477,7 @@ def test_a_dispatched_call_issues_at_most_one_op_outside_the_variant(accelerator
         finally:
             _MODE.pop()
     assert (python_calls[0] == decided) == _callcore.status()[0], "the core serves the repeated call where it is on"
-    index_params = {"cache_indices", "query_start_loc", "conv_state_indices", "num_accepted_tokens"}
-    checked = index_params & set(kwargs)
-    assert mode.seen == (["kernel_variants.conv_device_rule.default"] if checked else []), mode.seen
-    indices = [i for i, p in enumerate(spec.params) if p in index_params | {"pad_slot_id"}]
-    got = _RECEIVED[op]
-    assert _same([got[i] for i in indices], [want[i] for i in indices]) is None
-    assert accelerator.counters() == [2 * n for n in counts], "both calls counted, as the oracle counts"
-    if any(counts):
-        with pytest.raises(ValueError, match="bad index values"):
-            kv.check_errors()
-    kv.check_errors()
+    _ran_the_rule_once(accelerator, op, kwargs, mode, want, counts)
 
 
 
@@ -494,15 +500,7 @@ def test_a_bound_call_runs_the_rule_as_the_dispatched_call_does(accelerator, nam
             bound(**kwargs)
     finally:
         _MODE.pop()
-    index_params = {"cache_indices", "query_start_loc", "conv_state_indices", "num_accepted_tokens"}
-    assert mode.seen == (["kernel_variants.conv_device_rule.default"] if index_params & set(kwargs) else []), mode.seen
-    indices = [i for i, p in enumerate(spec.params) if p in index_params | {"pad_slot_id"}]
-    assert _same([_RECEIVED[op][i] for i in indices], [want[i] for i in indices]) is None
-    assert accelerator.counters() == [2 * n for n in counts], "both calls counted, as the oracle counts"
-    if any(counts):
-        with pytest.raises(ValueError, match="bad index values"):
-            kv.check_errors()
-    kv.check_errors()
+    _ran_the_rule_once(accelerator, op, kwargs, mode, want, counts)
 
 
 @pytest.mark.parametrize("name", ["update idx", "update idx accepted"])
