@@ -443,6 +443,18 @@ FORMS = list(_forms())
 INDEX_PARAMS = {"cache_indices", "query_start_loc", "conv_state_indices", "num_accepted_tokens"}
 
 
+def _watched(call) -> _Ops:
+    """``call()`` under a fresh op counter (the ops it issued outside the variant), returned."""
+    mode = _Ops()
+    _MODE.append(mode)
+    try:
+        with mode:
+            call()
+    finally:
+        _MODE.pop()
+    return mode
+
+
 def _ran_the_rule_once(accelerator, op, kwargs, mode, want, counts) -> None:
     """The repeated call (seen by ``mode``) ran the rule's one op and nothing else outside the
     variant (none without index tensors), the variant got the oracle's index values, and both
@@ -469,13 +481,7 @@ def test_a_dispatched_call_issues_at_most_one_op_outside_the_variant(accelerator
     with kv.force(**{op: vid}):
         getattr(kv, op)(**kwargs)  # decides and memoises: the calls after it are what a server repeats
         decided = python_calls[0]
-        mode = _Ops()
-        _MODE.append(mode)
-        try:
-            with mode:
-                getattr(kv, op)(**kwargs)
-        finally:
-            _MODE.pop()
+        mode = _watched(lambda: getattr(kv, op)(**kwargs))
     assert (python_calls[0] == decided) == _callcore.status()[0], "the core serves the repeated call where it is on"
     _ran_the_rule_once(accelerator, op, kwargs, mode, want, counts)
 
@@ -493,13 +499,7 @@ def test_a_bound_call_runs_the_rule_as_the_dispatched_call_does(accelerator, nam
         bound = kv.bind(op, **kwargs)
     assert (type(bound).__name__ == "BoundCore") is _callcore.status()[0]
     bound(**kwargs)  # the device's counter made: the calls after it are what a server repeats
-    mode = _Ops()
-    _MODE.append(mode)
-    try:
-        with mode:
-            bound(**kwargs)
-    finally:
-        _MODE.pop()
+    mode = _watched(lambda: bound(**kwargs))
     _ran_the_rule_once(accelerator, op, kwargs, mode, want, counts)
 
 
@@ -515,13 +515,7 @@ def test_a_variant_that_counts_in_its_kernel_gets_no_rule_and_a_c_level_bind(acc
     with kv.force(**{op: "counting"}):
         getattr(kv, op)(**kwargs)
         decided = python_calls[0]
-        mode = _Ops()
-        _MODE.append(mode)
-        try:
-            with mode:
-                getattr(kv, op)(**kwargs)
-        finally:
-            _MODE.pop()
+        mode = _watched(lambda: getattr(kv, op)(**kwargs))
         bound = kv.bind(op, **kwargs)
     assert mode.seen == [], mode.seen
     on = _callcore.status()[0]
