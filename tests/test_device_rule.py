@@ -503,6 +503,28 @@ def test_a_bound_call_runs_the_rule_as_the_dispatched_call_does(accelerator, nam
     _ran_the_rule_once(accelerator, op, kwargs, mode, want, counts)
 
 
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+@pytest.mark.parametrize("name", ["fn varlen states idx", "update idx"])
+def test_a_failing_device_rule_is_not_blamed_on_the_variant(accelerator, monkeypatch, name, core):
+    """The rule is the op's: its error comes out as raised, from the dispatched call and from
+    ``kv.bind`` alike, whichever object serves the bound call (the C one or the Python one)."""
+    monkeypatch.setenv(_callcore.ENV, "1" if core else "0")
+    _, op, kwargs = next(f for f in FORMS if f[0] == name)
+
+    def broken(*args, **kw):
+        raise RuntimeError("device rule failed")
+
+    monkeypatch.setattr(_device_rule, "apply", broken)
+    with kv.force(**{op: "rewritten"}):
+        bound = kv.bind(op, **kwargs)
+        assert (type(bound).__name__ == "BoundCore") is (core and _callcore.status()[0])
+        for call in (lambda: getattr(kv, op)(**kwargs), lambda: bound(**kwargs)):
+            with pytest.raises(RuntimeError, match="device rule failed") as err:
+                call()
+            assert type(err.value) is RuntimeError, err.value
+    assert not _RECEIVED, "the variant never ran"
+
+
 @pytest.mark.parametrize("name", ["update idx", "update idx accepted"])
 def test_a_variant_that_counts_in_its_kernel_gets_no_rule_and_a_c_level_bind(accelerator, name, python_calls):
     """``counts_bad_values``: no rule is planned for its calls, so nothing runs between the call

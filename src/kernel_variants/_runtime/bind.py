@@ -131,8 +131,10 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     namespace.update({f"_ft{k}": type(args[i]) for k, i in enumerate(fixed)})
     differs = " or ".join(f"type({spec.params[i]}) is not _ft{k} or {spec.params[i]} != _f{k}"
                           for k, i in enumerate(fixed)) or "False"
-    run = (f"_invoke(_fn, _rule(_with(({names},), _subs)))" if rule is not None
-           else f"_fn({', '.join(call_args)})")
+    # The op's device rule runs before the variant's try, as on every other path: its failure is
+    # not the variant's.
+    ruled = f"    _a = _rule(_with(({names},), _subs))\n" if rule is not None else ""
+    run = "_invoke(_fn, _a)" if rule is not None else f"_fn({', '.join(call_args)})"
     src = (f"def bound({params}):\n"
            f"    if {differs}:\n"
            f"        raise _changed({fixed_src})\n"
@@ -147,6 +149,7 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
            + "    if out is not None:\n"
            f"        return _out(({names},), out)\n"
            + (f"    _guard(({names},), None)\n" if guard is not None else "")
+           + ruled
            + "    try:\n"
            f"        return {run}\n"
            "    except Exception as exc:\n"
