@@ -3,8 +3,8 @@ what the rule as separate aten ops does.
 
 - The Triton kernel (one launch on CUDA) equals the composite of aten ops, under the Triton
   interpreter on the CPU (and compiled where there is a GPU), on edge cases and random inputs.
-- The rules ``device_fn_rule`` / ``device_update_rule`` plan hand on the same arguments and
-  count the same as the oracle below: the rule written as separate aten ops, as the docstrings
+- The rules that ``device_fn_rule`` / ``device_update_rule`` plan hand on the same arguments
+  and count the same as the oracle below: the rule written as separate aten ops, as the docstrings
   specify it. A call with nothing to check, or for a variant whose kernel counts, gets no rule.
 - A dispatched call, with the accelerator path forced on CPU tensors, issues at most one aten
   op outside the variant's own body (counted with a ``TorchDispatchMode``).
@@ -484,7 +484,6 @@ def test_a_dispatched_call_issues_at_most_one_op_outside_the_variant(accelerator
         mode = _watched(lambda: getattr(kv, op)(**kwargs))
     assert (python_calls[0] == decided) == _callcore.status()[0], "the core serves the repeated call where it is on"
     _ran_the_rule_once(accelerator, op, kwargs, mode, want, counts)
-
 
 
 @pytest.mark.parametrize("vid", ["rewritten", "safe"])

@@ -11,6 +11,7 @@ import torch
 from kernel_variants._tolerances import TOLERANCES
 from kernel_variants.kernels import cpu_native
 from kernel_variants.kernels.cpu_native import _build
+from kernel_variants.ops.causal_conv1d import _reference
 
 pytestmark = pytest.mark.skipif(_build.toolchain_missing() is not None, reason="no C++ toolchain")
 
@@ -173,7 +174,7 @@ def test_any_team_writes_every_item_once(op):
     g = _gen(11)
     d = 1999  # one channel tile
     want = want_state = None
-    if op.startswith("fwd"):  # varlen 333 + 301 + 95 rows: 13 items at 2 and 3 threads, 24 at 5
+    if op.startswith("fwd"):  # varlen 333 + 301 + 95 rows: with one tile 13 items at 2 and 3 threads, 24 at 5
         # fwd_tiles: D=4160 as three equal tiles (1408, 1408, 1344 channels), not 2048 + 2048 + 64
         d = 4160 if op == "fwd_tiles" else d
         lens = [333, 301, 95]
@@ -186,8 +187,6 @@ def test_any_team_writes_every_item_once(op):
             return fn(x, w, b, activation="silu", conv_states=st, query_start_loc=starts,
                       cache_indices=torch.tensor([4, 0, 2], dtype=torch.int32),
                       has_initial_state=torch.tensor([True, False, True]))
-
-        from kernel_variants.ops.causal_conv1d import _reference
 
         want_state = state.clone()
         want = call(want_state, _reference.causal_conv1d_fn)
@@ -210,8 +209,6 @@ def test_any_team_writes_every_item_once(op):
         def call(st):
             return cpu_native.causal_conv1d_update(x, st, w, b, activation="silu", conv_state_indices=slots,
                                                    **extra)
-
-        from kernel_variants.ops.causal_conv1d import _reference
 
         want_state = state.clone()
         want = _reference.causal_conv1d_update(x, want_state, w, b, activation="silu", conv_state_indices=slots,

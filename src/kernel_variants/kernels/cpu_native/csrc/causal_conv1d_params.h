@@ -56,7 +56,7 @@ struct Params {
   int64_t nseq;
   int64_t chunk_t;     // fwd: time rows per item; update: batch rows per item
   int64_t n_tiles;     // channel tiles per row
-  int64_t tile_c;      // channels per tile (<= kTileC, a multiple of kTileAlign); the last ragged
+  int64_t tile_c;      // channels per tile (<= kTileC, a multiple of kTileAlign); the last may be narrower
   int64_t items_per_tile;  // fwd: sum over sequences of their time chunks
   bool block_path;     // fwd: alias-safe block path allowed (not in place,
                        // x small enough to be cache-resident)
