@@ -163,8 +163,8 @@ def test_big_decode_in_place_matches(threads):
     _same(pool, want_pool)
 
 
-@pytest.mark.parametrize("op", ["fwd", "fwd_tiles", "update", "update_tiles", "update_spec", "rms_norm",
-                                "add_rms_norm"])
+@pytest.mark.parametrize("op", ["fwd", "fwd_tiles", "fwd_rows", "update", "update_tiles", "update_spec",
+                                "rms_norm", "add_rms_norm"])
 def test_any_team_writes_every_item_once(op):
     """However the items are shared out (more threads than cores included), every output and
     state row is written once, exactly as one thread writes it: bit for bit the same at 1, 2, 3
@@ -175,18 +175,25 @@ def test_any_team_writes_every_item_once(op):
     d = 1999  # one channel tile
     want = want_state = None
     if op.startswith("fwd"):  # varlen 333 + 301 + 95 rows: with one tile 13 items at 2 and 3 threads, 24 at 5
-        # fwd_tiles: D=4160 as three equal tiles (1408, 1408, 1344 channels), not 2048 + 2048 + 64
-        d = 4160 if op == "fwd_tiles" else d
-        lens = [333, 301, 95]
+        # fwd_tiles: D=4160 as three equal tiles (1408, 1408, 1344 channels), not 2048 + 2048 + 64,
+        # numbered tile-major (x fits the block path's 8 MiB). fwd_rows: the same tiles past it,
+        # numbered chunk-major, each thread keeping every tile's taps; a pad sequence comes first,
+        # so a range can start on items that convert no taps.
+        d = 4160 if op in ("fwd_tiles", "fwd_rows") else d
+        lens = [200, 333, 301, 95, 400] if op == "fwd_rows" else [333, 301, 95]
+        slots = [3, 4, 0, 2, 1] if op == "fwd_rows" else [4, 0, 2]
+        if op == "fwd_rows":
+            slots[0] = -1
         x = torch.randn(sum(lens), d, generator=g).to(torch.bfloat16)
+        assert (op == "fwd_rows") == (x.nbytes > 8 << 20)
         w, b = _filter(d, 4, torch.bfloat16, g)
         state = torch.randn(5, 3, d, generator=g).to(torch.bfloat16)
-        starts = torch.tensor([0, 333, 634, 729], dtype=torch.int32)
+        starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        initial = torch.tensor([True, False, True, True, False][: len(lens)])
 
         def call(st, fn=cpu_native.causal_conv1d_fn):
             return fn(x, w, b, activation="silu", conv_states=st, query_start_loc=starts,
-                      cache_indices=torch.tensor([4, 0, 2], dtype=torch.int32),
-                      has_initial_state=torch.tensor([True, False, True]))
+                      cache_indices=torch.tensor(slots, dtype=torch.int32), has_initial_state=initial)
 
         want_state = state.clone()
         want = call(want_state, _reference.causal_conv1d_fn)

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "causal_conv1d_params.h"
 
@@ -719,8 +720,8 @@ struct SplitTaps {
   int64_t tile = -1;
 };
 
-// wt / bt: this tile's taps and bias, prepared by the caller (shared by
-// consecutive items of the same tile).
+// wt / bt: this tile's taps and bias, converted by the caller (kept across
+// its items of the same tile).
 
 template <typename T, int W, bool SILU>
 void fwd_item(const Params& p, const Seq& sq, int64_t chunk, int64_t tile,
@@ -860,19 +861,26 @@ void decode_row(const Params& p, const Seq& sq, int64_t c0, int64_t nc,
 
 template <typename T, int W, bool SILU>
 void fwd_range_t(const Params& p, int64_t begin, int64_t end) {
-  // Items are tile-major (see Params), so a thread's range mostly stays in
-  // one tile and converts its taps once.
+  // Each tile's taps are converted once per range: a tile-major range mostly stays in one
+  // tile (one set on the stack, converted again when the tile changes); a chunk-major range
+  // visits every tile in turn and keeps each tile's set, converted at its first item.
   const Seq* seqs = p.seqs;
   const int64_t per_tile = p.items_per_tile;
-  alignas(64) float wt[W * kTileC];
-  alignas(64) float bt[kTileC];
+  constexpr int64_t kTapSet = (W + 1) * kTileC;  // [W][kTileC] taps, then [kTileC] bias
+  alignas(64) float one[kTapSet];
+  std::vector<float> kept;
+  std::vector<uint8_t> converted;
+  if (p.chunk_major) {
+    kept.resize(static_cast<size_t>(p.n_tiles * kTapSet));
+    converted.assign(static_cast<size_t>(p.n_tiles), 0);
+  }
   int64_t taps_tile = -1;
   int64_t s = -1;
   alignas(64) float split_buf[kSplitTapFloats<W>];
   SplitTaps sp{split_buf};
   for (int64_t it = begin; it < end; ++it) {
-    const int64_t tile = it / per_tile;
-    const int64_t r = it % per_tile;
+    const int64_t tile = p.chunk_major ? it % p.n_tiles : it / per_tile;
+    const int64_t r = p.chunk_major ? it / p.n_tiles : it % per_tile;
     if (s < 0 || r < seqs[s].item0) {
       // Last sequence whose first item is <= r.
       s = std::upper_bound(seqs, seqs + p.nseq, r,
@@ -881,12 +889,18 @@ void fwd_range_t(const Params& p, int64_t begin, int64_t end) {
     }
     while (s + 1 < p.nseq && seqs[s + 1].item0 <= r) ++s;
     const Seq& sq = seqs[s];
-    if (!sq.pad && tile != taps_tile) {
+    float* wt = p.chunk_major ? kept.data() + tile * kTapSet : one;
+    const bool need = p.chunk_major ? converted[tile] == 0 : tile != taps_tile;
+    if (!sq.pad && need) {
       const int64_t c0 = tile * p.tile_c;
-      load_taps<W>(p, c0, std::min(p.dim, c0 + p.tile_c) - c0, wt, bt);
-      taps_tile = tile;
+      load_taps<W>(p, c0, std::min(p.dim, c0 + p.tile_c) - c0, wt, wt + W * kTileC);
+      if (p.chunk_major) {
+        converted[tile] = 1;
+      } else {
+        taps_tile = tile;
+      }
     }
-    fwd_item<T, W, SILU>(p, sq, r - sq.item0, tile, wt, bt, sp);
+    fwd_item<T, W, SILU>(p, sq, r - sq.item0, tile, wt, wt + W * kTileC, sp);
   }
 }
 

@@ -58,12 +58,14 @@ struct Params {
   int64_t n_tiles;     // channel tiles per row
   int64_t tile_c;      // channels per tile (<= kTileC, a multiple of kTileAlign); the last may be narrower
   int64_t items_per_tile;  // fwd: sum over sequences of their time chunks
+  bool chunk_major;    // fwd: items numbered chunk-major (below), else tile-major
   bool block_path;     // fwd: alias-safe block path allowed (not in place,
                        // x small enough to be cache-resident)
 };
 
 // Work-range entry points, one set per ISA build. Items are numbered
-//  fwd:    tile * items_per_tile + seq.item0 + chunk
+//  fwd, tile-major:  tile * items_per_tile + seq.item0 + chunk
+//  fwd, chunk-major: (seq.item0 + chunk) * n_tiles + tile
 //  update: (batch row / chunk_t) * n_tiles + tile
 using RangeFn = void (*)(const Params&, int64_t begin, int64_t end);
 
