@@ -13,7 +13,7 @@ import torch
 
 import kernel_variants as kv
 from kernel_variants._runtime import callcore as _callcore
-from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._runtime.dispatcher import Dispatcher, dispatcher
 from kernel_variants._runtime.errors import VariantFailed, result_error
 from kernel_variants._runtime.pins import pins_in_context
 from kernel_variants.kernels.cpu_native import _build
@@ -346,6 +346,50 @@ def test_invalidation_clears_the_core(reference_only, path, python_calls):
         assert len(core) == 0
         kv.causal_conv1d_fn(**_fn_call())
         assert python_calls[0] == n + 1, "after invalidation the Python path decides again"
+
+
+def test_a_reload_while_a_call_decides_leaves_the_core_no_stale_entry(with_variants, path, monkeypatch):
+    """Another thread's ``kv.reload()`` landing while a call decides (here: from inside the
+    decision): that call runs its decision but teaches the cores nothing, or they would serve the
+    old dispatcher's decision to every later call; the new dispatcher (here: a new pin) decides
+    from the next call on, as on the Python path."""
+    seen: list = []
+    reloaded: list = []
+    path(True)
+    with_variants(_recording(FN, seen))
+    decide = Dispatcher.decide
+
+    def reloading(self, *args, **kwargs):
+        chosen = decide(self, *args, **kwargs)
+        if not reloaded:
+            reloaded.append(True)
+            monkeypatch.setenv("KV_FORCE", f"{FN}=rec")
+            with_variants(_recording(FN, seen))
+        return chosen
+
+    monkeypatch.setattr(Dispatcher, "decide", reloading)
+    kv.causal_conv1d_fn(**_fn_call())
+    assert reloaded and seen == [], "the straddling call ran the old dispatcher's choice"
+    assert len(_callcore.core_for(FN_SPEC)) == 0, "and taught the core nothing"
+    kv.causal_conv1d_fn(**_fn_call())
+    kv.causal_conv1d_fn(**_fn_call())
+    assert len(seen) == 2, "the new dispatcher's pin serves the later calls"
+
+
+@pytest.mark.parametrize("n", [0, 3, len(FN_SPEC.params) + 2])
+def test_an_entry_called_without_the_op_s_arguments_raises_the_same_on_both_paths(reference_only, path, n):
+    """The core hands a call of the wrong arity to the Python path, which says what is wrong."""
+    raised = {}
+    for on in (True, False):
+        path(on)
+        entry = _callcore.slot_of(FN_SPEC).entry
+        kv.causal_conv1d_fn(**_fn_call())  # the core found and serving
+        with pytest.raises((TypeError, IndexError)) as err:
+            entry(*([None] * n))
+        raised[on] = (type(err.value), str(err.value))
+    assert raised[True] == raised[False]
+    if n:
+        assert raised[True][0] is TypeError and "its entry (what make_op returns)" in raised[True][1]
 
 
 def test_a_force_block_is_its_own_key_and_unforced_calls_are_not_served_its_entry(with_variants, path, python_calls):

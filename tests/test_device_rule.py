@@ -524,6 +524,44 @@ def test_a_failing_device_rule_is_not_blamed_on_the_variant(accelerator, monkeyp
     assert not _RECEIVED, "the variant never ran"
 
 
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+@pytest.mark.parametrize("result", ["list", "longer", "shorter"])
+def test_a_rule_that_returns_other_than_the_op_s_arguments_raises_the_same_everywhere(
+        accelerator, monkeypatch, python_calls, result, core):
+    """A device rule hands on the op's arguments as a tuple of as many; anything else is the
+    rule's TypeError, one message, before the variant runs: from the first call (the Python
+    path), the repeated one (the core, where it is on) and ``kv.bind``'s object alike."""
+    monkeypatch.setenv(_callcore.ENV, "1" if core else "0")
+    _, op, kwargs = next(f for f in FORMS if f[0] == "update idx")
+    spec = dispatcher().registry.spec(op)
+    planned = spec.device_rule
+    bend = {"list": list, "longer": lambda a: (*a, None), "shorter": lambda a: a[:-1]}[result]
+
+    def rule(caps, *args):
+        made = planned(caps, *args)
+        return None if made is None else (lambda a: bend(made(a)))
+
+    object.__setattr__(spec, "device_rule", rule)  # a frozen dataclass: restored below
+    messages = set()
+    try:
+        with kv.force(**{op: "rewritten"}):
+            bound = kv.bind(op, **kwargs)
+            for call in (lambda: getattr(kv, op)(**kwargs), lambda: getattr(kv, op)(**kwargs),
+                         lambda: bound(**kwargs)):
+                with pytest.raises(TypeError) as err:
+                    call()
+                messages.add(str(err.value))
+            served = python_calls[0]
+    finally:
+        object.__setattr__(spec, "device_rule", planned)
+    got = "list" if result == "list" else f"a tuple of {len(spec.params) + (1 if result == 'longer' else -1)}"
+    assert messages == {f"the op's device rule: expected it to return a tuple of the op's {len(spec.params)} "
+                        f"arguments, got {got}"}
+    on = _callcore.status()[0]
+    assert (served == 1) is on, "the core served the repeated call where it is on"
+    assert not _RECEIVED, "the variant never ran"
+
+
 @pytest.mark.parametrize("name", ["update idx", "update idx accepted"])
 def test_a_variant_that_counts_in_its_kernel_gets_no_rule_and_a_c_level_bind(accelerator, name, python_calls):
     """``counts_bad_values``: no rule is planned for its calls, so nothing runs between the call

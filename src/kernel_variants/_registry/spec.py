@@ -66,8 +66,8 @@ class OpSpec:
       ``kv.check_errors()``, on every call with the same memo signature; or None when such
       calls need no rule (nothing to check, or a variant whose kernel checks and counts itself),
       so that they pay nothing for it. It is planned from the caller's arguments; ``rule``
-      receives them normalised (below) and must return a tuple of the same length (the call
-      core raises TypeError otherwise). Its errors reach the caller as raised, not as the
+      receives them normalised (below) and must return a tuple of the same length (else a
+      TypeError, on every call path). Its errors reach the caller as raised, not as the
       variant's ``VariantFailed``.
     - ``normalize``: per non-tensor parameter, the value variants receive (``"swish"`` ->
       ``"silu"``); applied once per memoised signature.

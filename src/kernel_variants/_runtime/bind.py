@@ -16,7 +16,7 @@ from kernel_variants._policy import Decision
 from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime import call as _call
 from kernel_variants._runtime import callcore
-from kernel_variants._runtime.call import finish, out_runner, with_subs
+from kernel_variants._runtime.call import finish, out_runner, run_rule, with_subs
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._runtime.errors import (
     capture_error,
@@ -109,7 +109,7 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     namespace: dict[str, Any] = {
         "_with": with_subs, "_fn": fn, "_check_values": checks, "_changed": _changed(spec, fixed, tuple(args[i] for i in fixed)),
         "_out": _bound_out(spec, vid, fn, caps, subs, rule), "_variant_failed": variant_failed, "_spec": spec,
-        "_vid": vid, "_rule": rule, "_invoke": spec.invoke, "_subs": subs, "_guard": guard,
+        "_vid": vid, "_rule": rule, "_run_rule": run_rule, "_invoke": spec.invoke, "_subs": subs, "_guard": guard,
         "_unlike": _unlike(spec, args, grad), "_grad_enabled": torch.is_grad_enabled,
         "_capturing": _capturing(key.device), "_capture_error": lambda: capture_error(spec, vid, key.device),
     }
@@ -133,7 +133,7 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
                           for k, i in enumerate(fixed)) or "False"
     # The op's device rule runs before the variant's try, as on every other path: its failure is
     # not the variant's.
-    ruled = f"    _a = _rule(_with(({names},), _subs))\n" if rule is not None else ""
+    ruled = f"    _a = _run_rule(_rule, _with(({names},), _subs))\n" if rule is not None else ""
     run = "_invoke(_fn, _a)" if rule is not None else f"_fn({', '.join(call_args)})"
     src = (f"def bound({params}):\n"
            f"    if {differs}:\n"
@@ -262,7 +262,7 @@ def _bound_out(spec: OpSpec, vid: str, fn: Callable[..., Any], caps: Any, subs: 
         direct = caps.takes_out and all(o.is_contiguous() for o in spec.out_tensors(out))
         args = with_subs(args, subs)
         if rule is not None:
-            args = rule(args)
+            args = run_rule(rule, args)
         try:
             return out_runner(spec, direct, caps.in_place)(fn, args, out, aliased)
         except Exception as exc:

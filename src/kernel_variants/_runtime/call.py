@@ -16,7 +16,7 @@ from typing import Any
 from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime import callcore
 from kernel_variants._runtime.dispatcher import Hit, dispatcher
-from kernel_variants._runtime.errors import entry_error, variant_failed
+from kernel_variants._runtime.errors import entry_error, rule_result_error, variant_failed
 from kernel_variants._runtime.guards import write_plan
 from kernel_variants._runtime.pins import pins_in_context
 
@@ -82,9 +82,13 @@ def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None, core: Any = None)
     """Validate, decide (memoised) and run one call of ``spec``; ``args`` in signature order,
     ``out`` as the public function takes it (None, a tensor, or one per output). ``core``: the
     compiled call core that handed this call over, taught the memoised entry before it runs."""
-    if len(args) != len(spec.params):  # the core checks the same before it hands a call over
+    if len(args) != len(spec.params):  # the core hands such a call here
         raise entry_error(spec, len(args))
     d = dispatcher()
+    # Read before the memo: another thread's reload or invalidation after it makes this call's
+    # entry one the cores must not be taught (they were cleared meanwhile; learn compares, and
+    # a reload sets the new dispatcher before it clears them).
+    generation = callcore.generation()
     try:
         sig = spec.memo_key(args, pins_in_context())
         if out is not None:
@@ -104,16 +108,25 @@ def call(spec: OpSpec, args: tuple[Any, ...], out: Any = None, core: Any = None)
     # Taught only what it can key and run (callcore.serves): another device's call would be
     # refused there on every call, at a frame and a key build (~1 us) each time.
     if (core is not None and sig is not None and sig in d.memo  # not one kept out of the memo
-            and callcore.serves(core, args[spec.tensor_indices[0]], hit.checks is not None)):
-        callcore.learn(core, spec, args, out, hit)
+            and d is dispatcher() and callcore.serves(core, args[spec.tensor_indices[0]], hit.checks is not None)):
+        callcore.learn(core, spec, args, out, hit, generation)
     if hit.subs:
         args = with_subs(args, hit.subs)
     if hit.rule is not None:
-        args = hit.rule(args)
+        args = run_rule(hit.rule, args)
     try:
         return hit.invoke(hit.fn, args) if out is None else hit.invoke(hit.fn, args, out, aliased)
     except Exception as exc:
         raise variant_failed(spec, hit.vid, exc) from exc
+
+
+def run_rule(rule: Callable[[tuple[Any, ...]], Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The arguments the variant gets off the CPU: ``rule(args)``, which must be a tuple of as
+    many (the compiled call core raises the same TypeError)."""
+    ruled = rule(args)
+    if not isinstance(ruled, tuple) or len(ruled) != len(args):
+        raise rule_result_error(ruled, len(args))
+    return ruled
 
 
 def with_subs(args: tuple[Any, ...], subs: tuple[tuple[int, Any], ...]) -> tuple[Any, ...]:

@@ -365,17 +365,32 @@ def rearm() -> None:
     FUNCTIONS.reset()
 
 
+_generation = 0  # how many times the cores forgot their entries
+_learn_lock = threading.RLock()  # a core's learn may run Python code (hashing a value)
+
+
+def generation() -> int:
+    """What :func:`learn` compares: read by a call before it reads the memo."""
+    return _generation
+
+
 def clear_all() -> None:
-    """Forget every core's entries (the Python memo was cleared)."""
-    for core in list(_cores.values()):
-        core.clear()
+    """Forget every core's entries (the Python memo was cleared, or a new dispatcher made)."""
+    global _generation
+    with _learn_lock:
+        _generation += 1
+        for core in list(_cores.values()):
+            core.clear()
 
 
-def learn(core: Any, spec: OpSpec, args: tuple[Any, ...], out: Any, hit: Hit) -> None:
-    """Hand ``core`` the entry the Python path memoised for this call. A hit the core cannot
-    run (an ``out=`` runner, a write guard or value check it cannot read) is kept as the Python
-    path's, so the core hands such calls over without asking again. A device rule the core
-    calls as the Python path does (``rule(args)``, after the normalised values)."""
+def learn(core: Any, spec: OpSpec, args: tuple[Any, ...], out: Any, hit: Hit, since: int) -> None:
+    """Hand ``core`` the entry the Python path memoised for this call, unless the cores were
+    cleared after the call read the memo (``since``: :func:`generation` then): another thread's
+    reload or invalidation would otherwise leave the old decision in the core, serving calls the
+    Python path decides again. A hit the core cannot run (an ``out=`` runner, a write guard or
+    value check it cannot read) is kept as the Python path's, so the core hands such calls over
+    without asking again. A device rule the core calls as the Python path does (``rule(args)``,
+    after the normalised values)."""
     if not hasattr(core, "learn"):  # the slot's resolver: another thread re-armed it meanwhile
         return
     vid, fn, invoke, subs, guard, checks, rule = hit.vid, hit.fn, hit.invoke, hit.subs, hit.guard, hit.checks, hit.rule
@@ -395,6 +410,8 @@ def learn(core: Any, spec: OpSpec, args: tuple[Any, ...], out: Any, hit: Hit) ->
             guards = declared[0]
         else:
             python_only = True
-    core.learn(args, out, fn, vid, subs, data, gate, py_checks, guards, python_only, rule)
+    with _learn_lock:
+        if since == _generation:
+            core.learn(args, out, fn, vid, subs, data, gate, py_checks, guards, python_only, rule)
 
 

@@ -29,6 +29,12 @@ def result_error(name: str, n_out: int, got: Any) -> TypeError:
     return TypeError(f"{name}: expected its variant to return {expected} in a compiled graph, got {got_text}")
 
 
+def rule_result_error(got: Any, n: int) -> TypeError:
+    """An op's device rule that returned something other than the op's ``n`` arguments as a tuple."""
+    got_text = f"a tuple of {len(got)}" if isinstance(got, tuple) else type(got).__name__
+    return TypeError(f"the op's device rule: expected it to return a tuple of the op's {n} arguments, got {got_text}")
+
+
 def inference_error(name: str) -> ValueError:
     return ValueError(f"{name}: an inference tensor (made under torch.inference_mode) cannot be "
                       "updated outside inference mode; allocate it outside, or call inside inference_mode")

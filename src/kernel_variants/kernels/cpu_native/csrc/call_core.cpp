@@ -526,8 +526,10 @@ bool apply_rule(PyObject* rule, int n, PyObject** stack, THPObjectPtr& ruled) {
   ruled = PyObject_CallOneArg(rule, tup.get());
   if (!ruled) return false;
   if (!PyTuple_Check(ruled.get()) || PyTuple_GET_SIZE(ruled.get()) != n) {
-    PyErr_Format(PyExc_TypeError, "the op's device rule returned %s, where a tuple of its %d arguments was expected",
-                 Py_TYPE(ruled.get())->tp_name, n);
+    // The Python path's exception (errors.rule_result_error), so that both paths raise the same.
+    THPObjectPtr errors(PyImport_ImportModule("kernel_variants._runtime.errors"));
+    THPObjectPtr exc(errors ? PyObject_CallMethod(errors.get(), "rule_result_error", "Oi", ruled.get(), n) : nullptr);
+    if (exc) PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.get())), exc.get());
     return false;
   }
   for (int i = 0; i < n; ++i) stack[i + 1] = PyTuple_GET_ITEM(ruled.get(), i);
@@ -617,9 +619,7 @@ PyObject* core_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, 
   State* st = reinterpret_cast<CallCore*>(self)->st;
   Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
   if (nargs != st->n + 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0)) {
-    PyErr_Format(PyExc_TypeError, "CallCore: expected the op's %d arguments in signature order and out, got %zd",
-                 st->n, nargs);
-    return nullptr;
+    return Py_NewRef(st->miss);  // the Python path says what is wrong (errors.entry_error)
   }
   return serve_or_miss(st, args);
 }
