@@ -1079,6 +1079,10 @@ PyObject* bound_fallback(BoundState* st, PyObject* const* args, size_t nargsf, P
 
 PyObject* bound_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   BoundState* st = reinterpret_cast<BoundCore*>(self)->st;
+  if (st == nullptr) {  // cleared by the GC breaking a cycle, then called from a finalizer
+    PyErr_SetString(PyExc_RuntimeError, "a cleared bound op");
+    return nullptr;
+  }
   Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
   int total = st->n + 1;
   PyObject* slot[kMaxParams + 1] = {};
@@ -1286,10 +1290,6 @@ void bound_dealloc(PyObject* self) {
 }
 
 PyObject* bound_call(PyObject* self, PyObject* args, PyObject* kwargs) {
-  if (reinterpret_cast<BoundCore*>(self)->st == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "a cleared bound op");
-    return nullptr;
-  }
   return PyVectorcall_Call(self, args, kwargs);
 }
 
