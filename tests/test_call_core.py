@@ -1024,7 +1024,7 @@ def test_an_output_sharing_an_inputs_storage_is_copied_on_both_paths(path, on):
     """A torch.library op's output may not alias an input: the compiled graph's kernel copies it."""
     path(on)
     x, other = torch.randn(4, 3), torch.randn(2)
-    fresh = _callcore.FUNCTIONS
+    from kernel_variants._runtime.core_functions import FUNCTIONS as fresh
     view = x[1:]
     got = fresh.unaliased(view, x, other, None)
     assert torch.equal(got, view) and got.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
@@ -1139,7 +1139,7 @@ def test_a_step_s_views_are_reused_only_where_nothing_holds_them(path):
     import weakref
 
     import kernel_variants.integrations._fast  # noqa: F401  (provides the steps)
-    from kernel_variants._runtime.callcore import FUNCTIONS
+    from kernel_variants._runtime.core_functions import FUNCTIONS
 
     path(True)
     seen, held, refs, seen_types = [], [], [], []
@@ -1288,7 +1288,7 @@ def test_kept_views_survive_dispatch_keys_that_come_and_go(path):
     turn, three at once from a prefill step: every place is taken, the oldest view is let go
     for a new key set, and each step's writes land in its own pool."""
     import kernel_variants.integrations._fast  # noqa: F401  (provides the steps)
-    from kernel_variants._runtime.callcore import FUNCTIONS
+    from kernel_variants._runtime.core_functions import FUNCTIONS
 
     path(True)
 

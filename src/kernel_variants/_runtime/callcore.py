@@ -19,7 +19,6 @@ checks (:func:`serves`).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
 import os
@@ -74,6 +73,8 @@ _lock = threading.Lock()
 _loaded: dict[str, tuple[ModuleType | None, str | None]] = {}  # .so path -> (module, why not)
 _cores: dict[tuple[str, OpSpec], Any] = {}  # (the module's file, the op) -> the op's CallCore
 _announced = False
+_generation = 0  # see generation()
+_learn_lock = threading.RLock()  # a core's learn may run Python code (hashing a value)
 
 
 def _off(raw: str) -> bool:
@@ -164,6 +165,14 @@ def _kinds(spec: OpSpec) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     return kinds, tuple(i in spec.mutated_indices for i in range(len(spec.params)))
 
 
+def _check_data(checks: Callable[..., None]) -> tuple[Any, Any, Callable[..., None] | None]:
+    """A hit's index value checks as the core takes them: (data, the device gate, None) where
+    declared as data it reads, else (None, None, the check, which the core calls as it is)."""
+    declared = getattr(checks, "declared", None)
+    data = declared.core_data() if isinstance(declared, ValuePlan) else None
+    return (data, declared.device, None) if data is not None else (None, None, checks)
+
+
 def _make(spec: OpSpec, module: ModuleType) -> Any:
     """The CallCore of ``spec``: its parameters as the core reads them."""
     kinds, mutated = _kinds(spec)
@@ -249,13 +258,7 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
     if any(example[i] is not None and type(example[i]) not in (torch.Tensor, torch.nn.Parameter)
            for i in spec.tensor_indices):  # a subclass may see its own __torch_function__
         return None
-    data = gate = py_checks = None
-    if checks is not None:
-        declared = getattr(checks, "declared", None)
-        if isinstance(declared, ValuePlan):
-            data, gate = declared.core_data(), declared.device
-        if data is None:
-            py_checks, gate = checks, None
+    data, gate, py_checks = _check_data(checks) if checks is not None else (None, None, None)
     kinds, mutated = _kinds(spec)
     npos = len(spec.positional)
 
@@ -299,49 +302,7 @@ class Slot:
 
 
 _slots: list[Slot] = []
-
-
-def _unaliased_py(res: Any, *args: Any) -> Any:
-    ptrs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-
-    def fresh(o: Any) -> Any:  # not a tensor: handed back, for torch to say what the schema expected
-        return o.clone() if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in ptrs else o
-
-    return tuple(fresh(o) for o in res) if isinstance(res, (tuple, list)) else fresh(res)
-
-
-class Functions:
-    """The core extension's module functions, each in C where the core serves and else in the
-    Python its user provided (:meth:`provide`); found at first use after each :func:`rearm`.
-
-    ``unaliased(result, *args)`` is the runtime's own: ``result`` (a tensor, or a tuple or list
-    of them: a tuple), each output that shares storage with a tensor argument replaced by a clone
-    (a ``torch.library`` op's output may not alias an input). The engine adapters provide theirs
-    (``integrations._fast``).
-    """
-
-    def __init__(self) -> None:
-        self._python: dict[str, Callable[..., Any]] = {}
-
-    def provide(self, name: str, python: Callable[..., Any]) -> None:
-        """``FUNCTIONS.<name>``: the core's function of that name, or ``python`` (the same
-        results) where the core is off, not built, or without it."""
-        self._python[name] = python
-        setattr(self, name, functools.partial(self._resolve, name))
-
-    def reset(self) -> None:
-        for name in self._python:
-            setattr(self, name, functools.partial(self._resolve, name))
-
-    def _resolve(self, name: str, *args: Any) -> Any:
-        module = None if _off(os.environ.get(ENV, "")) else _library()[0]
-        for n, python in self._python.items():
-            setattr(self, n, getattr(module, n, None) or python)
-        return getattr(self, name)(*args)
-
-
-FUNCTIONS = Functions()
-FUNCTIONS.provide("unaliased", _unaliased_py)
+ON_REARM: list[Callable[[], None]] = []  # called by each rearm (core_functions: find them again)
 
 
 def arm(spec: OpSpec) -> Slot:
@@ -362,15 +323,12 @@ def rearm() -> None:
     clear_all()
     for slot in _slots:
         slot.core = slot._resolve
-    FUNCTIONS.reset()
-
-
-_generation = 0  # how many times the cores forgot their entries
-_learn_lock = threading.RLock()  # a core's learn may run Python code (hashing a value)
+    for hook in ON_REARM:
+        hook()
 
 
 def generation() -> int:
-    """What :func:`learn` compares: read by a call before it reads the memo."""
+    """How many times the cores forgot their entries: what :func:`learn` compares."""
     return _generation
 
 
@@ -385,24 +343,15 @@ def clear_all() -> None:
 
 def learn(core: Any, spec: OpSpec, args: tuple[Any, ...], out: Any, hit: Hit, since: int) -> None:
     """Hand ``core`` the entry the Python path memoised for this call, unless the cores were
-    cleared after the call read the memo (``since``: :func:`generation` then): another thread's
-    reload or invalidation would otherwise leave the old decision in the core, serving calls the
-    Python path decides again. A hit the core cannot run (an ``out=`` runner, a write guard or
-    value check it cannot read) is kept as the Python path's, so the core hands such calls over
-    without asking again. A device rule the core calls as the Python path does (``rule(args)``,
-    after the normalised values)."""
+    cleared since the call read the memo (``since``: :func:`generation` then; another thread's
+    reload or invalidation). A hit the core cannot run (an ``out=`` runner, a write guard or value
+    check it cannot read) is kept as the Python path's, so the core hands such calls over without
+    asking again. A device rule the core calls as the Python path does (``rule(args)``)."""
     if not hasattr(core, "learn"):  # the slot's resolver: another thread re-armed it meanwhile
         return
     vid, fn, invoke, subs, guard, checks, rule = hit.vid, hit.fn, hit.invoke, hit.subs, hit.guard, hit.checks, hit.rule
     python_only = invoke is not spec.invoke or out is not None
-    data = py_checks = gate = None
-    if checks is not None and not python_only:
-        declared = getattr(checks, "declared", None)
-        if isinstance(declared, ValuePlan):
-            data = declared.core_data()
-            gate = declared.device
-        if data is None:  # not declared as data the core reads: it calls the check as it is
-            py_checks, gate = checks, None
+    data, gate, py_checks = _check_data(checks) if checks is not None and not python_only else (None, None, None)
     guards: tuple[Any, ...] = ()
     if guard is not None and not python_only:
         declared = getattr(guard, "declared", None)

@@ -64,6 +64,7 @@ from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime import callcore
 from kernel_variants._runtime.bind import _params_source, grad_source
 from kernel_variants._runtime.call import MADE, ON_MADE, call
+from kernel_variants._runtime.core_functions import FUNCTIONS
 from kernel_variants._runtime.errors import result_error
 
 NAMESPACE = "kernel_variants"
@@ -202,7 +203,7 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
     bad = functools.partial(result_error, spec.name, n_out)
     namespace: dict[str, Any] = {"_slot": callcore.slot_of(spec), "_miss": callcore.MISS, "_call": call,
                                  "_graph": callcore.GRAPH, "_bad": bad, "_outputs": _outputs, "_Tensor": torch.Tensor,
-                                 "_spec": spec, "_c": callcore.FUNCTIONS, "_torch": torch, "_eager": _eager(spec),
+                                 "_spec": spec, "_c": FUNCTIONS, "_torch": torch, "_eager": _eager(spec),
                                  "_grad_enabled": torch.is_grad_enabled}
     tensors = ", ".join(spec.params[i] for i in spec.tensor_indices)
     if n_out == 1:

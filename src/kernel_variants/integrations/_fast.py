@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from kernel_variants._runtime.callcore import FUNCTIONS as _C
 from kernel_variants._runtime.callcore import slot_of
+from kernel_variants._runtime.core_functions import FUNCTIONS as _C
 from kernel_variants.integrations._layout import as_activation
 from kernel_variants.ops.causal_conv1d import FN_SPEC, UPDATE_SPEC
 
