@@ -10,7 +10,8 @@ figures a table lacks, :func:`table`, :func:`stale_rows`,
 :func:`recorded`, :func:`clear_table`, :func:`export_table`, :func:`import_table`); head-to-heads
 (:func:`compare`, :class:`HeadToHead`); this installation (:func:`op_specs`, :func:`info`,
 :func:`build`, :func:`dtype_name`, :func:`read_sweep`); checks (:func:`check_errors`,
-:func:`check_agreement`); and :func:`reload`. Plugin authors use :mod:`kernel_variants.plugin`,
+:func:`check_agreement`); shadow verification of live calls (:func:`shadow`,
+:func:`shadow_report`, :func:`replay_mismatch`, :func:`clear_shadow`); and :func:`reload`. Plugin authors use :mod:`kernel_variants.plugin`,
 engines :mod:`kernel_variants.integrations`.
 
 Names are imported on first use, so ``import kernel_variants`` (and ``kv --help``) does not pay
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
         build,
         calibrate,
         check_agreement,
+        clear_shadow,
         clear_table,
         clear_verdicts,
         compare,
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
         qualify,
         read_sweep,
         recorded,
+        replay_mismatch,
+        shadow,
+        shadow_report,
         stale_rows,
         table,
         verdicts,
@@ -52,6 +57,7 @@ if TYPE_CHECKING:
     from kernel_variants._runtime.device_errors import check_errors
     from kernel_variants._runtime.dispatcher import force
     from kernel_variants._runtime.errors import VariantFailed
+    from kernel_variants._runtime.shadow import ShadowMismatch
     from kernel_variants._table.store import CalibrationWarning
     from kernel_variants._tuning.timing import TimingConfig
     from kernel_variants.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
@@ -108,10 +114,15 @@ _LAZY = {
     "op_specs": "kernel_variants._api",
     "dtype_name": "kernel_variants._api",
     "read_sweep": "kernel_variants._api",
+    "shadow": "kernel_variants._api",
+    "shadow_report": "kernel_variants._api",
+    "replay_mismatch": "kernel_variants._api",
+    "clear_shadow": "kernel_variants._api",
     "check_errors": "kernel_variants._runtime.device_errors",
     "TimingConfig": "kernel_variants._tuning.timing",
     # What the functions above raise or warn (what they return: kernel_variants.types).
     "CalibrationWarning": "kernel_variants._table.store",
+    "ShadowMismatch": "kernel_variants._runtime.shadow",
     "NoVariantError": "kernel_variants._policy",
     "VariantFailed": "kernel_variants._runtime.errors",
 }
@@ -176,6 +187,7 @@ def reload() -> None:
 __all__ = [
     "CalibrationWarning",
     "NoVariantError",
+    "ShadowMismatch",
     "TimingConfig",
     "VariantFailed",
     "__version__",
@@ -187,6 +199,7 @@ __all__ = [
     "causal_conv1d_update",
     "check_agreement",
     "check_errors",
+    "clear_shadow",
     "clear_table",
     "clear_verdicts",
     "compare",
@@ -203,6 +216,9 @@ __all__ = [
     "read_sweep",
     "recorded",
     "reload",
+    "replay_mismatch",
+    "shadow",
+    "shadow_report",
     "stale_rows",
     "table",
     "variants",

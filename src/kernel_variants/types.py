@@ -9,6 +9,7 @@ from kernel_variants._api import (
     CalibrationPlan,
     HeadToHead,
     JobResult,
+    ShadowReport,
     ShapeComparison,
     SystemInfo,
     TableRow,
@@ -16,6 +17,7 @@ from kernel_variants._api import (
 from kernel_variants._policy import Decision
 from kernel_variants._registry.registry import RegisteredVariant
 from kernel_variants._runtime.bind import BoundOp
+from kernel_variants._runtime.shadow import ShadowCount
 from kernel_variants._table.rows import Verdict
 from kernel_variants._tuning.calibrate import CalibrationResult, Progress
 
@@ -30,6 +32,8 @@ __all__ = [
     "JobResult",
     "Progress",
     "RegisteredVariant",
+    "ShadowCount",
+    "ShadowReport",
     "ShapeComparison",
     "SystemInfo",
     "TableRow",

@@ -22,6 +22,13 @@ from kernel_variants._api.exchange import (
 )
 from kernel_variants._api.plan import CalibrationJob, CalibrationPlan, JobResult, plan_calibration
 from kernel_variants._api.qualification import QUALIFY_DTYPES, clear_verdicts, qualify, verdicts
+from kernel_variants._api.shadowing import (
+    ShadowReport,
+    clear_shadow,
+    replay_mismatch,
+    shadow,
+    shadow_report,
+)
 from kernel_variants._api.system import (
     BuildResult,
     SystemInfo,
@@ -39,6 +46,7 @@ __all__ = [
     "CalibrationPlan",
     "HeadToHead",
     "JobResult",
+    "ShadowReport",
     "ShapeComparison",
     "SystemInfo",
     "TableRow",
@@ -46,6 +54,7 @@ __all__ = [
     "calibrate",
     "check_agreement",
     "check_shapes",
+    "clear_shadow",
     "clear_table",
     "clear_verdicts",
     "compare",
@@ -60,6 +69,9 @@ __all__ = [
     "read_sweep",
     "recorded",
     "recorder",
+    "replay_mismatch",
+    "shadow",
+    "shadow_report",
     "stale_rows",
     "table",
     "verdicts",

@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("export", "write this device's table as a JSON document"),
     "import": ("import_", "merge a table document into this machine's table"),
     "info": ("info", "device fingerprint, cache location, table size, plugins"),
+    "shadow": ("shadow", "what shadow verification of live calls found (KV_SHADOW), and replays"),
 }
 
 

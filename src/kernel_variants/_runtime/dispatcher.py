@@ -36,7 +36,8 @@ from kernel_variants._policy import (
 )
 from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.registry import RegisteredVariant, Registry, make_plugin_manager
-from kernel_variants._runtime import callcore
+from kernel_variants._registry.spec import OpSpec
+from kernel_variants._runtime import callcore, shadow
 from kernel_variants._runtime.pins import _pins, check_tactics, parse_force
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
 from kernel_variants._table.rows import DEFAULT_MARGIN, DEFAULT_PRUNE, key_parts, key_text
@@ -99,6 +100,7 @@ class Dispatcher:
         self._recorded: set[str] = set()  # keys this process has recorded (or tried to)
         self._record_lock = threading.Lock()
         self._table: CalibrationTable | None = None
+        shadow.configure(env, None)  # KV_SHADOW: a sampled share of calls checked against the reference
         # KV_QUALIFY: who may be chosen (require: qualified variants only; strict: and checked
         # at a shape beyond those they were checked at, first; off: anything that can run).
         # A verdict turning to a failure drops every memoised decision: one may have chosen it.
@@ -242,7 +244,10 @@ class Dispatcher:
         spec = key.spec
         # Normalised arguments depend only on values that are part of the signature.
         subs = tuple((i, spec.normalize[n](args[i])) for i, n in enumerate(spec.params) if n in spec.normalize)
-        hit = Hit(decision.chosen.id, decision.chosen.variant.fn, spec.invoke, subs, guard=None, checks=None, rule=None)
+        fn = decision.chosen.variant.fn
+        if shadow.active() and fn is not spec.reference.fn:
+            fn = shadow.wrap(spec, decision.chosen.id, fn, self.shadow_failed)
+        hit = Hit(decision.chosen.id, fn, spec.invoke, subs, guard=None, checks=None, rule=None)
         if finish is not None:
             hit = finish(decision.chosen, hit)
         if sig is not None and not decision.provisional:
@@ -250,6 +255,20 @@ class Dispatcher:
                 self.memo.clear()
             self.memo[sig] = hit
         return hit
+
+    def shadow_failed(self, spec: OpSpec, vid: str, args: tuple[Any, ...], why: str, *,
+                      oracle: str = "the reference", extra: Mapping[str, Any] | None = None) -> str:
+        """A shadowed call of variant ``vid`` (``args`` in signature order, as it got them)
+        disagreed with ``oracle``: its inputs are saved (``kv shadow --replay``), its verdict for
+        the call's class fails, so no later call is routed to it, and the file's path is returned."""
+        key = spec.key(args, values=False)
+        rv = self.registry.get(spec.name, vid)
+        where = shadow.save_mismatch({
+            "op": spec.name, "variant": vid, "version": rv.version, "oracle": oracle, "reason": why,
+            "key": key_text(key), "fingerprint": fingerprint(key.where), "args": tuple(args), **(extra or {}),
+        })
+        self.qualifier.shadow_failed(rv, key, f"{why} (a live call, against {oracle})", where)
+        return where
 
     def _record(self, key: CallKey, text: str) -> None:
         """KV_RECORD: note a key decided without a measured row, once per process; a record that

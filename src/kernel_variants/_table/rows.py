@@ -175,7 +175,7 @@ class StaleRow:
     measured: str  # the version it was measured with
     current: str  # the registered version now
     why: str
-    legacy: bool  # written by an earlier release (its fingerprint held package versions)
+    legacy: bool  # written by an earlier release (its fingerprint held package versions, or no CPU kind)
     measured_at: float
     key: str  # its storage key
     winner_key: str  # the storage key of the winner row it was decided under
@@ -186,7 +186,8 @@ def stale_reason(m: Measurement, deps_now: dict[str, str], source_now: str = "")
     ``deps_now`` and whose version without them is ``source_now``)."""
     if is_legacy(m.fingerprint):
         versions = ", ".join(f"{k} {m.fingerprint[k]}" for k in ("kernel_variants", "torch") if k in m.fingerprint)
-        why = f"measured by an earlier release ({versions}), before staleness was kept per variant"
+        why = f"measured by an earlier release ({versions}), before staleness was kept per variant" if versions \
+            else "measured by an earlier release, which did not record the CPU's model and ISA level"
         if source_now and m.version != source_now:
             why += "; its source has changed since"
         return why
@@ -212,7 +213,8 @@ class Verdict(BaseModel):
     failed_case: str = ""
     failed_shape: Shape = ()  # where a check at a calibrated shape failed (the edge cases: empty)
     reason: str = ""
-    where: Literal["process", "child"] = "process"
+    where: Literal["process", "child", "shadow"] = "process"  # shadow: a live call failed it
+    evidence: str = ""  # where a shadowed call failed it: the file holding that call's inputs
     seconds: float = 0.0
     # Per shape axis, the largest size a passing check ran at (edge cases and calibrated shapes):
     # beyond it in some axis, the variant runs a shape it was never compared at.
@@ -244,7 +246,8 @@ def parse_verdict(raw: str | None) -> Verdict | None:
 
 def verdict_fingerprint(fp: dict[str, str]) -> dict[str, str]:
     """The part of a device fingerprint a verdict is valid for: not the CPU's thread count, which
-    changes timings but not whether a kernel is right (a verdict holds for every process)."""
+    changes timings but not whether a kernel is right (a verdict holds for every process). The
+    CPU's kind and ISA level stay: a kernel right on one code path says nothing of another."""
     return {k: v for k, v in fp.items() if k != "threads"}
 
 

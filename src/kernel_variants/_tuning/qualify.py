@@ -151,6 +151,14 @@ class Qualifier:
         calibrated shape run again, the largest shapes it passed at kept."""
         from kernel_variants._dtypes import as_dtype
 
+        if not earlier.passed and earlier.where == "shadow":
+            from kernel_variants._tuning.verify import replay
+
+            why = replay(earlier.evidence, rv, key.spec) if earlier.evidence else "its saved inputs are gone"
+            if why is not None:
+                return earlier.model_copy(update={"reason": f"{why} (the live call's inputs, replayed: "
+                                                            f"{earlier.evidence})", "qualified_at": time.time()})
+            return now.model_copy(update={"largest": _widest(now.largest, earlier.largest)})
         if not earlier.passed and earlier.failed_shape:
             at = earlier.failed_shape
             try:
@@ -217,6 +225,20 @@ class Qualifier:
                                                    "qualified_at": time.time()}))
         largest = _widest(v.largest, shape)
         return v if largest == v.largest else self._keep(v.model_copy(update={"largest": largest}))
+
+    def shadow_failed(self, rv: RegisteredVariant, key: CallKey, why: str, evidence: str) -> Verdict:
+        """Fail ``rv``'s class: a shadowed live call at ``key`` disagreed with its oracle (``why``;
+        ``evidence``: the file holding that call's inputs). Only a replay of that file that
+        passes, under ``qualify(redo=True)``, lifts it."""
+        with self._lock:
+            v = self.stored(rv, key)
+            if v is None:  # chosen unchecked (KV_QUALIFY=off, or forced)
+                fp, fpid = self._where(key)
+                v = verdict_from({}, key=key, rv=rv, fingerprint=fp, fingerprint_id=fpid, where="process", seconds=0.0)
+            at = ", ".join(f"{a}={s}" for a, s in zip(key.spec.axes, key.shape, strict=True))
+            return self._keep(v.model_copy(update={"passed": False, "failed_case": f"shadowed call at {at}",
+                                                   "failed_shape": (), "reason": why, "where": "shadow",
+                                                   "evidence": evidence, "qualified_at": time.time()}))
 
     def clear(self, op: str | None = None, variant: str | None = None) -> int:
         """Forget the verdicts (of ``op``, of ``variant``); returns how many went."""

@@ -127,7 +127,24 @@ def _output_problem(name: str, a: object, e: torch.Tensor, out: torch.Tensor | N
 
 def verify(fn: Callable[..., Any], case: Case, expected: Expected | None = None, *,
            out: str | None = None, layout: bool = True) -> str | None:
-    """None when ``fn`` is right on ``case``, else the first thing it got wrong, in one line.
+    """None when ``fn`` is right on ``case``, else the first thing it got wrong, in one line
+    (:func:`judge`'s verdict)."""
+    return judge(fn, case, expected, out=out, layout=layout).why
+
+
+@dataclass
+class Judged:
+    """What :func:`judge` found: ``why`` (None: right), what ``fn`` returned (None where it
+    raised) and the copies it ran on, as it left them (its written tensors among them)."""
+
+    why: str | None
+    got: Any
+    ran_on: _Copy
+
+
+def judge(fn: Callable[..., Any], case: Case, expected: Expected | None = None, *,
+          out: str | None = None, layout: bool = True) -> Judged:
+    """Run ``fn`` on a copy of ``case`` and judge it against the reference's result.
 
     ``out`` calls it with ``out=``: ``"dense"`` hands it fresh contiguous tensors filled with
     NaN, each starting inside a larger allocation (so rows it leaves unwritten, and writes
@@ -149,7 +166,14 @@ def verify(fn: Callable[..., Any], case: Case, expected: Expected | None = None,
     try:
         got = mine.call(fn, **extra)
     except Exception as exc:  # any failure of the candidate is a verdict on it
-        return f"raised {type(exc).__name__}: {exc}".splitlines()[0]
+        return Judged(f"raised {type(exc).__name__}: {exc}".splitlines()[0], None, mine)
+    return Judged(_problem(spec, got, ref_out, ref_written, mine, outs, guards, untouched, layout), got, mine)
+
+
+def _problem(spec: OpSpec, got: Any, ref_out: Any, ref_written: dict[str, torch.Tensor], mine: _Copy,
+             outs: tuple[torch.Tensor, ...] | None, guards: list[tuple[torch.Tensor, int, int, torch.Tensor]],
+             untouched: dict[str, torch.Tensor], layout: bool) -> str | None:
+    """The first thing a variant's call on ``mine`` got wrong (None: nothing)."""
     names = spec.outputs
     if len(names) == 1:
         got_t, want = (got,), (ref_out,)
@@ -225,3 +249,31 @@ def out_forms(spec: OpSpec, caps: Any, case: Case) -> Sequence[str]:
     if caps.in_place and aliases and all(isinstance(a, torch.Tensor) and a.is_contiguous() for a in aliases):
         return ("dense", "in_place")
     return ("dense",)
+
+
+def load_call(path: str) -> dict[str, Any]:
+    """A live call saved by shadow verification (``_runtime.shadow.save_mismatch``): its op,
+    variant, oracle, what was found, and ``args`` in signature order. Plain data and tensors
+    only (``weights_only``): a shared cache directory must not run code when read."""
+    doc = torch.load(path, weights_only=True)
+    if not isinstance(doc, dict) or not {"op", "variant", "args"} <= doc.keys():
+        raise ValueError(f"{path}: not a call saved by kernel_variants' shadow verification")
+    return doc
+
+
+def case_of(spec: OpSpec, args: Sequence[Any]) -> Case:
+    """A call given in signature order as a ``Case`` (keyword-only parameters by name)."""
+    n = len(spec.positional)
+    return Case(spec, tuple(args[:n]), dict(zip(spec.params[n:], args[n:], strict=True)))
+
+
+def replay(path: str, rv: Any, spec: OpSpec) -> str | None:
+    """``rv`` (a registered variant of ``spec``) judged again on the live call saved at ``path``, against
+    the reference: None when it is right there now, else what it gets wrong."""
+    try:
+        doc = load_call(path)
+    except (OSError, ValueError, RuntimeError) as exc:
+        return f"cannot read the saved call ({type(exc).__name__}: {exc})"
+    if doc["op"] != rv.op:
+        return f"the saved call is of {doc['op']}, not {rv.op}"
+    return verify(rv.variant.fn, case_of(spec, doc["args"]))
