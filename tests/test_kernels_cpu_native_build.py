@@ -14,7 +14,7 @@ import pytest
 
 import kernel_variants as kv
 from kernel_variants._cli import main
-from kernel_variants.kernels.cpu_native import _build
+from kernel_variants.kernels.cpu_native import _build, _stamp
 
 
 @pytest.fixture
@@ -35,6 +35,9 @@ def fresh_build_dir(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
+    # A complete build is imported without cpp_extension: the stand-in's empty file as its module.
+    monkeypatch.setattr(_stamp, "import_so", lambda name, so: types.SimpleNamespace(__file__=str(so)))
+    monkeypatch.setattr(_build, "_imported", {})
     kv.reload()
     yield calls
     _build.load_extension.cache_clear()
@@ -182,7 +185,7 @@ def test_four_processes_meeting_a_first_build_build_once_and_all_succeed(tmp_pat
         import time, types
         from pathlib import Path
         from torch.utils import cpp_extension
-        from kernel_variants.kernels.cpu_native import _build
+        from kernel_variants.kernels.cpu_native import _build, _stamp
 
         def fake_load(name, sources, build_directory, **kw):
             so = Path(build_directory) / f"{{name}}.so"
@@ -194,6 +197,7 @@ def test_four_processes_meeting_a_first_build_build_once_and_all_succeed(tmp_pat
             return types.SimpleNamespace(__file__=str(so))
 
         cpp_extension.load = fake_load
+        _stamp.import_so = lambda name, so: types.SimpleNamespace(__file__=str(so))
         print(_build.build(_build.CONV))
     """)
     env = {**os.environ, "KV_BUILD_DIR": str(tmp_path / "build")}

@@ -19,7 +19,6 @@ checks (:func:`serves`).
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import os
 import sys
@@ -82,30 +81,27 @@ def _off(raw: str) -> bool:
 
 
 def _library() -> tuple[ModuleType | None, str]:
-    """(the core's extension module, or None; a short reason when None). Never builds."""
+    """(the core's extension module, or None; a short reason when None). Never builds, and asks
+    neither ninja nor the compiler: a complete build is imported as it is (``_build.load_built``)."""
     from kernel_variants.kernels.cpu_native import _build
 
     try:
         name, build_dir = _build._name_and_dir(_build.CORE)
     except Exception as exc:  # torch or the sources unreadable: say so, serve in Python
         return None, f"cannot locate the build ({type(exc).__name__}: {exc})"
-    path = build_dir / f"{name}.so"
-    if not path.exists():
-        return None, "not built: run kv build"
+    path = str(build_dir / f"{name}.so")
     with _lock:
-        if str(path) not in _loaded:
+        if path not in _loaded:
             try:
-                spec = importlib.util.spec_from_file_location(name, path)
-                if spec is None or spec.loader is None:
-                    raise ImportError(f"{path} is not an extension module")
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
+                module = _build.load_built(_build.CORE)
+                if module is None:  # not kept: a kv build in another process makes it loadable
+                    return None, "not built: run kv build"
                 _SERVED[module.CallCore] = (module, {"cpu"})  # a file without the type is not the core
-                _loaded[str(path)] = (module, None)
+                _loaded[path] = (module, None)
             except Exception as exc:
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                _loaded[str(path)] = (None, f"the build does not load ({first}); run kv build")
-        module, why = _loaded[str(path)]
+                _loaded[path] = (None, f"the build does not load ({first}); run kv build")
+        module, why = _loaded[path]
     return module, why or ""
 
 

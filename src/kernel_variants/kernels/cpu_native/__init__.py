@@ -7,7 +7,8 @@ over sequence chunks that re-read the W-1 rows before them. It reads and writes 
 through its strides, so a non-contiguous view is updated in place.
 
 The extension is compiled at first use (announced on stderr) or by ``kv build``, into a
-persistent per-machine cache (``KV_BUILD_DIR``, default ``~/.cache/kernel_variants/build``).
+persistent per-machine cache (``KV_BUILD_DIR``, default ``~/.cache/kernel_variants/build``); a
+complete build is imported as it is, with no ninja or compiler needed (``_build.load_built``).
 Listing and explaining never build; without a compiler the variant is unavailable with that
 reason, and a failed build makes it unavailable with the compiler's first error.
 """
@@ -91,8 +92,8 @@ _CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(
 def _native(ext: _build.Extension) -> dict:
     """How a variant of ``ext`` probes, builds and says it is built (one build per extension)."""
     # Its speed depends on the compiler that built it and the ISA path it takes, besides torch.
-    return dict(probe=_build.toolchain_missing, depends=("torch", "compiler", "isa"), build=functools.partial(_build.build, ext),
-                is_built=functools.partial(_build.is_built, ext),
+    return dict(probe=functools.partial(_build.toolchain_missing, ext), depends=("torch", "compiler", "isa"),
+                build=functools.partial(_build.build, ext), is_built=functools.partial(_build.is_built, ext),
                 sources=tuple(str(p) for p in _build.source_files(ext)))
 
 

@@ -1,6 +1,13 @@
 """Build / load the fused CPU C++ extensions: one per op family (causal_conv1d,
 gemma_rms_norm), each its own shared object, so a failed build of one leaves the other usable.
 
+A complete build is imported straight from its shared object, after checking the stamp its
+build wrote (the sources' content, flags, $CXX, torch's version and folder): ninja is run only to
+build one that is missing. Asking ninja about an existing build is not safe: the ninja a process
+finds depends on its PATH, and two ninja releases (a virtualenv's and the system's) read each
+other's records as stale, so a process started the other way recompiled inside its first call
+(up to minutes, with no notice and ``is_built()`` True).
+
 Only the standard library is imported at module level so that importing this
 file never fails; torch and the compiler are touched in `load_extension()`.
 """
@@ -20,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from kernel_variants.kernels.cpu_native import _stamp
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 
@@ -86,13 +95,18 @@ def source_files(ext: Extension = CONV) -> list[Path]:
     return [_CSRC / name for name in ext.sources + ext.headers]
 
 
-def _build_tag(torch_version: str, origin: dict[str, str], ext: Extension) -> str:
-    # The .so links against this torch build and this Python's ABI, so both (plus compiler and
-    # flags: the origin) key the cache along with the sources' content.
+def _hash_sources(ext: Extension) -> hashlib._Hash:
     h = hashlib.sha256()
     for path in source_files(ext):
         h.update(path.name.encode())
         h.update(path.read_bytes())
+    return h
+
+
+def _build_tag(torch_version: str, origin: dict[str, str], ext: Extension) -> str:
+    # The .so links against this torch build and this Python's ABI, so both (plus compiler and
+    # flags: the origin) key the cache along with the sources' content.
+    h = _hash_sources(ext)
     h.update(json.dumps({**origin, "torch_version": torch_version}, sort_keys=True).encode())
     return f"{torch_version.split('+')[0]}-{h.hexdigest()[:16]}"
 
@@ -191,15 +205,19 @@ def _prune_superseded(build_dir: Path, origin: dict[str, str]) -> None:
             theirs = json.loads(record.read_text())
             if theirs != origin and not (isinstance(theirs, dict) and _orphaned(record, theirs)):
                 continue
-            with open(other / "kv-build.lock", "w") as handle:  # held while the folder goes
+            with open(other / _stamp.LOCK, "w") as handle:  # held while the folder goes
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 shutil.rmtree(other, ignore_errors=True)
         except (OSError, ValueError):  # unreadable, or its lock held: a build under way there
             continue
 
 
-def toolchain_missing() -> str | None:
-    """Why the extension cannot be built here (no compiler, no ninja), or None; builds nothing."""
+def toolchain_missing(ext: Extension | None = None) -> str | None:
+    """Why an extension cannot be built here (no compiler, no ninja), or None; builds nothing.
+    With ``ext``: None where ``ext`` is built, which loads without either (a serving machine or
+    PATH without ninja still runs what ``kv build`` built)."""
+    if ext is not None and is_built(ext):
+        return None
     from torch.utils import cpp_extension
 
     try:
@@ -210,10 +228,51 @@ def toolchain_missing() -> str | None:
     return None
 
 
+def _inputs(ext: Extension) -> dict[str, object]:
+    """What a build of ``ext`` is made from, as its stamp records it and a load compares: the
+    sources' content (in full: the folder's name holds 16 hex digits of a hash), torch's version
+    and the origin (flags, $CXX, torch's and the sources' folders, Python, machine)."""
+    import torch
+
+    return {"sources_sha256": _hash_sources(ext).hexdigest(), "torch_version": str(torch.__version__),
+            "origin": _origin(ext)}
+
+
 def is_built(ext: Extension = CONV) -> bool:
-    """Whether loading is quick: loaded already, or a build for these sources is on disk."""
+    """Whether loading is quick: loaded already, or a complete build for these sources, flags
+    and torch is on disk (its stamp matches). Runs neither ninja nor the compiler."""
     name, build_dir = _name_and_dir(ext)
-    return (build_dir / f"{name}.so").exists()
+    return str(build_dir / f"{name}.so") in _imported or _stamp.stamped(build_dir, name, _inputs(ext))
+
+
+# A build's .so path -> its module. Two threads may both import it the first time: CPython hands
+# the second the module the first initialised, and no lock held here waits on the folder's lock.
+_imported: dict[str, ModuleType] = {}
+
+
+def _load_stamped(name: str, build_dir: Path, inputs: dict[str, object], *, locked: bool) -> ModuleType | None:
+    """The complete build in ``build_dir`` imported, or None where there is none. ``locked``:
+    the caller holds the folder's lock (exclusively: a shared one would wait on it)."""
+    so = build_dir / f"{name}.so"
+    if str(so) in _imported:
+        return _imported[str(so)]
+    if not _stamp.stamped(build_dir, name, inputs):
+        return None
+    with contextlib.nullcontext() if locked else _stamp.shared_lock(build_dir):
+        if not _stamp.stamped(build_dir, name, inputs):  # pruned or rebuilt while this waited
+            return None
+        module = _imported.setdefault(str(so), _stamp.import_so(name, so))
+    with contextlib.suppress(OSError):
+        os.utime(build_dir / _ORIGIN)  # the record's age is the time since a load (_orphaned)
+    return module
+
+
+def load_built(ext: Extension = CONV) -> ModuleType | None:
+    """The complete build of ``ext`` for these sources, flags and torch, imported from its shared
+    object; None where there is none. Never builds: runs neither ninja nor the compiler. Raises
+    ImportError or OSError where the build does not import."""
+    name, build_dir = _name_and_dir(ext)
+    return _load_stamped(name, build_dir, _inputs(ext), locked=False)
 
 
 @contextlib.contextmanager
@@ -226,7 +285,7 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
     """
     import fcntl
 
-    with open(build_dir / "kv-build.lock", "w") as handle:
+    with open(build_dir / _stamp.LOCK, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # released by the OS if this process dies
         with contextlib.suppress(FileNotFoundError):
             (build_dir / "lock").unlink()
@@ -264,14 +323,30 @@ def _notice(build_dir: Path, ext: Extension) -> Iterator[None]:
 
 @functools.cache
 def load_extension(ext: Extension = CONV) -> ModuleType:
-    """Compile (once per source, flags and torch install) and import the extension.
+    """Import the extension: its complete build where there is one (no ninja, no compiler), else
+    compiled now (once per source, flags and torch install), announced on stderr.
 
     Raises RuntimeError with a one-line reason (plus the build log tail) if
-    the toolchain is missing or the build fails. A build announces itself on stderr.
+    the toolchain is missing, the build fails or a complete build does not import.
     """
+    name, build_dir = _name_and_dir(ext)
+    inputs = _inputs(ext)
+    return _load_or_none(ext, name, build_dir, inputs, locked=False) or _build_and_load(ext, name, build_dir, inputs)
+
+
+def _load_or_none(ext: Extension, name: str, build_dir: Path, inputs: dict[str, object], *, locked: bool
+                  ) -> ModuleType | None:
+    try:
+        return _load_stamped(name, build_dir, inputs, locked=locked)
+    except (ImportError, OSError) as exc:  # stamped, yet it does not import (a torch changed in place)
+        raise RuntimeError(f"cpu_native {ext.name}: the build in {build_dir} does not load "
+                           f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                           "remove that folder and run kv build") from exc
+
+
+def _build_and_load(ext: Extension, name: str, build_dir: Path, inputs: dict[str, object]) -> ModuleType:
     from torch.utils import cpp_extension
 
-    name, build_dir = _name_and_dir(ext)
     with _compiler_env():
         try:
             cpp_extension.verify_ninja_availability()
@@ -279,8 +354,12 @@ def load_extension(ext: Extension = CONV) -> ModuleType:
             raise RuntimeError(f"cannot build cpu_native kernel: ninja not available ({exc})") from exc
         build_dir.mkdir(parents=True, exist_ok=True)
         with _build_lock(build_dir):
-            building = not (build_dir / f"{name}.so").exists()
-            with _notice(build_dir, ext) if building else contextlib.nullcontext():
+            built = _load_or_none(ext, name, build_dir, inputs, locked=True)  # made by one this waited for
+            if built is not None:
+                return built
+            with contextlib.suppress(FileNotFoundError):
+                (build_dir / _stamp.STAMP).unlink()  # ninja may rewrite the .so: nothing may load it meanwhile
+            with _notice(build_dir, ext):
                 try:
                     module = cpp_extension.load(
                         name=name,
@@ -297,13 +376,18 @@ def load_extension(ext: Extension = CONV) -> ModuleType:
                     raise RuntimeError(
                         f"cpu_native {ext.name} build failed ({reason}) [build dir {build_dir}]\n{log}"
                     ) from exc
+            _imported[str(build_dir / f"{name}.so")] = module
             # Each edit of the sources (or upgrade of this package) builds a new folder of a few
             # MB; the ones it supersedes go, so that the cache does not grow with every version.
             origin = _origin(ext)
             with contextlib.suppress(OSError):
                 (build_dir / _ORIGIN).write_text(json.dumps(origin, sort_keys=True) + "\n")
-                if building:
-                    _prune_superseded(build_dir, origin)
+                _prune_superseded(build_dir, origin)
+            # Sources edited while they compiled make a build of neither version: not stamped, so
+            # no later process loads it as the build of what its folder's name says.
+            if _hash_sources(ext).hexdigest() == inputs["sources_sha256"]:
+                with contextlib.suppress(OSError):  # unstamped, it is built again (by ninja) next time
+                    _stamp.write_stamp(build_dir, name, inputs)
             return module
 
 
