@@ -1,14 +1,18 @@
 """The cpu_native C++ build: announced, never started behind a listing or an explanation, not
 blocked by a lock a killed build left, built once when several processes meet it first, and a
-failed build makes the variant unavailable rather than the call fail."""
+failed build makes the variant unavailable rather than the call fail. A complete build is loaded
+as it is, asking no ninja (whichever is first on PATH); one whose stamp does not match what it
+would be built from now is built again, not loaded."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 import types
+from pathlib import Path
 
 import pytest
 
@@ -207,3 +211,134 @@ def test_four_processes_meeting_a_first_build_build_once_and_all_succeed(tmp_pat
     assert [p.returncode for p in procs] == [0] * 4, [err[-500:] for _, err in outs]
     assert log.read_text().count("build") == 1
     assert len({out.strip() for out, _ in outs}) == 1
+
+
+# A loaded build asks nothing of ninja: this child refuses cpp_extension.load, loads the built
+# extension with a ninja first on PATH that leaves a marker and fails, calls it, and only then
+# asks for ninja itself (the control: the stand-in is the one a build would run).
+_LOAD_WITH_OTHER_NINJA = """
+import json, os, sys, time
+import torch
+from torch.utils import cpp_extension
+
+def refuse(*args, **kwargs):
+    raise AssertionError("cpp_extension.load was called for a built extension")
+
+cpp_extension.load = refuse
+import kernel_variants as kv
+from kernel_variants._runtime import callcore
+from kernel_variants.kernels import cpu_native
+from kernel_variants.kernels.cpu_native import _build
+from kernel_variants.ops.causal_conv1d import _reference
+from kernel_variants.ops.gemma_rms_norm import _spec
+
+which, marker = sys.argv[1], sys.argv[2]
+g = torch.Generator().manual_seed(0)
+t0 = time.perf_counter()
+if which == "call_core":
+    on, path = callcore.status()
+    seconds = time.perf_counter() - t0
+    assert on, path
+    os.environ["KV_FORCE"] = "gemma_rms_norm=reference"  # a dispatched call, served through the core
+    kv.reload()
+    x, w = torch.randn(3, 64, generator=g), torch.randn(64, generator=g)
+    for _ in range(2):
+        torch.testing.assert_close(kv.gemma_rms_norm(x, w), _spec.reference_fn(x, w), rtol=0, atol=0)
+elif which == "causal_conv1d":
+    _build.load_extension(_build.CONV)
+    seconds = time.perf_counter() - t0
+    x, w, b = torch.randn(2, 16, 64, generator=g), torch.randn(64, 4, generator=g), torch.randn(64, generator=g)
+    torch.testing.assert_close(cpu_native.causal_conv1d_fn(x, w, b, activation="silu"),
+                               _reference.causal_conv1d_fn(x, w, b, activation="silu"), rtol=1e-5, atol=1e-5)
+else:
+    _build.load_extension(_build.RMS)
+    seconds = time.perf_counter() - t0
+    x, w = torch.randn(3, 64, generator=g), torch.randn(64, generator=g)
+    torch.testing.assert_close(cpu_native.gemma_rms_norm(x, w), _spec.reference_fn(x, w), rtol=1e-5, atol=1e-5)
+assert not os.path.exists(marker), "the other ninja ran"
+print(json.dumps({"load_s": seconds, "control": _build.toolchain_missing()}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a shell script as the stand-in ninja")
+@pytest.mark.parametrize("ext", [_build.CORE, _build.CONV, _build.RMS], ids=lambda e: e.name)
+def test_a_built_extension_loads_without_ninja_whichever_ninja_is_first_on_path(ext, tmp_path):
+    """Two ninja releases (the system's, a virtualenv's) read each other's records as stale: a
+    process whose PATH found the other one recompiled inside its first call, silently."""
+    if _build.toolchain_missing(ext) is not None:
+        pytest.skip(f"not built, and cannot be here: {_build.toolchain_missing(ext)}")
+    folder = _build.build(ext)  # in the shared cache: a build only where kv build has not made this one
+    before = {p.name: p.stat().st_mtime_ns for p in sorted(os.scandir(folder), key=lambda p: p.name)
+              if p.name != _build._ORIGIN}  # a load refreshes its record's age
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    marker = tmp_path / "ninja-ran"
+    (fake / "ninja").write_text(f"#!/bin/sh\necho \"$@\" >> {marker}\nexit 1\n")
+    (fake / "ninja").chmod(0o755)
+    env = {**os.environ, "PATH": os.pathsep.join([str(fake), os.environ.get("PATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _LOAD_WITH_OTHER_NINJA, ext.name, str(marker)], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"{ext.name}: loaded in {report['load_s'] * 1e3:.1f} ms with a failing ninja first on PATH")
+    assert "building" not in done.stderr
+    assert report["control"] is not None and marker.exists(), "the stand-in ninja was not the one on PATH"
+    after = {p.name: p.stat().st_mtime_ns for p in sorted(os.scandir(folder), key=lambda p: p.name)
+             if p.name != _build._ORIGIN}
+    assert after == before, "something in the build folder was rewritten"
+
+
+def _stale_by(how: str, ext: _build.Extension, csrc) -> None:
+    name, build_dir = _build._name_and_dir(ext)
+    if how == "sources edited":  # into the same folder: the tag is pinned by the caller
+        (csrc / ext.sources[0]).write_text((csrc / ext.sources[0]).read_text() + "\n// edited\n")
+    elif how == "shared object rewritten":  # by a build that did not stamp it (an older release's)
+        (build_dir / f"{name}.so").write_text("relinked")
+    elif how == "no stamp":  # a folder an older release built: ninja is asked once, then it is stamped
+        (build_dir / _stamp.STAMP).unlink()
+    else:  # a stamp that does not parse: a torn write
+        (build_dir / _stamp.STAMP).write_text("{")
+
+
+@pytest.mark.parametrize("how", ["sources edited", "shared object rewritten", "no stamp", "torn stamp"])
+def test_a_folder_whose_stamp_does_not_match_is_built_again_not_loaded(how, fresh_build_dir, monkeypatch,
+                                                                      tmp_path, capsys):
+    import shutil
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(_build._CSRC, csrc)
+    monkeypatch.setattr(_build, "_CSRC", csrc)
+    monkeypatch.setattr(_build, "_build_tag", lambda *a: "pinned-0000000000000000")
+    first = _build.build(_build.RMS)
+    assert _build.is_built(_build.RMS) and len(fresh_build_dir) == 1
+    _stale_by(how, _build.RMS, csrc)
+    monkeypatch.setattr(_build, "_imported", {})  # a new process: nothing loaded yet
+    _build.load_extension.cache_clear()
+    assert not _build.is_built(_build.RMS) and _build.load_built(_build.RMS) is None
+    capsys.readouterr()
+    assert _build.build(_build.RMS) == first and fresh_build_dir == [first, first]
+    assert "building the cpu_native" in capsys.readouterr().err
+    monkeypatch.setattr(_build, "_imported", {})
+    assert _build.is_built(_build.RMS), "the new build is stamped"
+
+
+def test_sources_edited_while_they_compile_leave_the_build_unstamped(fresh_build_dir, monkeypatch, tmp_path):
+    """Such a build is of neither version, so no later process loads it as its folder's."""
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(_build._CSRC, csrc)
+    monkeypatch.setattr(_build, "_CSRC", csrc)
+    compile_ = cpp_extension.load
+
+    def edited_meanwhile(**kw):
+        (csrc / _build.RMS.sources[0]).write_text("// edited during the build\n")
+        return compile_(**kw)
+
+    monkeypatch.setattr(cpp_extension, "load", edited_meanwhile)
+    folder = _build.build(_build.RMS)
+    assert not (Path(folder) / _stamp.STAMP).exists()
+    assert (Path(folder) / _build._ORIGIN).exists(), "its record stays, for the next build to prune it"
