@@ -5,7 +5,9 @@ caller, and after its first mismatch it no longer serves that class of calls."""
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 import textwrap
+import types
 import warnings
 
 import pytest
@@ -213,3 +215,76 @@ def test_a_bad_rate_names_the_variable(monkeypatch, raw):
     monkeypatch.delenv("KV_SHADOW")
     with pytest.raises(TypeError, match="rate: expected a rate"):
         kv.shadow(None)
+
+
+# --------------------------------------------------------------------------------------------
+# patch(shadow=...): the engine's own function as the oracle
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    """A vLLM whose conv update is right (the reference, in vLLM's layout), bound where its
+    model code binds it."""
+    from kernel_variants.integrations import vllm as kv_vllm
+
+    def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
+                             num_accepted_tokens=None, query_start_loc=None, max_query_len=-1, null_block_id=0):
+        with kv.force(causal_conv1d_update="reference"):
+            return kv_vllm.causal_conv1d_update(x, conv_state, weight, bias, activation, conv_state_indices,
+                                                num_accepted_tokens, query_start_loc, max_query_len, null_block_id)
+
+    def causal_conv1d_fn(*args, **kwargs):
+        raise AssertionError("not called here")
+
+    modules = {kv_vllm.UTILS_MODULE: {"PAD_SLOT_ID": -1, "NULL_BLOCK_ID": 0},
+               kv_vllm.MODULE: {"causal_conv1d_fn": causal_conv1d_fn, "causal_conv1d_update": causal_conv1d_update},
+               "vllm.model_executor.layers.mamba.mamba_mixer2": {"causal_conv1d_update": causal_conv1d_update}}
+    for name, attrs in modules.items():
+        module = types.ModuleType(name)
+        vars(module).update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    return kv_vllm, sys.modules["vllm.model_executor.layers.mamba.mamba_mixer2"], causal_conv1d_update
+
+
+def _decode(outlier: bool):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 32, generator=gen)
+    if outlier:
+        x[2, 9] = 35.0
+    cache = torch.randn(5, 3, 32, generator=gen)  # vLLM's [N, W-1, D] allocation
+    w = torch.randn(32, 4, generator=gen)
+    return x, cache, w, torch.tensor([1, 0, 4], dtype=torch.int32)  # slot 0: the null block
+
+
+def test_engine_shadow_returns_the_engines_result_and_reroutes(outlier_plugin, engine):
+    kv_vllm, mixer, own = engine
+    kv.reload()
+    x, cache, w, slots = _decode(outlier=True)
+    want_cache = cache.clone()
+    want = own(x, want_cache.transpose(-1, -2), w, conv_state_indices=slots)
+    with kv_vllm.patch():  # unshadowed: the adversary serves, and is wrong
+        got = mixer.causal_conv1d_update(x, cache.clone().transpose(-1, -2), w, conv_state_indices=slots)
+        assert not torch.allclose(got, want)
+    with kv_vllm.patch(shadow=1.0) as handle:
+        assert handle.shadow == 1.0
+        clean = _decode(outlier=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", kv.ShadowMismatch)
+            mixer.causal_conv1d_update(clean[0], clean[1].transpose(-1, -2), clean[2], conv_state_indices=clean[3])
+        with pytest.warns(kv.ShadowMismatch, match="disagrees with the engine's .*'outlier' no longer serves"):
+            got = mixer.causal_conv1d_update(x, cache.transpose(-1, -2), w, conv_state_indices=slots)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert torch.equal(cache, want_cache)  # the pool as the engine wrote it, the null slot untouched
+        (verdict,) = [v for v in kv.verdicts() if v.variant == "outlier" and v.group.op == "causal_conv1d_update"]
+        assert not verdict.passed and "against the engine's" in verdict.reason
+        x2, cache2, w2, slots2 = _decode(outlier=True)
+        want2 = own(x2, cache2.clone().transpose(-1, -2), w2, conv_state_indices=slots2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", kv.ShadowMismatch)
+            got2 = mixer.causal_conv1d_update(x2, cache2.transpose(-1, -2), w2, conv_state_indices=slots2)
+        torch.testing.assert_close(got2, want2)
+    (c,) = [c for c in kv.shadow_report().counts if (c.op, c.variant) == ("causal_conv1d_update", "outlier")]
+    assert (c.shadowed, c.mismatches) == (2, 1)
+    why, ran = kv.replay_mismatch(verdict.evidence)
+    assert why is not None and "against the reference" in ran

@@ -98,18 +98,29 @@ class _State:
                 c = self.counts.setdefault((op, vid), ShadowCount(op, vid))
         return c
 
-    def sample(self, op: str, vid: str, rate: float) -> bool:
+    def sample(self, op: str, vid: str) -> bool:
         """Whether this call of the (op, vid) stream is shadowed: the stream's own generator,
         seeded from the seed and the stream's name, so a rerun samples the same calls."""
-        if rate >= 1.0:
-            return True
-        if rate <= 0.0:
-            return False
+        rate = self.rate
+        if rate >= 1.0 or rate <= 0.0:
+            return rate >= 1.0
         rng = self.streams.get((op, vid))
         if rng is None:
             with self.lock:
                 rng = self.streams.setdefault((op, vid), random.Random(f"{self.seed}|{op}|{vid}"))
         return rng.random() < rate
+
+
+class Stream:
+    """One sampled stream of calls (an engine function's): ``rate`` of them, deterministically
+    given the name (which carries the seed)."""
+
+    def __init__(self, name: str, rate: float) -> None:
+        self.rate = parse_rate(rate, "shadow")
+        self._rng = random.Random(name)
+
+    def sample(self) -> bool:
+        return self.rate >= 1.0 or (self.rate > 0.0 and self._rng.random() < self.rate)
 
 
 _state = _State()
@@ -148,6 +159,10 @@ def rate() -> float:
     return _state.rate
 
 
+def seed() -> int:
+    return _state.seed
+
+
 def engine_shadowing(delta: int) -> None:
     """An engine patch with ``shadow=`` starts (+1) or ends (-1): dispatched calls are counted
     while one is active, so a mismatch with the engine names the variant that served."""
@@ -160,16 +175,23 @@ def active() -> bool:
     return _state.rate > 0.0 or _state.engine > 0
 
 
+def count_of(op: str, vid: str) -> ShadowCount:
+    """The live counter of variant ``vid`` of ``op`` (engine shadowing adds to it)."""
+    return _state.count(op, vid)
+
+
 def counts() -> list[ShadowCount]:
     """A snapshot of this process's counters, by op and variant."""
     return [dataclasses.replace(c) for _, c in sorted(_state.counts.items())]
 
 
-# The calls served inside an engine-shadowed adapter call: (op, variant, key) each.
+# While an engine-shadowed adapter call runs (``integrations._shadow``), the dispatched calls it
+# makes: (spec, variant, its arguments in signature order, copied before it ran) each. The
+# engine's function is that call's oracle: those calls are not also shadowed by the reference.
 _served_log = threading.local()
 
 
-def served_log() -> list[tuple[OpSpec, str, tuple[Any, ...], dict[str, Any]]] | None:
+def served_log() -> list[tuple[OpSpec, str, tuple[Any, ...]]] | None:
     return getattr(_served_log, "calls", None)
 
 
@@ -191,8 +213,10 @@ def wrap(spec: OpSpec, vid: str, fn: Callable[..., Any], on_mismatch: OnMismatch
         count.served += 1
         log = served_log()
         if log is not None:
-            log.append((spec, vid, args, kwargs))
-        if not _state.sample(spec.name, vid, _state.rate):
+            mine = copy_case(Case(spec, args, {k: v for k, v in kwargs.items() if k != "out"}))
+            log.append((spec, vid, spec.bind(*mine.args, **mine.kwargs)))
+            return fn(*args, **kwargs)
+        if not _state.sample(spec.name, vid):
             return fn(*args, **kwargs)
         t = args[first] if first < len(args) else kwargs.get(spec.params[first])
         if capturing(getattr(getattr(t, "device", None), "type", "cpu")):

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any
 
+from kernel_variants._runtime import shadow as _shadow
 from kernel_variants.integrations._common import (
     ADAPTER_MARK,
     IntegrationWarning,
     _ImportHook,
     _within,
 )
+from kernel_variants.integrations._shadow import shadowed
 
 if TYPE_CHECKING:
     from kernel_variants._registry.registry import RegisteredVariant
@@ -50,8 +52,10 @@ class Patch:
     """
 
     def __init__(self, engine: str, swaps: list[_Swap], left_out: list[_LeftOut] | None = None,
-                 hook: _ImportHook | None = None) -> None:
+                 hook: _ImportHook | None = None, shadow: float = 0.0) -> None:
         self.engine = engine
+        #: The share of the engine's calls judged against its own functions (``patch(shadow=)``).
+        self.shadow = shadow
         self._swaps = swaps
         self._left_out = left_out or []
         self._hook = hook
@@ -81,6 +85,9 @@ class Patch:
                 _give_back(e)
             self._left_out = []
             _forget_decisions()
+        if self.shadow and self.active:
+            _shadow.engine_shadowing(-1)
+            _forget_decisions()  # decisions made while it shadowed hold the counting wrapper
         self.active = False
 
     def __enter__(self) -> Patch:
@@ -183,6 +190,7 @@ def patch_engine(
     keep: tuple[str, ...] = (),
     ops: tuple[str, ...] = CONV_OPS,
     build: bool = False,
+    shadow: float = 0.0,
 ) -> Patch:
     """Replace an engine's functions wherever the engine's own loaded modules bind them.
 
@@ -196,9 +204,12 @@ def patch_engine(
     patched as soon as they have run (an import hook, removed by ``undo()``), and undo gives
     them the originals too. Nothing is imported, and nothing is compiled: variants of ``ops``
     that would compile on their first call are built now (``build``) or left out (one warning).
+    ``shadow``: the share of each replaced function's calls also run by the function itself and
+    judged (``integrations._shadow``).
     """
     if not isinstance(build, bool):
         raise TypeError(f"build: expected True or False, got {type(build).__name__} {build!r}")
+    rate = _shadow.parse_rate(shadow, "shadow")
     originals: dict[int, tuple[Any, Any]] = {}
     already = False
 
@@ -212,7 +223,8 @@ def patch_engine(
                 already = True
                 continue
             if id(fn) not in originals:
-                originals[id(fn)] = (fn, factory(fn))
+                adapter = factory(fn)
+                originals[id(fn)] = (fn, shadowed(adapter, fn, rate, _shadow.seed()) if rate else adapter)
 
     for module_name, factories in sources.items():
         module = sys.modules.get(module_name)
@@ -262,4 +274,7 @@ def patch_engine(
 
     hook = _ImportHook(reach, skip, imported)
     hook.install()
-    return Patch(engine, swaps, left_out, hook)
+    if rate:
+        _shadow.engine_shadowing(+1)
+        _forget_decisions()  # decisions from now on count who serves (the engine's mismatches name them)
+    return Patch(engine, swaps, left_out, hook, rate)

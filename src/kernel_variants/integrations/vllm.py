@@ -52,6 +52,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kernel_variants._runtime.shadow import ENV as SHADOW_ENV
+from kernel_variants._runtime.shadow import parse_rate
 from kernel_variants.integrations._common import IntegrationWarning
 from kernel_variants.integrations._patching import Patch, module_names, patch_engine
 from kernel_variants.integrations._vllm_adapters import (
@@ -178,7 +180,7 @@ def plugin_packages() -> tuple[str, ...]:
     return tuple(sorted({ep.module.split(".")[0] for ep in eps if ep.module}))
 
 
-def patch(*, also: Sequence[str] = (), build: bool = False) -> Patch:
+def patch(*, also: Sequence[str] = (), build: bool = False, shadow: float = 0.0) -> Patch:
     """Replace vLLM's ``causal_conv1d_fn`` and ``causal_conv1d_update`` (and vLLM-CPU's
     ``causal_conv1d_fn_cpu`` / ``causal_conv1d_update_cpu``) with these adapters wherever vLLM's
     own loaded modules bind them: modules under ``vllm`` and under the packages of installed
@@ -193,6 +195,13 @@ def patch(*, also: Sequence[str] = (), build: bool = False) -> Patch:
     read from vLLM's declarations). ``patch()`` never compiles: a variant that would build on its
     first call is left out of the routing with one :class:`IntegrationWarning` naming
     ``kv build``, or, with ``build=True``, built before this returns (announced on stderr).
+
+    ``shadow`` (0 to 1, default 0): that share of each replaced function's calls (sampled per
+    function, deterministically given ``KV_SHADOW_SEED``) also runs vLLM's own function on
+    copies of the call's tensors, and the adapter's outcome is judged against it: outputs at
+    the op's tolerance for the dtype, the state pool bit for bit, pad slots untouched. On a
+    mismatch the caller gets vLLM's outcome, the variants that served fail that class of calls
+    here (``kv shadow`` lists it, ``kv shadow --replay FILE`` judges it again).
 
     Returns the undo handle (:class:`Patch`, its ``convention`` set): ``.undo()``, or
     ``with patch(): ...``. Raises RuntimeError when vLLM's conv module is not loaded, or is
@@ -212,7 +221,7 @@ def patch(*, also: Sequence[str] = (), build: bool = False) -> Patch:
     } | {GDN_MODULE: {
         "_causal_conv1d_fwd_cpu": lambda original: gdn_causal_conv1d_fwd_cpu,
         "_causal_conv1d_update_cpu": lambda original: gdn_causal_conv1d_update_cpu,
-    }}, prefixes=("vllm", *plugin_packages()), also=names, build=build)
+    }}, prefixes=("vllm", *plugin_packages()), also=names, build=build, shadow=shadow)
     handle.convention = rule
     return handle
 
@@ -227,7 +236,7 @@ def plugin() -> Patch | None:
     runs (``vllm serve``'s API server, engine core and workers; ``LLM(...)``'s too), so that
     those processes are patched without code of yours. Opt-in: nothing happens unless
     ``KV_VLLM_PATCH`` is ``1`` (patch, leaving out variants not built) or ``build`` (patch, and
-    build them first). vLLM may call it more than once per process; it patches once. Announces
+    build them first); ``KV_SHADOW`` is the patch's ``shadow`` rate there. vLLM may call it more than once per process; it patches once. Announces
     what it did on stderr. Returns the handle (also kept for the process's lifetime)."""
     global _plugin_patch
     raw = os.environ.get(PLUGIN_ENV, "").strip().lower()
@@ -240,8 +249,9 @@ def plugin() -> Patch | None:
     # The one import here: vLLM's own conv module, which patch() needs loaded; importing it at
     # process start is what vLLM's model code does moments later.
     importlib.import_module(MODULE)
-    _plugin_patch = patch(build=raw == "build")
+    _plugin_patch = patch(build=raw == "build", shadow=parse_rate(os.environ.get(SHADOW_ENV, "")))
     print(f"kernel_variants: patched vLLM's conv functions in process {os.getpid()} "
-          f"({len(_plugin_patch.replaced)} bindings; {_plugin_patch.convention})",
+          f"({len(_plugin_patch.replaced)} bindings; {_plugin_patch.convention}"
+          + (f"; shadowed at rate {_plugin_patch.shadow:g}" if _plugin_patch.shadow else "") + ")",
           file=sys.stderr, flush=True)
     return _plugin_patch

@@ -1,0 +1,234 @@
+"""``patch(shadow=rate)``: a sampled share of an engine's calls also runs the engine's own
+function, and the adapter's call is judged against it.
+
+The engine's function is the oracle a serving team trusts: its outputs at the op's tolerance
+for the dtype (``_tolerances``), a state it writes bit for bit (a conv state holds copies of
+input rows: nothing to round), every other tensor it was handed unchanged where the engine left
+it unchanged (pad slots included). Both run on copies of the call's tensors taken before either
+ran; the caller gets the adapter's outcome when it agrees, else the engine's. On a mismatch the
+variants that served the adapter's dispatched calls fail their classes (as a mismatch with the
+reference does, ``_runtime.shadow``), the call is saved, and ``kv shadow --replay`` judges it
+again, against the reference and then against the engine's function where it imports.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kernel_variants._capture import capturing
+from kernel_variants._runtime import shadow as _shadow
+from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._tolerances import mismatch
+from kernel_variants.integrations._common import mark
+
+
+def _storage_copies(values: dict[str, Any]) -> tuple[dict[str, Any], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """``values`` with each tensor a view of a clone of its allocation (two tensors sharing one
+    share its clone), and per allocation (by the original's data pointer): (its bytes, the
+    clone's bytes)."""
+    clones: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    out: dict[str, Any] = {}
+    for name, v in values.items():
+        if not isinstance(v, torch.Tensor):
+            out[name] = v
+            continue
+        src = v.untyped_storage()
+        ptr = src.data_ptr()
+        if ptr not in clones:
+            clone = src.clone()
+            clones[ptr] = (_bytes(src, v.device), _bytes(clone, v.device))
+        storage = clones[ptr][1].untyped_storage()
+        out[name] = torch.empty(0, dtype=v.dtype, device=v.device).set_(
+            storage, v.storage_offset(), v.size(), v.stride())
+    return out, clones
+
+
+def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def _tensors(result: Any) -> list[Any]:
+    return list(result) if isinstance(result, tuple | list) else [result]
+
+
+def judge_against_engine(names: list[str], real: dict[str, Any], engine: tuple[Any, dict[str, Any]],
+                         ours: tuple[Any, dict[str, Any]]) -> str | None:
+    """None when ``ours`` (a result, and the arguments it ran on, by name) agrees with
+    ``engine``'s on a call whose arguments were ``real``, else the first disagreement."""
+    (ra, a), (rb, b) = engine, ours
+    ta, tb = _tensors(ra), _tensors(rb)
+    if len(ta) != len(tb):
+        return f"returned {len(tb)} values, the engine {len(ta)}"
+    for k, (x, y) in enumerate(zip(ta, tb, strict=True)):
+        what = "output" if len(ta) == 1 else f"output {k}"
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return f"{what}: {type(y).__name__}, the engine returned {type(x).__name__}"
+        if isinstance(x, torch.Tensor):
+            why = mismatch(y, x, what, exact=not x.is_floating_point())
+            if why is not None:
+                return why
+    for name in names:
+        x, y = a.get(name), b.get(name)
+        if not isinstance(x, torch.Tensor):
+            continue
+        if "state" in name or not x.is_floating_point():
+            # a state holds copies of input rows; index tensors are never written: bit for bit
+            whole_a = _bytes(x.untyped_storage(), x.device)
+            whole_b = _bytes(y.untyped_storage(), y.device)
+            if not torch.equal(whole_a, whole_b):
+                n = int((whole_a != whole_b).sum())
+                return f"{name}: {n} of {whole_a.numel()} bytes of its allocation differ from the engine's"
+        elif not torch.equal(x, y):  # an output the engine writes in place: the op's tolerance
+            why = mismatch(y, x, name)
+            if why is not None:
+                return why
+    return None
+
+
+def _adopt(real: dict[str, Any], clones: dict[int, tuple[torch.Tensor, torch.Tensor]], ran_on: dict[str, Any],
+           result: Any) -> Any:
+    """Make the caller's tensors what the judged run left in its copies, and return its result
+    with each tensor that is one of those copies (or a view of one) as the caller's own."""
+    for whole, copy in clones.values():
+        if not torch.equal(whole, copy):
+            whole.copy_(copy)
+    by_storage = {ran_on[n].untyped_storage().data_ptr(): real[n] for n in real if isinstance(real[n], torch.Tensor)}
+
+    def mine(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        for n, v in ran_on.items():
+            if v is t:
+                return real[n]
+        twin = by_storage.get(t.untyped_storage().data_ptr())
+        if twin is None:
+            return t
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            twin.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+    if isinstance(result, tuple | list):
+        return type(result)(mine(t) for t in result)
+    return mine(result)
+
+
+def _where_from(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', '?')}"
+
+
+def shadowed(adapter: Callable[..., Any], original: Callable[..., Any], rate: float, seed: int
+             ) -> Callable[..., Any]:
+    """``adapter`` with a ``rate`` share of its calls (deterministic given ``seed``) judged
+    against ``original``, the engine function it replaces."""
+    sig = inspect.signature(original)
+    stream = _shadow.Stream(f"{seed}|engine|{_where_from(original)}", rate)
+
+    @functools.wraps(adapter)
+    def engine_shadowed(*args: Any, **kwargs: Any) -> Any:
+        if not stream.sample():
+            return adapter(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        real = dict(bound.arguments)
+        first = next((v for v in real.values() if isinstance(v, torch.Tensor)), None)
+        if first is None or capturing(first.device.type):
+            return adapter(*args, **kwargs)
+        return _judged_call(adapter, original, sig, real)
+
+    return mark(engine_shadowed)
+
+
+def _call(fn: Callable[..., Any], sig: inspect.Signature, values: dict[str, Any]) -> Any:
+    b = sig.bind_partial()
+    b.arguments.update(values)
+    return fn(*b.args, **b.kwargs)
+
+
+def _judged_call(adapter: Callable[..., Any], original: Callable[..., Any], sig: inspect.Signature,
+                 real: dict[str, Any]) -> Any:
+    names = list(real)
+    a, clones_a = _storage_copies(real)
+    b, clones_b = _storage_copies(real)
+    log: list[Any] = []
+    _shadow.set_served_log(log)
+    try:
+        rb = _call(adapter, sig, b)
+        raised = None
+    except Exception as exc:  # judged below: the engine decides whether the call was fine
+        rb, raised = None, exc
+    finally:
+        _shadow.set_served_log(None)
+    try:
+        ra = _call(original, sig, a)
+    except Exception:  # the engine's own function cannot run it: nothing to judge against
+        if raised is not None:
+            raise raised from None
+        return _adopt(real, clones_b, b, rb)
+    why = (f"raised {type(raised).__name__}: {raised}".splitlines()[0] if raised is not None
+           else judge_against_engine(names, real, (ra, a), (rb, b)))
+    served = [(spec, vid) for spec, vid, _ in log]
+    for spec, vid in dict.fromkeys(served):
+        c = _shadow.count_of(spec.name, vid)
+        c.shadowed += 1
+        if why is not None:
+            c.mismatches += 1
+    if why is None:
+        return _adopt(real, clones_b, b, rb)
+    _mismatch(adapter, original, real, log, why)
+    return _adopt(real, clones_a, a, ra)
+
+
+def _mismatch(adapter: Callable[..., Any], original: Callable[..., Any], real: dict[str, Any],
+              log: list[Any], why: str) -> None:
+    d = dispatcher()
+    engine = {"function": _where_from(original), "adapter": _where_from(adapter),
+              "arguments": {n: v for n, v in real.items()}}  # saved now: the caller's tensors are untouched yet
+    oracle = f"the engine's {engine['function']}"
+    blamed, saved = [], ""
+    for spec, vid, call in log:
+        if vid == "reference" or spec.reference.fn is d.registry.get(spec.name, vid).variant.fn:
+            continue
+        saved = d.shadow_failed(spec, vid, call, why, oracle=oracle, extra={"engine": engine})
+        _shadow.count_of(spec.name, vid).last_mismatch = saved
+        blamed.append(vid)
+    if not blamed:  # the reference served (or nothing was dispatched): a convention, not a kernel
+        spec, vid, call = log[0] if log else (None, "reference", ())
+        saved = _shadow.save_mismatch({"op": spec.name if spec else "?", "variant": vid, "oracle": oracle,
+                                       "reason": why, "args": tuple(call), "engine": engine})
+    what = f"variant {', '.join(map(repr, blamed))} no longer serves this class here" if blamed else \
+        "the reference served it: the engine and the reference disagree"
+    warnings.warn(f"kernel_variants: shadow: {engine['adapter']} disagrees with {oracle} on a live call: {why}; "
+                  f"this call returned the engine's result, and {what} (saved to {saved}: kv shadow --replay "
+                  f"{saved})", _shadow.ShadowMismatch, stacklevel=4)
+
+
+def _importable(where: str) -> Callable[..., Any]:
+    module, _, qualname = where.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def replay_engine(engine: dict[str, Any]) -> str | None:
+    """A saved engine mismatch judged again: the adapter against the engine's function, on
+    copies of the saved arguments (the engine must be importable here)."""
+    try:
+        original, adapter = _importable(engine["function"]), _importable(engine["adapter"])
+    except (ImportError, AttributeError) as exc:
+        return f"cannot import the engine's function here ({type(exc).__name__}: {exc})"
+    adapter = getattr(adapter, "__wrapped__", adapter)
+    sig = inspect.signature(original)
+    real = dict(engine["arguments"])
+    a, _ = _storage_copies(real)
+    b, _ = _storage_copies(real)
+    try:
+        rb = _call(adapter, sig, b)
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {exc}".splitlines()[0]
+    return judge_against_engine(list(real), real, (_call(original, sig, a), a), (rb, b))
