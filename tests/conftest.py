@@ -1,9 +1,42 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import kernel_variants
+
+# The KV_* variables a test session keeps from the shell that started it. Every other one
+# changes what is chosen, checked, recorded, patched or how a call runs (KV_QUALIFY, KV_FORCE,
+# KV_CALL_CORE, KV_RECORD, KV_STRICT_PLUGINS, ...), so all of them are cleared, by prefix: one
+# added later is cleared without being listed here.
+KEPT_ENV = frozenset({
+    # Where the extensions `kv build` made live. It moves the builds, not what they compute
+    # (a build is keyed by its sources, flags and torch, and checked against its stamp); cleared,
+    # each session would compile all three into the default cache (minutes on a small machine)
+    # or load builds other than those the developer made.
+    "KV_BUILD_DIR",
+})
+
+
+def leaked_env() -> list[str]:
+    """The KV_* variables set now that a test must not see."""
+    return sorted(name for name in os.environ if name.startswith("KV_") and name not in KEPT_ENV)
+
+
+# Cleared for the whole session now, before any test module is imported: some settings are read
+# once, at an import (the compiled-graph kernel reads KV_CALL_CORE when custom_ops is imported),
+# and the processes tests start inherit this environment.
+CLEARED_AT_START = leaked_env()
+for _name in CLEARED_AT_START:
+    del os.environ[_name]
+
+
+def pytest_report_header(config):
+    if CLEARED_AT_START:
+        return f"kernel_variants: cleared from the environment: {', '.join(CLEARED_AT_START)}"
+    return None
 
 _DEVICES = ["cpu"]
 if torch.cuda.is_available():
@@ -41,9 +74,10 @@ def device(request) -> str:
 
 @pytest.fixture(autouse=True)
 def _fresh_dispatch(monkeypatch, tmp_path):
-    """Each test gets its own environment, plugins and table, never the user's."""
-    for var in ("KV_FORCE", "KV_DISABLE_PLUGINS", "KV_TUNE", "KV_CHECK_VALUES"):
-        monkeypatch.delenv(var, raising=False)
+    """Each test gets its own environment, plugins and table, never the user's: what an earlier
+    test set in os.environ itself (not through monkeypatch) is cleared too."""
+    for var in leaked_env():
+        monkeypatch.delenv(var)
     monkeypatch.setenv("KV_CACHE_DIR", str(tmp_path / "kv-cache"))
     kernel_variants.reload()
     yield
