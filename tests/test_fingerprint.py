@@ -67,3 +67,86 @@ def test_capabilities_compare_the_device_type_not_the_ordinal():
     for rv in triton:  # declared for "cuda": an ordinal does not make it "not in devices"
         why = rv.variant.capabilities.uncovered(key)
         assert why is None or "device" not in why
+
+
+# ---- a CPU is named by its kind and ISA level, not by its marketing name
+
+# Two KVM guests that both call their CPU "AMD EPYC": a Zen 3 (AVX2 only) and a Zen 4 (AVX-512
+# with BF16). Only the fields the fingerprint reads, as /proc/cpuinfo writes them.
+_AVX2 = "fpu sse sse2 avx fma f16c avx2 bmi2"
+_AVX512 = _AVX2 + " avx512f avx512dq avx512cd avx512bw avx512vl"
+ZEN3 = f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n" \
+       f"stepping\t: 1\nflags\t\t: {_AVX2}\n\nprocessor\t: 1\nvendor_id\t: AuthenticAMD\n"
+ZEN4 = ZEN3.replace("model\t\t: 1\n", "model\t\t: 17\n").replace(_AVX2, _AVX512 + " avx512_bf16")
+
+
+@pytest.fixture
+def cpuinfo(monkeypatch):
+    """Fingerprint an x86 CPU whose /proc/cpuinfo is the text given (no capability caps set)."""
+    for var in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(_fingerprint.platform, "machine", lambda: "x86_64")
+
+    def use(text: str) -> dict[str, str]:
+        monkeypatch.setattr(_fingerprint, "_read_cpuinfo", lambda: text)
+        _fingerprint._fingerprint.cache_clear()
+        return fingerprint("cpu")
+
+    yield use
+    _fingerprint._fingerprint.cache_clear()
+
+
+def test_two_cpus_of_one_name_have_two_fingerprints(cpuinfo):
+    zen3, zen4 = cpuinfo(ZEN3), cpuinfo(ZEN4)
+    assert zen3["name"] == zen4["name"] == "AMD EPYC"
+    assert fingerprint_id(zen3) != fingerprint_id(zen4)
+    assert (zen3["vendor"], zen3["family"], zen3["model"], zen3["stepping"], zen3["isa"]) == (
+        "AuthenticAMD", "25", "1", "1", "avx2")
+    assert (zen4["model"], zen4["isa"]) == ("17", "avx512-bf16")
+    assert _fingerprint.describe_cpu(zen4) == "AuthenticAMD family 25 model 17 stepping 1 avx512-bf16"
+
+
+def test_the_isa_level_is_capped_as_the_code_paths_are(cpuinfo, monkeypatch):
+    """ATEN_CPU_CAPABILITY caps ATen's kernels and cpu_native's builds: rows timed under it are
+    not the uncapped CPU's. AMX is oneDNN's, which ONEDNN_MAX_CPU_ISA caps instead."""
+    amx = ZEN4.replace("avx512_bf16", "avx512_bf16 amx_bf16 amx_tile amx_int8")
+    assert cpuinfo(amx)["isa"] == "avx512-bf16+amx"
+    levels = {}
+    for cap, want in (("avx512", "avx512+amx"), ("avx2", "avx2+amx"), ("default", "scalar+amx"),
+                      ("AVX2", "avx2+amx"), ("sve256", "avx512-bf16+amx")):  # another ISA's value caps nothing
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
+        levels[cap] = cpuinfo(amx)
+        assert levels[cap]["isa"] == want, cap
+    assert fingerprint_id(levels["avx2"]) != fingerprint_id(levels["avx512"])
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert cpuinfo(amx)["isa"] == "avx2"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_amx")
+    assert cpuinfo(amx)["isa"] == "avx2+amx"
+
+
+def test_an_arm_cpu_is_named_by_its_implementer_part_and_revision():
+    text = ("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\n"
+            "CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: 0xd40\nCPU revision\t: 1\n")
+    got = _fingerprint.cpu_info(text, "aarch64")
+    assert [got[k] for k in ("vendor", "family", "model", "stepping")] == ["0x41", "8", "0xd40", "0x1.1"]
+    assert got["isa"] == str(torch.backends.cpu.get_cpu_capability()).lower()  # ATen's path there
+
+
+def test_the_fingerprint_names_the_build_cpu_native_runs():
+    """The fingerprint's ISA level (without AMX, which cpu_native does not use) is the one the
+    compiled kernel reports choosing, capped or not: read from the same flags by the same rule."""
+    from kernel_variants.kernels.cpu_native import _build, isa_path
+
+    if _fingerprint.platform.machine() not in ("x86_64", "AMD64") or _build.toolchain_missing(_build.CONV):
+        pytest.skip("cpu_native's ISA builds are x86 builds, made with a compiler")
+    mp = pytest.MonkeyPatch()
+    try:
+        for cap in (None, "default", "avx2", "avx512"):
+            if cap is None:
+                mp.delenv("ATEN_CPU_CAPABILITY", raising=False)
+            else:
+                mp.setenv("ATEN_CPU_CAPABILITY", cap)
+            assert fingerprint("cpu")["isa"].split("+")[0] == isa_path(), cap
+    finally:
+        mp.undo()

@@ -103,7 +103,9 @@ class Measurement(BaseModel):
     variant: str
     version: str
     # "pruned": timed for the first round only, ``pruned_at`` times slower than the best there;
-    # ``best_us`` is that round's figure. Measured slower, never unmeasured.
+    # ``best_us`` is that round's figure. Measured slower, never unmeasured. With no window
+    # (``by_neighbours``), not timed here at all: it lost by far at the neighbouring shapes, and
+    # ``best_us`` is that bound times its rival's figure here.
     status: Literal["ok", "rejected", "pruned"]
     reason: str = ""
     best_us: float | None = None
@@ -123,8 +125,13 @@ class Measurement(BaseModel):
 
     @property
     def timed(self) -> bool:
-        """Has a figure (fully timed, or pruned after its first round)."""
+        """Has a figure (fully timed, or pruned after its first round or by its neighbours)."""
         return self.status in ("ok", "pruned") and self.best_us is not None
+
+    @property
+    def by_neighbours(self) -> bool:
+        """Pruned by its neighbours: neither checked nor timed at this shape."""
+        return self.status == "pruned" and self.windows == 0
 
 
 Confidence = Literal["", "clear", "within noise", "single"]

@@ -16,15 +16,14 @@ import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import torch
 from pydantic import ValidationError
 
 from kernel_variants._paths import table_dir
 from kernel_variants._policy import Found, winner_of
 from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.spec import Shape
-from kernel_variants._table.fingerprint import device_part, is_legacy
-from kernel_variants._table.fingerprint import fingerprint_id as identify
+from kernel_variants._table.fingerprint import is_legacy
+from kernel_variants._table.ignored import DROPPED_VERDICTS, MINE, Sorter, reasons
 from kernel_variants._table.index import (
     SNAPSHOT_PREFIX,
     FastIndex,
@@ -47,13 +46,6 @@ from kernel_variants._table.rows import (
     wkey,
 )
 from kernel_variants._table.store import TOKEN_KEY, CalibrationWarning, Store, is_corrupt
-
-
-def _other_threads(fp: dict[str, str], fingerprint_id: str) -> bool:
-    """Whether ``fp`` is the fingerprint ``fingerprint_id`` of this CPU but for its thread count."""
-    now = str(torch.get_num_threads())
-    return fp.get("device") == "cpu" and fp.get("threads") not in (None, now) and identify(
-        {**fp, "threads": now}) == fingerprint_id
 
 
 class CalibrationTable:
@@ -109,21 +101,25 @@ class CalibrationTable:
 
     def _scan(self, fingerprint_id: str) -> tuple[list[Measurement], list[Winner], dict[str, int], list[Measurement]]:
         """Every readable measurement and winner of ``fingerprint_id`` (any version), how many
-        rows were of other fingerprints, unreadable, or legacy, and the legacy measurements of
-        this device (written before per-variant versions: see ``_table/fingerprint.py: is_legacy``)."""
+        rows were ignored and why (``_table/ignored.py: Sorter``), and the legacy measurements of
+        this device (written before per-variant versions, or before a CPU's kind was kept: see
+        ``_table/fingerprint.py: is_legacy``). This CPU's verdicts of before its kind was kept
+        are dropped as they are met (counted under ``DROPPED_VERDICTS``)."""
         ms: list[Measurement] = []
         ws: list[Winner] = []
         legacy: list[Measurement] = []
-        counts = {"other_fp": 0, "bad": 0, "legacy": 0, "threads": 0}
-        mine: dict[str, bool] = {}  # a legacy fingerprint id -> whether it is this device's
-        # Another fingerprint id -> whether it is this CPU at another intra-op thread count. Told
-        # apart because it is the usual reason: a forked child runs one thread (see the package's
-        # at-fork handler), so its rows are filed apart from its parent's, not lost.
-        retuned: dict[str, bool] = {}
+        counts = {"other_fp": 0, "bad": 0, "legacy": 0, "legacy_cpu": 0, "threads": 0, DROPPED_VERDICTS: 0}
+        # Rows of this CPU at another intra-op thread count are told apart because it is the
+        # usual reason: a forked child runs one thread (see the package's at-fork handler), so
+        # its rows are filed apart from its parent's, not lost.
+        sorter = Sorter(fingerprint_id)
         mover = Mover(self.renames)
         for key, raw in self.store.items():
-            if key.startswith((TOKEN_KEY, SNAPSHOT_PREFIX, VERDICT_PREFIX)):
-                continue  # bookkeeping and qualification verdicts: not timings
+            if key.startswith(VERDICT_PREFIX):
+                counts[DROPPED_VERDICTS] += sorter.drop_old_verdict(self.store, key, raw)
+                continue
+            if key.startswith((TOKEN_KEY, SNAPSHOT_PREFIX)):
+                continue  # bookkeeping: not timings
             if raw is None:
                 counts["bad"] += 1
                 continue
@@ -134,16 +130,13 @@ class CalibrationTable:
                     m = mover.measurement(self.store, key, Measurement.model_validate_json(raw))
                     if m is None:
                         continue
-                    if m.fingerprint_id == fingerprint_id and not is_legacy(m.fingerprint):
+                    kind = sorter.sort(m.fingerprint, m.fingerprint_id)
+                    if kind == MINE:
                         ms.append(m)
-                    elif is_legacy(m.fingerprint) and mine.setdefault(
-                            m.fingerprint_id, identify(device_part(m.fingerprint)) == fingerprint_id):
-                        counts["legacy"] += 1
-                        legacy.append(m)
                     else:
-                        if m.fingerprint_id not in retuned:
-                            retuned[m.fingerprint_id] = _other_threads(m.fingerprint, fingerprint_id)
-                        counts["threads" if retuned[m.fingerprint_id] else "other_fp"] += 1
+                        counts[kind] = counts.get(kind, 0) + 1
+                        if kind in ("legacy", "legacy_cpu"):
+                            legacy.append(m)
                 elif key.startswith("w|"):
                     w = mover.winner(self.store, key, Winner.model_validate_json(raw))
                     if w.fingerprint_id == fingerprint_id:
@@ -160,25 +153,12 @@ class CalibrationTable:
         if fingerprint_id in self._warned:
             return
         self._warned.add(fingerprint_id)
-        reasons = []
         if self.quiet_stale:
-            counts, stale = {**counts, "legacy": 0}, {}
-        if counts.get("legacy"):
-            reasons.append(f"{counts['legacy']} measured on this device by an earlier kernel_variants release "
-                           "(before staleness was kept per variant; they cannot be told current)")
-        if counts.get("threads"):
-            reasons.append(f"{counts['threads']} measured on this CPU with another intra-op thread count (this "
-                           f"process runs {torch.get_num_threads()}; a forked child runs one)")
-        if counts.get("other_fp"):
-            reasons.append(f"{counts['other_fp']} measured on another device or software stack (fingerprint differs)")
-        for vid, (old, new) in sorted(stale.items()):
-            reasons.append(f"variant {vid!r} changed since it was measured (version {old} -> {new})")
-        if counts.get("bad"):
-            reasons.append(f"{counts['bad']} entries unreadable or malformed")
-        if reasons:
-            hint = "; `kv table --stale` lists them, `kv calibrate --stale` re-measures them" if (
-                stale or counts.get("legacy")) else ""
-            warnings.warn("calibration table: ignoring entries: " + "; ".join(reasons) + hint, CalibrationWarning,
+            counts, stale = {**counts, "legacy": 0, "legacy_cpu": 0}, {}
+        said, remeasured = reasons(counts, stale)
+        if said:
+            hint = "; `kv table --stale` lists them, `kv calibrate --stale` re-measures them" if remeasured else ""
+            warnings.warn("calibration table: ignoring entries: " + "; ".join(said) + hint, CalibrationWarning,
                           stacklevel=4)
 
     def _for_versions(self, versions: dict[tuple[str, str], str]) -> None:
@@ -210,12 +190,15 @@ class CalibrationTable:
         fast = index_from(doc, self._versions) if doc is not None and not mentions(doc, self.renames) else None
         if fast is None:  # no snapshot, an old one, or a damaged one: from the rows, then stored
             ms, ws, counts, _ = self._scan(fingerprint_id)
+            dropped = counts.pop(DROPPED_VERDICTS)  # said once, now: they are gone
             doc = document(ms, ws, counts)
             if token is not None:  # a table that was never written has nothing worth a snapshot
                 with contextlib.suppress(OSError, sqlite3.Error):
                     self.store.set(SNAPSHOT_PREFIX + fingerprint_id, encode(token, doc))
             fast = index_from(doc, self._versions)
             assert fast is not None, "a snapshot made here must read back"
+            if dropped:
+                fast.counts = {**fast.counts, DROPPED_VERDICTS: dropped}
         self._warn_once(fingerprint_id, fast.counts, fast.stale)
         return fast
 
