@@ -6,6 +6,7 @@ itself, its faults and its exchange format: test_table.py.)"""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -286,11 +287,11 @@ def test_a_far_slower_variant_is_pruned_recorded_with_its_bound_and_treated_as_m
     args, kw = conv_call(2, 32, 16)
     decision = kv.explain(FN, *args, **kw)
     assert (decision.chosen.id, decision.source) == ("quick", "table"), str(decision)
-    assert f"pruned after the first round: >= {snail.pruned_at:.1f}x" in str(decision)
+    assert f"pruned: >= {snail.pruned_at:.1f}x the best there" in str(decision)
     rc, out, _ = run(capsys, "table")
     assert rc == 0 and f"pruned >={snail.pruned_at:.1f}x" in out
     rc, out, _ = run(capsys, "list", "--shape", "2,32,16", "--dtype", "fp32")
-    assert rc == 0 and "pruned after the first round" in out
+    assert rc == 0 and "pruned: >= " in out
     # --missing sees a pruned variant as measured
     rc, out, err = run(capsys, "calibrate", "--shapes", "2,32,16", "--dtype", "fp32", "--warmup", "1", "--windows",
                        "2", "--iters", "2", "--variants", "snail,quick", "--missing", "--json", "-q")
@@ -303,6 +304,114 @@ def test_without_pruning_every_variant_is_timed_fully(reference_only, with_varia
     assert {m.status for m in result.measurements} == {"ok"}
     with pytest.raises(ValueError, match="prune: expected a factor above 1"):
         kv.calibrate(FN, [(2, 32, 16)], prune=0.5, **ROUNDS)
+
+
+class _Sized:
+    """A clock the timer reads, and variants whose calls take a time of it that depends on the
+    call's size only (``seconds(elements of x)``): figures that are the same in every run, so two
+    calibrations differ only in what they chose to measure. Each call is logged with its size."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.calls: list[tuple[str, int]] = []
+
+    def now(self) -> float:
+        return self.t
+
+    def variant(self, name: str, seconds):
+        def call(x, *args, **kwargs):
+            self.t += seconds(x.numel())
+            self.calls.append((name, x.numel()))
+            return reference.causal_conv1d_fn(x, *args, **kwargs)
+        return variant(name, fn=call, varlen=True)
+
+
+# B=1, D in {64, 96}, L from 16 to 8192: 20 shapes, no two of the same size, interleaved so that
+# each shape after the first two has two measured neighbours within 2x on every axis.
+CROSSING = [(1, d, 16 << k) for k in range(10) for d in (64, 96)]
+
+
+def _crossing(machine: _Sized):
+    """``flat`` costs 2 ms a call whatever the size (a launch-bound kernel), ``linear`` 2 ms per
+    28,378 elements: ``flat`` loses by 27x at the smallest shape and wins by 27x at the largest,
+    and no shape is within 15% of the crossing."""
+    return (machine.variant("flat", lambda n: 2e-3), machine.variant("linear", lambda n: 2e-3 * n / 28_378))
+
+
+def test_pruning_by_neighbours_leaves_out_what_cannot_win_and_keeps_every_winner(
+        reference_only, with_variants, monkeypatch, capsys):
+    machine = _Sized()
+    monkeypatch.setattr(_timing, "_now", machine.now)
+    with_variants(*_crossing(machine))
+    kv.qualify(FN, dtype="float32", variants=["flat", "linear"])
+    machine.calls.clear()  # from here on, the log holds calibration's calls only
+    pruned = kv.calibrate(FN, CROSSING, variants=["flat", "linear"], **TIMED)
+    calls = set(machine.calls)
+    rc, table_text, _ = run(capsys, "table")
+    kv.clear_table(FN)
+    full = kv.calibrate(FN, CROSSING, variants=["flat", "linear"], prune=None, **TIMED)
+
+    winners = {s: w.variant for s, w in full.winners.items()}
+    assert {s: w.variant for s, w in pruned.winners.items()} == winners
+    assert set(winners.values()) == {"flat", "linear"}  # the sweep crosses over: both win somewhere
+    assert {m.status for m in full.measurements} == {"ok"}  # --no-prune: every variant checked and timed
+    near = pruned.pruned_by_neighbours()
+    assert {m.variant for m in near} == {"flat", "linear"}, [(m.shape, m.variant, m.status) for m in pruned.measurements]
+    for m in near:
+        assert m.windows == 0 and m.samples_us == () and m.pruned_at > 3
+        assert m.reason.startswith(f"pruned by its neighbours: >= {m.pruned_at:.1f}x ")
+        assert (m.variant, math.prod(m.shape)) not in calls  # neither checked nor timed there
+        assert m.variant != winners[m.shape]
+        assert m.best_us > (m.pruned_at * {x.variant: x for x in pruned.measurements if x.shape == m.shape
+                                            and x.status == "ok"}[winners[m.shape]].best_us) * 0.99
+    assert rc == 0 and "pruned by neighbours >=" in table_text
+    rows = {r.shape: r for r in kv.table(FN)}
+    assert all(not r.by_neighbours for r in rows.values())  # the full run replaced them
+
+
+def test_the_reference_runs_once_per_shape_for_every_check_there(reference_only, with_variants, monkeypatch):
+    """One reference output per shape, whatever the number of variants checked against it (the
+    check at a shape used to run again, with its own reference call, for every variant that passed)."""
+    from kernel_variants._tuning import verify as _verify
+
+    sizes: list[tuple[int, ...]] = []
+
+    def counted(real):
+        def reference_result(case, *args, **kwargs):
+            sizes.append(case.spec.key_of_case(case).shape)
+            return real(case, *args, **kwargs)
+        return reference_result
+
+    monkeypatch.setattr(_calibrate, "reference_result", counted(_calibrate.reference_result))
+    monkeypatch.setattr(_verify, "reference_result", counted(_verify.reference_result))
+    with_variants(*(variant(name, fn=slow(0.0), varlen=True) for name in ("one", "two", "three")))
+    result = kv.calibrate(FN, SHAPES, variants=["one", "two", "three"], prune=None, **TIMED)
+    assert {m.status for m in result.measurements} == {"ok"} and len(result.measurements) == 3 * len(SHAPES)
+    assert sorted(s for s in sizes if s in SHAPES) == sorted(SHAPES)
+
+
+def test_calibrate_says_where_its_time_went(reference_only, with_variants, monkeypatch, capsys):
+    machine = _Sized()
+    monkeypatch.setattr(_timing, "_now", machine.now)
+    with_variants(*_crossing(machine))
+    argv = ["calibrate", "--shapes", *(",".join(map(str, s)) for s in CROSSING[:6]), *quick_argv(TIMED),
+            "--variants", "flat,linear", "-q"]
+    doc = json.loads(run(capsys, *argv, "--json")[1])
+    costs = doc["breakdown"]
+    assert set(costs["seconds"]) == {"build", "qualification", "inputs", "reference", "checks", "timing",
+                                     "timing_pruned", "table"}
+    assert set(costs["by_variant"]) == {"flat", "linear"}
+    assert {"qualification", "checks", "timing"} <= set(costs["by_variant"]["linear"])  # it wins these shapes
+    assert "timing_pruned" in costs["by_variant"]["flat"]  # it loses them by far
+    assert sum(costs["seconds"].values()) + costs["other_s"] == pytest.approx(doc["elapsed_s"], abs=0.01)
+    assert doc["pruned_by_neighbours"] == sum(1 for m in doc["measurements"] if m["status"] == "pruned"
+                                              and m["windows"] == 0) > 0
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0, err
+    assert "\ntook " in out and "checks" in out and "by their neighbours" in out and "--breakdown" in out
+    rc, out, err = run(capsys, *argv, "--breakdown")
+    assert rc == 0, err
+    assert "checking each variant at each shape" in out and "timing before pruning s" in out
 
 
 def test_a_budget_bounds_the_sweep_and_says_what_it_skipped(reference_only, with_variants, monkeypatch, capsys):
@@ -551,7 +660,7 @@ def test_graph_mode_records_the_method_of_each_row(reference_only, with_variants
     assert methods["safe"].startswith("perf_counter, graph replay, interleaved, cold L2 (")
     assert methods["reference"].startswith("perf_counter, eager (not graph_safe)")
     assert "input sets)" in methods["safe"] and captured == [3]
-    from kernel_variants._tuning.calibrate import case_bytes
+    from kernel_variants._tuning.inputs import case_bytes
 
     spec = dispatcher().registry.spec(FN)
     case = spec.sweep_case((2, 256, 64), spec.features(), dtype=torch.float32, device="cpu")

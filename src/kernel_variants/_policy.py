@@ -270,8 +270,8 @@ def choose(entries: Sequence[RegisteredVariant], key: CallKey, found: Found | No
                           measured_key=found.at, rejected=found.rejected, barred=barred)
         if found.pruned:
             # A pruned variant is measured-slower, not unmeasured: say how much slower, at least.
-            rows = tuple(TraceRow(r.variant, r.accepted, f"pruned after the first round: >= "
-                                  f"{found.pruned[r.variant]:.1f}x the best there (timed no further)", r.time_us)
+            rows = tuple(TraceRow(r.variant, r.accepted, f"pruned: >= {found.pruned[r.variant]:.1f}x the best "
+                                  f"there (after its first round, or by its neighbours: kv table says which)", r.time_us)
                          if r.variant in found.pruned and not r.accepted else r for r in decision.trace)
             decision = dataclasses.replace(decision, trace=rows)
     if agreed is None or agreed in barred or not any(rv.id == agreed and rv.why_not(key) is None for rv in entries):

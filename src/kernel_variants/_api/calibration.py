@@ -62,8 +62,11 @@ def calibrate(
     calls, then 5 rounds of one window each, min over windows of the mean of 100 calls, fewer
     when a window would exceed 0.25 s) says: one window of each in turn (``rotate`` adds
     cold-cache input copies), and stored with each window's figure. After the first round, a variant slower than the best by more than ``prune`` times is
-    stored as pruned with that ratio and timed no further (``prune=None``: time every variant
-    fully). ``budget_s`` bounds the run: shapes that no longer fit are listed in the result's
+    stored as pruned with that ratio and timed no further; one that lost by more than twice that
+    to the same rival at the neighbouring shapes measured earlier in the call is stored as pruned
+    by its neighbours, neither checked nor timed (``prune=None``: check and time every variant
+    fully). The result's ``breakdown`` says where the time went. ``budget_s`` bounds the run:
+    shapes that no longer fit are listed in the result's
     ``skipped``. A shape's winner changes only when a challenger is faster by more than
     ``margin`` and by more than the two figures' measured noise.
 
@@ -131,6 +134,8 @@ class TableRow:
     noise: dict[str, float] = field(default_factory=dict)  # variant -> its measured noise
     confidence: str = ""  # the winner row's: "clear", "within noise", "single" ("" if older)
     methods: tuple[str, ...] = ()  # how the figures were taken (clock, eager or graph replay...)
+    # Those of ``pruned`` not timed here at all: they lost by far at the neighbouring shapes.
+    by_neighbours: frozenset[str] = frozenset()
 
     @property
     def margin(self) -> float | None:
@@ -158,7 +163,8 @@ def table(op: str | None = None, *, device: str = "cpu") -> list[TableRow]:
                             missing_variants(group, shape, set(by_v), device), pruned,
                             {v: m.noise for v, m in by_v.items() if m.noise is not None},
                             w.confidence if w is not None else "",
-                            tuple(sorted({m.method for m in by_v.values() if m.method}))))
+                            tuple(sorted({m.method for m in by_v.values() if m.method})),
+                            frozenset(v for v, m in by_v.items() if m.by_neighbours)))
     return sorted(out, key=lambda r: (r.group.slug(), r.shape))
 
 

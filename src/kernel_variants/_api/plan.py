@@ -283,6 +283,7 @@ def _run_job(job: CalibrationJob, timing: TimingConfig | None, rotate: int, marg
         result.winners.update(part.winners)
         result.skipped += part.skipped
         result.elapsed_s += part.elapsed_s
+        result.breakdown.merge(part.breakdown)
         if left is not None:
             left -= part.elapsed_s
     return result, left

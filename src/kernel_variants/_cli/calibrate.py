@@ -3,7 +3,10 @@
 Each variant is checked against the reference on each shape first; one that differs is listed
 as rejected with the reason and never chosen. The candidates of a shape are timed in
 alternating rounds; after the first, one slower than the best by more than --prune times is
-recorded as pruned (with the ratio) and timed no further. A progress bar on stderr shows the
+recorded as pruned (with the ratio) and timed no further, and one that lost by more than twice
+that at the neighbouring shapes of the run is recorded as pruned by its neighbours without being
+checked or timed there (--no-prune: everything checked and timed fully). The summary ends with
+where the time went (--breakdown: seconds per kind of work and per variant). A progress bar on stderr shows the
 current shape and the time left; --budget bounds the run and lists the shapes it skipped.
 
 What to measure: a sweep or --shapes; --missing (the variants a shape has no figure for);
@@ -61,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", metavar="TIME",
                    help="bound the run (5m, 90s, 1h): shapes that no longer fit are skipped and listed")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.add_argument("--breakdown", action="store_true",
+                   help="where the time went, in seconds, per kind of work and per variant (the summary's last "
+                        "line has the shares; --json always has both)")
     p.add_argument("--distributed", action="store_true", help="share the work among torchrun ranks")
     opt.add_timing(p)
     opt.add_features(p)
@@ -81,6 +87,7 @@ def summary(done: types.JobResult) -> list[dict]:
             "runner_up": others[0][1] if others else None, "runner_up_us": others[0][0] if others else None,
             "margin": row.margin if row is not None else None, "times_us": times,
             "pruned": dict(row.pruned) if row is not None else {},
+            "pruned_by_neighbours": sorted(row.by_neighbours) if row is not None else [],
             "noise": (w.noise if w is not None else None), "confidence": (w.confidence if w is not None else ""),
             "skipped": tuple(shape) in result.skipped,
         })
@@ -158,6 +165,8 @@ def _group_dict(done: types.JobResult) -> dict:
             "pruned": [{"shape": list(m.shape), "variant": m.variant, "at_least": m.pruned_at}
                        for m in result.pruned()],
             "skipped": [list(s) for s in result.skipped],
+            "pruned_by_neighbours": len(result.pruned_by_neighbours()),
+            "breakdown": result.breakdown.as_dict(result.elapsed_s),
             "measurements": [m.model_dump(mode="json") for m in result.measurements]}
 
 
@@ -170,7 +179,7 @@ def _report(args, results: list[types.JobResult], source: str, budget: float | N
             doc = {**groups[0], "sweep": source}
         else:
             doc = {"source": source, "groups": groups}
-        doc.update(elapsed_s=elapsed, budget_s=budget,
+        doc.update(elapsed_s=elapsed, budget_s=budget, breakdown=_costs(results, elapsed),
                    not_measured=[{k: e.get(k) for k in ("op", "dtype", "features", "shape", "why")}
                                  for e in skipped_keys])
         print_json(doc)
@@ -190,13 +199,16 @@ def _report(args, results: list[types.JobResult], source: str, budget: float | N
         table = [[*r["shape"], "(skipped: budget)" if r["skipped"] else r["winner"] or "(none can run it)",
                   us(r["winner_us"]), r["runner_up"], us(r["runner_up_us"]), percent(r["margin"]),
                   percent(r["noise"]), r["confidence"] or None,
-                  ", ".join(f"{v} >={b:.1f}x" for v, b in sorted(r["pruned"].items())) or None] for r in rows]
+                  ", ".join(f"{v} >={b:.1f}x" + (" by neighbours" if v in r["pruned_by_neighbours"] else "")
+                            for v, b in sorted(r["pruned"].items())) or None] for r in rows]
         print(render_table([*axes, "winner", "winner µs", "runner-up", "runner-up µs", "margin", "noise", "sure",
                             "pruned"], table))
         rejected = result.rejected()
         if rejected:
             print(f"\nrejected ({len(rejected)}):")
             print(render_table([*axes, "variant", "reason"], [[*m.shape, m.variant, m.reason] for m in rejected]))
+    if results:
+        _print_costs(results, elapsed, args.breakdown)
     if budget is not None:
         took = _duration(elapsed)
         if skipped:
@@ -211,6 +223,55 @@ def _report(args, results: list[types.JobResult], source: str, budget: float | N
         for e in skipped_keys:
             print(f"  {e.get('op')} {e.get('dtype')} {','.join(map(str, e.get('shape') or []))}: {e['why']}")
     return 0
+
+
+def _costs(results: list[types.JobResult], elapsed: float) -> dict:
+    """The jobs' breakdowns (``CalibrationResult.breakdown``) added up, as plain data."""
+    parts = [d.result.breakdown.as_dict(d.result.elapsed_s) for d in results]
+    out: dict = {"seconds": {}, "other_s": round(sum(p["other_s"] for p in parts), 3), "by_variant": {}}
+    for p in parts:
+        for kind, sec in p["seconds"].items():
+            out["seconds"][kind] = round(out["seconds"].get(kind, 0.0) + sec, 3)
+        for v, kinds in p["by_variant"].items():
+            mine = out["by_variant"].setdefault(v, {})
+            for kind, sec in kinds.items():
+                mine[kind] = round(mine.get(kind, 0.0) + sec, 3)
+    return out
+
+
+# Each kind of work, as the summary line names it and as --breakdown says it.
+_KINDS = {"build": ("build", "building compiled variants"),
+          "qualification": ("qualification", "qualifying each class (its edge cases)"),
+          "inputs": ("inputs", "making each shape's inputs"),
+          "reference": ("reference", "the reference's output at each shape"),
+          "checks": ("checks", "checking each variant at each shape"),
+          "timing": ("timing", "timing the variants kept"),
+          "timing_pruned": ("timing before pruning", "timing variants before they were pruned"),
+          "table": ("table", "writing rows, deciding winners"),
+          "other": ("other", "the rest: progress, bookkeeping")}
+
+
+def _print_costs(results: list[types.JobResult], elapsed: float, full: bool) -> None:
+    """The summary's last line: the shares of the run's time, largest first, and what pruning
+    left out; ``full`` (--breakdown): the seconds, per kind and per variant."""
+    costs = _costs(results, elapsed)
+    kinds = {**costs["seconds"], "other": costs["other_s"]}
+    pruned = [m for d in results for m in d.result.pruned()]
+    near = sum(len(d.result.pruned_by_neighbours()) for d in results)
+    shares = ", ".join(f"{_KINDS[k][0]} {s / elapsed:.0%}" for k, s in sorted(kinds.items(), key=lambda kv: -kv[1])
+                       if elapsed > 0 and s >= 0.005 * elapsed)
+    print(f"\ntook {_duration(elapsed)}: {shares}; pruned: {len(pruned) - near} once timed, {near} by their "
+          f"neighbours (neither checked nor timed)" + ("" if full else "; --breakdown: seconds per variant"))
+    if not full:
+        return
+    print(render_table(["work", "s", "share"], [[_KINDS[k][1], f"{s:.1f}", f"{s / elapsed:.0%}" if elapsed else None]
+                                                for k, s in kinds.items()]))
+    per = costs["by_variant"]
+    cols = [k for k in _KINDS if any(k in v for v in per.values())]
+    print()
+    print(render_table(["variant", *(f"{_KINDS[k][0]} s" for k in cols), "total s"],
+                       [[v, *(f"{mine.get(k, 0.0):.1f}" for k in cols), f"{sum(mine.values()):.1f}"]
+                        for v, mine in per.items()]))
 
 
 def _duration(s: float) -> str:

@@ -1,6 +1,7 @@
 """The calibrated winners of this device, per shape: every variant's time, the winner's lead and
 how sure it is ("clear": the lead exceeds the margin and the measured noise; "within noise":
-either could be faster). A variant timed for one round only shows "pruned >=Nx".
+either could be faster). A variant timed for one round only shows "pruned >=Nx", one not timed
+at a shape because it lost by far at the neighbouring shapes "pruned by neighbours >=Nx".
 
 With --stale, the rows that no longer match their variant and why (a dependency, its source or
 an earlier release): `kv calibrate --stale` re-measures them. With --recorded, the call keys
@@ -42,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if fmt == "json":
         print_json([{"op": r.group.op, "group": r.group.model_dump(mode="json"), "features": r.group.slug(),
                      "shape": list(r.shape), "winner": r.winner, "margin": r.margin, "times_us": r.times_us,
-                     "rejected": r.rejected, "missing": list(r.missing), "pruned": r.pruned, "noise": r.noise,
+                     "rejected": r.rejected, "missing": list(r.missing), "pruned": r.pruned,
+                     "pruned_by_neighbours": sorted(r.by_neighbours), "noise": r.noise,
                      "confidence": r.confidence, "methods": list(r.methods)} for r in rows])
         return 0
     if not rows:
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         variants = sorted({v for r in group_rows for v in (*r.times_us, *r.rejected, *r.pruned)})
         body = []
         for r in group_rows:
-            cells = [f"pruned >={r.pruned[v]:.1f}x" if v in r.pruned else us(r.times_us[v]) if v in r.times_us
+            cells = [f"pruned{' by neighbours' if v in r.by_neighbours else ''} >={r.pruned[v]:.1f}x"
+                     if v in r.pruned else us(r.times_us[v]) if v in r.times_us
                      else "rejected" if v in r.rejected else None for v in variants]
             noise = r.noise.get(r.winner) if r.winner else None
             body.append([r.group.slug(), *r.shape, r.winner, *cells, percent(r.margin), percent(noise),

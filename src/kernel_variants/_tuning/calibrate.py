@@ -21,16 +21,12 @@ from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
 from kernel_variants._table.rows import Group, Measurement, Winner, check_margin, check_prune
 from kernel_variants._table.table import CalibrationTable
 from kernel_variants._tuning import timing as _timing
+from kernel_variants._tuning.costs import Breakdown
+from kernel_variants._tuning.inputs import input_copies, seed_of, with_out
+from kernel_variants._tuning.neighbours import NEIGHBOUR_FACTOR, Evidence, floor1
 from kernel_variants._tuning.qualify import Qualifier
-from kernel_variants._tuning.timing import (
-    Failed,
-    Pruned,
-    TimingConfig,
-    check_mode,
-    cold_copies,
-    measure_interleaved,
-)
-from kernel_variants._tuning.verify import reference_result, verify
+from kernel_variants._tuning.timing import Failed, Pruned, TimingConfig, check_mode
+from kernel_variants._tuning.verify import Expected, reference_result, verify
 
 
 @dataclass
@@ -62,6 +58,7 @@ class CalibrationResult:
     rank: int = 0
     world_size: int = 1
     imported: ImportReport | None = None
+    breakdown: Breakdown = field(default_factory=Breakdown)  # where ``elapsed_s`` went
 
     def rejected(self) -> list[Measurement]:
         return [m for m in self.measurements if m.status == "rejected"]
@@ -69,13 +66,24 @@ class CalibrationResult:
     def pruned(self) -> list[Measurement]:
         return [m for m in self.measurements if m.status == "pruned"]
 
+    def pruned_by_neighbours(self) -> list[Measurement]:
+        return [m for m in self.measurements if m.by_neighbours]
 
-def candidates(entries: Iterable[RegisteredVariant], key: CallKey,
-               wanted: Sequence[str] | None) -> list[tuple[RegisteredVariant, str | None]]:
+
+def candidates(entries: Iterable[RegisteredVariant], key: CallKey, wanted: Sequence[str] | None,
+               costs: Breakdown | None = None) -> list[tuple[RegisteredVariant, str | None]]:
     """Each entry with why it cannot be measured for ``key`` (None when it can); a variant
-    compiled here is built first."""
-    return [(rv, rv.variant.capabilities.uncovered(key) or rv.ensure_built())
-            for rv in entries if wanted is None or rv.id in wanted]
+    compiled here is built first (``costs`` notes how long that took)."""
+    costs = costs if costs is not None else Breakdown()
+    out = []
+    for rv in entries:
+        if wanted is None or rv.id in wanted:
+            why = rv.variant.capabilities.uncovered(key)
+            if why is None:
+                with costs.timer("build", rv.id):
+                    why = rv.ensure_built()
+            out.append((rv, why))
+    return out
 
 
 def measure_shape(
@@ -93,109 +101,162 @@ def measure_shape(
     prune: float | None = None,
     deadline: float | None = None,
     qualifier: Qualifier,
+    evidence: Evidence | None = None,
+    costs: Breakdown | None = None,
 ) -> list[Measurement]:
     """Qualify each of ``entries`` that can run ``shape`` for its class and check it at ``shape``
     (rejected ones say why; a failed check fails the class, see ``Qualifier.check``), then time the
     ones that match, interleaved (see ``_timing.measure_interleaved``); ``prune`` and
-    ``deadline`` are passed on. ``on_result`` sees each measurement as soon as it is taken."""
+    ``deadline`` are passed on. With ``prune`` and ``evidence`` (the figures taken so far in this
+    run), a variant that lost by far at the neighbouring shapes is neither checked nor timed
+    (``neighbours``). ``on_result`` sees each measurement as soon as it is taken; ``costs``
+    gains where the time went."""
     check_mode(timing, device)
-    case = spec.sweep_case(shape, features, dtype=dtype, device=device, seed=_seed(shape))
-    key = spec.key_of_case(case)
-    # The check at this shape holds the op's traps (pads, poisoned rows): a kernel wrong only
-    # at large sizes, or only on pads, is caught where it would run. The timing case has none.
-    check = spec.make_case(tuple(shape), dtype=dtype, device=device, seed=_seed(shape),
-                           **{**features.model_dump(), **spec.check_options})
-    fp = fingerprint(device)
-    fpid = fingerprint_id(fp)
-    group = Group.of(key)
-    expected = None
-    out: list[Measurement] = []
-    base: dict[str, dict] = {}
-    timed: list[RegisteredVariant] = []
+    run = _ShapeRun(spec, tuple(shape), dtype, device, features, timing, rotate, qualifier, on_result,
+                    costs if costs is not None else Breakdown())
+    runnable = [rv for rv, why in candidates(entries, run.key, only, run.costs) if why is None]
+    held = {}
+    if evidence is not None and prune is not None:
+        held = evidence.lost(run.group, run.shape, [rv.id for rv in runnable], prune * NEIGHBOUR_FACTOR)
+    first_pass = [rv for rv in runnable if rv.id not in held]
+    figures = run.time(run.check(first_pass), prune, deadline)
+    late = []
+    for rv in runnable:
+        lost = held.get(rv.id)
+        if lost is None:
+            continue
+        barred = None if rv.variant.fn is spec.reference.fn else qualifier.barred(rv, run.key, may_run=True)
+        if barred is not None:  # a failed class is rejected here, as in a check
+            run.emit(Measurement(status="rejected", reason=barred, measured_at=time.time(), **run.base(rv)))
+        elif lost.rival in figures and lost.bound(figures[lost.rival]) > prune:
+            t = lost.lower_us  # the least it can take here: a figure that keeps it measured-slower
+            run.emit(Measurement(status="pruned", reason=lost.reason(figures[lost.rival]), best_us=t, median_us=t,
+                                 spread=0.0, windows=0, iters=0, method="not timed here: pruned by its neighbours",
+                                 pruned_at=floor1(lost.bound(figures[lost.rival])), measured_at=time.time(),
+                                 **run.base(rv)))
+        else:  # its rival has no figure here, or is not far enough ahead here: it is measured itself
+            late.append(rv)
+    if late:
+        run.time(run.check(late), prune, deadline)
+    return run.out
 
-    def emit(m: Measurement) -> None:
-        out.append(m)
-        if on_result is not None:
-            on_result(m)
 
-    first: dict[str, float] = {}  # seconds one call of each took while it was verified
-    dev = torch.device(device)
-    for rv, why in candidates(entries, key, only):
-        if why is not None:
-            continue  # cannot run here or does not claim this call: nothing to record
-        base[rv.id] = dict(fingerprint=fp, fingerprint_id=fpid, group=group, shape=shape, variant=rv.id,
-                           version=rv.version, deps=rv.deps)
-        if rv.variant.fn is spec.reference.fn:  # the oracle itself: its result is the expected one
-            if expected is None:
-                expected = reference_result(check, _timed(spec.reference.fn, dev, first, "\0reference"))
-            bad, first[rv.id] = None, first["\0reference"]
-        else:
-            bad = qualifier.barred(rv, key, may_run=True)  # its class's edge cases first
+class _ShapeRun:
+    """One shape's measurement: its cases, the reference's result there (computed once, when the
+    first variant is checked), and the rows taken."""
+
+    def __init__(self, spec: OpSpec, shape: Shape, dtype: torch.dtype, device: str, features: Features,
+                 timing: TimingConfig, rotate: int, qualifier: Qualifier,
+                 on_result: Callable[[Measurement], None] | None, costs: Breakdown) -> None:
+        self.spec, self.shape, self.dtype, self.device, self.features = spec, shape, dtype, device, features
+        self.timing, self.rotate, self.qualifier, self.on_result, self.costs = timing, rotate, qualifier, on_result, costs
+        self.dev = torch.device(device)
+        with costs.timer("inputs"):
+            self.case = spec.sweep_case(shape, features, dtype=dtype, device=device, seed=seed_of(shape))
+            # The check at this shape holds the op's traps (pads, poisoned rows): a kernel wrong only
+            # at large sizes, or only on pads, is caught where it would run. The timing case has none.
+            self.check_case = spec.make_case(shape, dtype=dtype, device=device, seed=seed_of(shape),
+                                             **{**features.model_dump(), **spec.check_options})
+        self.key = spec.key_of_case(self.case)
+        self.group = Group.of(self.key)
+        self.fp = fingerprint(device)
+        self.fpid = fingerprint_id(self.fp)
+        self.out: list[Measurement] = []
+        self.first: dict[str, float] = {}  # seconds one call of each took while it was checked
+        self._expected: Expected | None = None
+        self._copies: tuple[list[Case], str] | None = None
+
+    def base(self, rv: RegisteredVariant) -> dict[str, Any]:
+        return dict(fingerprint=self.fp, fingerprint_id=self.fpid, group=self.group, shape=self.shape,
+                    variant=rv.id, version=rv.version, deps=rv.deps)
+
+    def emit(self, m: Measurement) -> None:
+        self.out.append(m)
+        if self.on_result is not None:
+            self.on_result(m)
+
+    def expected(self) -> Expected:
+        if self._expected is None:
+            with self.costs.timer("reference"):
+                self._expected = reference_result(self.check_case, _timed(self.spec.reference.fn, self.dev,
+                                                                          self.first, "\0reference"))
+        return self._expected
+
+    def check(self, rvs: Sequence[RegisteredVariant]) -> list[RegisteredVariant]:
+        """Those of ``rvs`` that are right at this shape (the others are emitted as rejected)."""
+        passed = []
+        for rv in rvs:
+            if rv.variant.fn is self.spec.reference.fn:  # the oracle itself: its result is the expected one
+                self.expected()
+                bad, self.first[rv.id] = None, self.first["\0reference"]
+            else:
+                with self.costs.timer("qualification", rv.id):
+                    bad = self.qualifier.barred(rv, self.key, may_run=True)  # its class's edge cases first
+                if bad is None:
+                    expected = self.expected()
+                    with self.costs.timer("checks", rv.id):
+                        bad = verify(_timed(rv.variant.fn, self.dev, self.first, rv.id), self.check_case, expected)
+                    if self.qualifier.policy != "off":  # off: rejected at this shape, no verdict kept
+                        verdict = self.qualifier.check(rv, self.key, self.shape, bad, ran=True)
+                        bad = None if verdict.passed else verdict.summary()
             if bad is None:
-                if expected is None:
-                    expected = reference_result(check, _timed(spec.reference.fn, dev, first, "\0reference"))
-                bad = verify(_timed(rv.variant.fn, dev, first, rv.id), check, expected)
-                if qualifier.policy != "off":  # off: rejected at this shape, no verdict kept
-                    verdict = qualifier.check(rv, key, tuple(shape), bad)
-                    bad = None if verdict.passed else verdict.summary()
-        if bad is None:
-            timed.append(rv)
-        else:
-            emit(Measurement(status="rejected", reason=bad, measured_at=time.time(), **base[rv.id]))
-    if not timed:
-        return out
-    copies, note = _inputs(spec, case, shape, features, dtype=dtype, device=device, rotate=rotate, timing=timing)
-    calls = {}
-    for rv in timed:
-        mine = [c.fresh() for c in copies]  # its own state pools; the read-only inputs are shared
-        fn = rv.variant.fn
+                passed.append(rv)
+            else:
+                self.emit(Measurement(status="rejected", reason=bad, measured_at=time.time(), **self.base(rv)))
+        return passed
+
+    def time(self, timed: Sequence[RegisteredVariant], prune: float | None,
+             deadline: float | None) -> dict[str, float]:
+        """Time ``timed`` interleaved and emit their rows; returns each one's figure (µs per call)."""
+        if not timed:
+            return {}
+        spec, timing = self.spec, self.timing
+        if self._copies is None:
+            with self.costs.timer("inputs"):
+                self._copies = input_copies(spec, self.case, self.shape, self.features, dtype=self.dtype,
+                                            device=self.device, rotate=self.rotate, timing=timing)
+        copies, note = self._copies
+        calls = {}
+        with self.costs.timer("inputs"):
+            for rv in timed:
+                mine = [c.fresh() for c in copies]  # its own state pools; the read-only inputs are shared
+                fn = rv.variant.fn
+                if timing.with_out:
+                    calls[rv.id] = [with_out(spec, rv.variant.capabilities.takes_out, fn, c) for c in mine]
+                else:
+                    calls[rv.id] = [(lambda c=c, fn=fn: fn(*c.args, **c.kwargs)) for c in mine]
         if timing.with_out:
-            calls[rv.id] = [_with_out(spec, rv.variant.capabilities.takes_out, fn, c) for c in mine]
-        else:
-            calls[rv.id] = [(lambda c=c, fn=fn: fn(*c.args, **c.kwargs)) for c in mine]
-    if timing.with_out:
-        note += ", out="
-    eager_only = [rv.id for rv in timed if not rv.variant.capabilities.graph_safe]
-    # A verification call is a fair first figure only where one-time costs cannot dominate it: a
-    # call of at least FIRST_CALL_MIN_S, by a variant this process has run before (on any shape).
-    fair = {v: t for v, t in first.items() if v in calls and t >= FIRST_CALL_MIN_S and (spec.name, v) in _RAN}
-    _RAN.update((spec.name, v) for v in first if v in calls)
-    results = measure_interleaved(calls, device, timing, prune=prune, deadline=deadline, eager_only=eager_only,
-                                  first=fair)
-    for vid, r in results.items():
-        at = time.time()
-        if isinstance(r, Failed):
-            emit(Measurement(status="rejected", reason=r.reason, measured_at=at, **base[vid]))
-        elif isinstance(r, Pruned):
-            bound = math.floor(r.ratio * 10) / 10
-            emit(Measurement(status="pruned", reason=f"pruned after the first round at >= {bound:.1f}x "
-                                                     f"{r.leader}'s time per call",
-                             best_us=r.first_us, median_us=r.first_us, spread=0.0, windows=1, iters=r.iters,
-                             method=r.method + note, samples_us=(r.first_us,), pruned_at=bound, measured_at=at,
-                             **base[vid]))
-        else:
-            d = r.as_dict()
-            d["method"] += note
-            emit(Measurement(status="ok", measured_at=at, **d, **base[vid]))
-    return out
-
-
-def _with_out(spec: OpSpec, takes_out: bool, fn: Callable[..., Any], case: Case) -> Callable[[], Any]:
-    """One timed call of ``case`` into a preallocated dense ``out``, as the dispatcher runs it."""
-    like = spec.bind(*case.args, **case.kwargs)[spec.out_like_index]
-    outs = tuple(torch.empty_like(like, memory_format=torch.contiguous_format) for _ in spec.outputs)
-    args, kwargs = case.args, case.kwargs
-    if takes_out:
-        out = outs[0] if len(outs) == 1 else outs
-        return lambda: fn(*args, **kwargs, out=out)
-    if len(outs) == 1:
-        return lambda: outs[0].copy_(fn(*args, **kwargs))
-
-    def copied() -> None:
-        for o, r in zip(outs, fn(*args, **kwargs), strict=True):
-            o.copy_(r)
-
-    return copied
+            note += ", out="
+        eager_only = [rv.id for rv in timed if not rv.variant.capabilities.graph_safe]
+        # A checking call is a fair first figure only where one-time costs cannot dominate it: a
+        # call of at least FIRST_CALL_MIN_S, by a variant this process has run before (on any shape).
+        fair = {v: t for v, t in self.first.items()
+                if v in calls and t >= FIRST_CALL_MIN_S and (spec.name, v) in _RAN}
+        _RAN.update((spec.name, v) for v in self.first if v in calls)
+        spent: dict[str, float] = {}
+        results = _timing.measure_interleaved(calls, self.device, timing, prune=prune, deadline=deadline,
+                                              eager_only=eager_only, first=fair, spent=spent)
+        base = {rv.id: self.base(rv) for rv in timed}
+        figures = {}
+        for vid, r in results.items():
+            at = time.time()
+            self.costs.add("timing" if isinstance(r, _timing.Timing) else "timing_pruned", spent.get(vid, 0.0), vid)
+            if isinstance(r, Failed):
+                self.emit(Measurement(status="rejected", reason=r.reason, measured_at=at, **base[vid]))
+            elif isinstance(r, Pruned):
+                bound = floor1(r.ratio)
+                figures[vid] = r.first_us
+                self.emit(Measurement(status="pruned", reason=f"pruned after the first round at >= {bound:.1f}x "
+                                                              f"{r.leader}'s time per call",
+                                      best_us=r.first_us, median_us=r.first_us, spread=0.0, windows=1, iters=r.iters,
+                                      method=r.method + note, samples_us=(r.first_us,), pruned_at=bound,
+                                      measured_at=at, **base[vid]))
+            else:
+                figures[vid] = r.best_us
+                d = r.as_dict()
+                d["method"] += note
+                self.emit(Measurement(status="ok", measured_at=at, **d, **base[vid]))
+        return figures
 
 
 FIRST_CALL_MIN_S = 0.005
@@ -214,32 +275,6 @@ def _timed(fn: Callable[..., Any], device: torch.device, sink: dict[str, float],
         return out
 
     return call
-
-
-def _inputs(spec: OpSpec, case: Case, shape: Shape, features: Features, *, dtype: torch.dtype, device: str,
-            rotate: int, timing: TimingConfig) -> tuple[list[Case], str]:
-    """The input copies a variant's calls cycle over, and what the method says of them: the
-    case, plus ``rotate`` more, or with ``cold_l2`` as many as make twice the device's L2."""
-    n = rotate
-    if timing.cold_l2:
-        n = max(n, cold_copies(device, case_bytes(case)) - 1)
-    copies = [case] + [spec.sweep_case(shape, features, dtype=dtype, device=device, seed=i + 1) for i in range(n)]
-    if timing.cold_l2:
-        return copies, f", cold L2 ({len(copies)} input sets)"
-    return copies, f", {len(copies)} input sets" if n else ""
-
-
-def case_bytes(case: Case) -> int:
-    """Bytes of the tensors a call reads and writes."""
-    tensors = [a for a in (*case.args, *case.kwargs.values()) if isinstance(a, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _seed(shape: Shape) -> int:
-    seed = 0
-    for size in shape:
-        seed = (seed * 1009 + size) % (1 << 31)
-    return seed
 
 
 def _without_failed(table: CalibrationTable, entries: Sequence[RegisteredVariant], spec: OpSpec,
@@ -304,6 +339,7 @@ def run_calibration(
         runnable[tuple(shape)] = sum(1 for rv in wanted if rv.why_not(key) is None)
     total, done = sum(runnable.values()), 0
     spent, sizes = 0.0, 0  # seconds and elements of the shapes measured so far
+    evidence = Evidence()  # what this run measured: a shape's neighbours' figures
     for shape in shapes:
         if deadline is not None:
             left = deadline - time.monotonic()
@@ -315,23 +351,27 @@ def run_calibration(
         def taken(m: Measurement) -> None:
             nonlocal done
             if table is not None:
-                table.record(m)  # at once: a run killed later keeps what it completed
+                with result.breakdown.timer("table"):
+                    table.record(m)  # at once: a run killed later keeps what it completed
             done += 1
             if progress is not None:
                 progress(Progress(done, total, m.shape, m.variant, time.perf_counter() - start))
 
         ms = measure_shape(entries, spec, tuple(shape), dtype=dt, device=device, features=features,
                            timing=timing, rotate=rotate, only=variants, on_result=taken, prune=prune,
-                           deadline=deadline, qualifier=qualifier)
+                           deadline=deadline, qualifier=qualifier, evidence=evidence, costs=result.breakdown)
         spent += time.monotonic() - t_shape
         sizes += math.prod(shape)
         done += runnable[tuple(shape)] - len(ms)  # keeps the count right if a case's key differs
         result.measurements += ms
+        evidence.note(ms)
         if table is not None and ms:
-            result.winners[tuple(shape)] = table.decide_winner(ms[0].fingerprint_id, ms[0].group, tuple(shape),
-                                                               versions, margin)
+            with result.breakdown.timer("table"):
+                result.winners[tuple(shape)] = table.decide_winner(ms[0].fingerprint_id, ms[0].group, tuple(shape),
+                                                                   versions, margin)
     if table is not None and result.measurements:
-        _without_failed(table, entries, spec, result, features, device, qualifier, versions, margin)
-        table.prepare(versions, result.measurements[0].fingerprint_id)
+        with result.breakdown.timer("table"):
+            _without_failed(table, entries, spec, result, features, device, qualifier, versions, margin)
+            table.prepare(versions, result.measurements[0].fingerprint_id)
     result.elapsed_s = time.perf_counter() - start
     return result

@@ -201,10 +201,11 @@ class Qualifier:
                 out[rv.id] = v.summary()
         return out
 
-    def check(self, rv: RegisteredVariant, key: CallKey, shape: Shape, why: str | None = None) -> Verdict:
-        """Note a check of ``rv`` at ``shape`` (``why``: its outcome; run now when not given): a
-        pass widens what the verdict covers, a failure fails the class (a kernel wrong at one
-        size is not trusted at another)."""
+    def check(self, rv: RegisteredVariant, key: CallKey, shape: Shape, why: str | None = None, *,
+              ran: bool = False) -> Verdict:
+        """Note a check of ``rv`` at ``shape`` (``why``: its outcome, None for a pass, when ``ran``;
+        else it runs now): a pass widens what the verdict covers, a failure fails the class (a
+        kernel wrong at one size is not trusted at another)."""
         from kernel_variants._dtypes import as_dtype
 
         v = self.stored(rv, key)
@@ -212,7 +213,7 @@ class Qualifier:
             v = self.qualify(rv, key)
         if not v.passed:
             return v
-        if why is None:
+        if why is None and not ran:
             try:
                 why = check_at(key.spec, rv, shape, key.features, dtype=as_dtype(key.dtype), device=key.where)
             except Exception as exc:  # the check could not be built (out of memory, say): no verdict on it

@@ -222,6 +222,7 @@ def measure_interleaved(
     deadline: float | None = None,
     eager_only: Collection[str] = (),
     first: Mapping[str, float] | None = None,
+    spent: dict[str, float] | None = None,
 ) -> dict[str, Outcome]:
     """Time each entry of ``calls`` (name -> its calls, cycled) in alternating rounds: round r
     runs one window of every candidate still timed, starting at the r-th (A B C, B C A, ...).
@@ -235,20 +236,26 @@ def measure_interleaved(
     ``deadline`` (``time.monotonic()``): once passed, no further round starts (every candidate
     keeps the windows it has, at least one). A candidate that raises is a ``Failed`` outcome and
     the others go on. In graph mode, the candidates in ``eager_only`` (not safe to capture) are
-    timed eagerly and their ``method`` says so."""
+    timed eagerly and their ``method`` says so. ``spent`` (name -> seconds) gains what each
+    candidate's warm-up and windows took (where a calibration's time goes)."""
     dev = torch.device(device)
     if any(len(c) == 0 for c in calls.values()):
         raise ValueError("calls: expected at least one callable per candidate, got none")
     if prune is not None and not prune > 1:
         raise ValueError(f"prune: expected a factor above 1, got {prune}")
     with _on_device(dev):
-        return _interleaved(dict(calls), dev, config, prune, deadline, set(eager_only), dict(first or {}))
+        return _interleaved(dict(calls), dev, config, prune, deadline, set(eager_only), dict(first or {}),
+                            spent if spent is not None else {})
 
 
 def _interleaved(calls: dict[str, Sequence[Callable[[], Any]]], dev: torch.device, config: TimingConfig,
                  prune: float | None, deadline: float | None, eager_only: set[str],
-                 first: dict[str, float]) -> dict[str, Outcome]:
+                 first: dict[str, float], spent: dict[str, float]) -> dict[str, Outcome]:
     out: dict[str, Outcome] = {}
+
+    def took(name: str, since: float) -> None:
+        spent[name] = spent.get(name, 0.0) + (time.perf_counter() - since)
+
     iters: dict[str, int] = {}
     per_call: dict[str, float] = {}
     windows: dict[str, Callable[[], None]] = {}
@@ -267,6 +274,7 @@ def _interleaved(calls: dict[str, Sequence[Callable[[], Any]]], dev: torch.devic
                                    methods[name].replace(", interleaved", "") + ", one call")
                 continue
         cs = calls[name]
+        t_name = time.perf_counter()
         try:
             iters[name], per_call[name] = _warm_up(cs, dev, config)
             graph = config.mode == "graph" and name not in eager_only
@@ -274,6 +282,7 @@ def _interleaved(calls: dict[str, Sequence[Callable[[], Any]]], dev: torch.devic
         except Exception as exc:  # a variant that verified but crashes when timed is rejected
             out[name] = Failed(f"raised while timed: {type(exc).__name__}: {exc}")
             windows.pop(name, None)
+        took(name, t_name)
     samples: dict[str, list[float]] = {name: [] for name in windows}
     active = [n for n in calls if n in windows]
     for r in range(config.windows):
@@ -281,6 +290,7 @@ def _interleaved(calls: dict[str, Sequence[Callable[[], Any]]], dev: torch.devic
             break
         order = active[r % len(active):] + active[:r % len(active)] if active else []
         for name in order:
+            t_name = time.perf_counter()
             try:
                 sync(dev)
                 start()
@@ -290,6 +300,8 @@ def _interleaved(calls: dict[str, Sequence[Callable[[], Any]]], dev: torch.devic
                 out[name] = Failed(f"raised while timed: {type(exc).__name__}: {exc}")
                 active.remove(name)
                 continue
+            finally:
+                took(name, t_name)
             if not math.isfinite(t) or t <= 0:
                 out[name] = Failed("timing was not finite")
                 active.remove(name)
