@@ -122,7 +122,7 @@ def test_shadowed_adversary_returns_nothing_wrong_and_stops_serving(outlier_plug
     (verdict,) = [v for v in kv.verdicts() if v.variant == "outlier" and v.group.op == "causal_conv1d_fn"]
     assert not verdict.passed and verdict.where == "shadow"
     assert verdict.failed_case.startswith("shadowed call at B=2")
-    assert "output" in verdict.reason and "atol=" in verdict.reason
+    assert "output" in verdict.reason and "atol=" in verdict.reason and "max error 1" in verdict.reason
     assert kv.explain("causal_conv1d_fn", *args, **kwargs).chosen.id != "outlier"
     args2, kwargs2 = _prefill(outlier=True)
     want2, _ = _expected(args2, kwargs2)

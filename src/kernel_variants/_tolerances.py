@@ -33,9 +33,10 @@ def mismatch(actual: torch.Tensor, expected: torch.Tensor, what: str, *, exact: 
     if not bad.any():
         return None
     idx = tuple(int(i) for i in bad.nonzero()[0])
+    err = (a - e).abs()[bad].nan_to_num(nan=float("inf")).max().item()  # NaN where a number was due: unbounded
     return (
-        f"{what}: {int(bad.sum())} of {bad.numel()} elements differ beyond atol={atol}, rtol={rtol}; "
-        f"first at {list(idx)}: got {a[idx].item():.6g}, expected {e[idx].item():.6g}"
+        f"{what}: {int(bad.sum())} of {bad.numel()} elements differ beyond atol={atol}, rtol={rtol} "
+        f"(max error {err:.3g}); first at {list(idx)}: got {a[idx].item():.6g}, expected {e[idx].item():.6g}"
     )
 
 
