@@ -555,3 +555,78 @@ def test_keys_recorded_by_a_forked_child_survive_the_parents_records(tmp_path):
     _run(_RECORD_WRITERS, str(where), cache=tmp_path / "kv")
     ids = json.loads(_run(_RECORD_READER, str(where), cache=tmp_path / "kv"))
     assert ids == sorted(["parent-last", *(f"parent-{i}" for i in range(9)), *(f"child-{i}" for i in range(8))])
+
+
+# ---- rows of another kind of CPU, and of before the CPU's kind was kept
+
+
+def test_rows_of_another_cpu_kind_are_ignored_naming_both_cpus(tmp_path):
+    from kernel_variants._table.fingerprint import describe_cpu, fingerprint, fingerprint_id
+    from kernel_variants._table.rows import Group, Measurement
+
+    here = fingerprint("cpu")
+    zen4 = {**here, "vendor": "AuthenticAMD", "family": "25", "model": "17", "isa": "avx512-bf16"}
+    capped = {**here, "isa": "avx2" if here["isa"] != "avx2" else "avx512"}  # this CPU under another cap
+    group = Group(op=FN, dtype="float32")
+    versions = {(FN, "reference"): "1"}
+    table = CalibrationTable(tmp_path / "t")
+    for i, fp in enumerate((zen4, zen4, capped)):
+        table.record(Measurement(fingerprint=fp, fingerprint_id=fingerprint_id(fp), group=group, shape=(1, 16, 8 + i),
+                                 variant="reference", version="1", status="ok", best_us=1.0, measured_at=0.0))
+    kinds = sorted([(describe_cpu(capped), 1), ("AuthenticAMD family 25 model 17 stepping 1 avx512-bf16", 2)])
+    want = (f"rows measured on another CPU ({', '.join(f'{n} on {kind}' for kind, n in kinds)}) ignored here: "
+            f"this CPU is {describe_cpu(here)}")
+    # The full load, the load that stores a snapshot, and one that reads that snapshot back.
+    for load in (lambda t: t.measurements(versions, fingerprint_id(here)),
+                 lambda t: t.prepare(versions, fingerprint_id(here)),
+                 lambda t: t.prepare(versions, fingerprint_id(here))):
+        with pytest.warns(CalibrationWarning) as caught:
+            load(CalibrationTable(tmp_path / "t"))
+        assert [want in str(w.message) for w in caught] == [True], [str(w.message) for w in caught]
+    with pytest.warns(CalibrationWarning):
+        assert CalibrationTable(tmp_path / "t").measurements(versions, fingerprint_id(here)) == ({}, {})
+
+
+def test_rows_and_verdicts_of_before_the_cpu_kind_are_stale_with_one_warning(reference_only, capsys):
+    """A row of the old four-field CPU fingerprint cannot say which ISA level measured it: it is
+    not used, `kv calibrate --stale` re-measures it (and drops it); a verdict of then is dropped
+    (the variant qualifies again). One warning says both."""
+    from kernel_variants._table.fingerprint import CPU_KIND, fingerprint_id
+    from kernel_variants._table.rows import Verdict, verdict_fingerprint
+
+    kv.calibrate(FN, [(1, 16, 8)], **QUICK)
+    table = dispatcher().table
+    (key, raw), = [(k, r) for k, r in table.store.items() if k.startswith("m|")]
+    doc = json.loads(raw)
+    old_fp = {k: v for k, v in doc["fingerprint"].items() if k not in CPU_KIND}
+    assert sorted(old_fp) == ["device", "machine", "name", "threads"]
+    old_id = fingerprint_id(old_fp)
+    table.store.delete(key)
+    table.store.set(key.replace(doc["fingerprint_id"], old_id), json.dumps({**doc, "fingerprint": old_fp,
+                                                                           "fingerprint_id": old_id}))
+    for k, _ in list(table.store.items()):
+        if k.startswith("w|"):
+            table.store.delete(k)
+    old_vfp = verdict_fingerprint(old_fp)
+    verdict = Verdict(fingerprint=old_vfp, fingerprint_id=fingerprint_id(old_vfp), group=group(), variant="cpu_native",
+                      version="1", passed=True, cases=3, qualified_at=0.0)
+    table.store.set(verdict.storage_key(), verdict.model_dump_json())
+    kv.reload()
+    with pytest.warns(CalibrationWarning) as caught:
+        assert kv.table(FN) == []
+    (message,) = [str(w.message) for w in caught]
+    assert "1 measured on a CPU of this one's name by an earlier kernel_variants release, which did not record " \
+           "its model and ISA level" in message and "1 qualification verdicts of that release, dropped" in message
+    assert "`kv calibrate --stale` re-measures them" in message and "another device" not in message
+    assert dispatcher().table.store.get(verdict.storage_key()) is None
+    args, kw = conv_call(1, 16, 8)
+    assert kv.explain(FN, *args, **kw).source == "priority"  # never read as this CPU's
+    rc, out, _ = run(capsys, "table", "--stale")
+    assert rc == 0 and "did not record the CPU's model and ISA level" in out
+    rc, _, err = run(capsys, "calibrate", "--stale", "--warmup", "1", "--windows", "2", "--iters", "2", "-q")
+    assert rc == 0, err
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [r.winner for r in kv.table(FN)] == ["reference"]
+        assert kv.explain(FN, *args, **kw).source == "table"
+    assert not any(old_id in k for k, _ in dispatcher().table.store.items()), "the re-measured row was dropped"
