@@ -216,6 +216,31 @@ def test_info_names_fingerprint_cache_and_plugins(capsys):
     assert rc == 0 and fingerprint_id(fp) in out and os.environ["KV_CACHE_DIR"] in out
 
 
+def test_a_variant_that_picks_its_code_path_says_which_without_being_built_for_it(capsys, with_variants):
+    """`kv list --wide` and `kv info` name the path (cpu_native: its ISA build); a variant whose
+    build is pending is "not built", and is not built to answer."""
+    asked = []
+
+    def unbuilt_path():
+        asked.append("unbuilt")
+        return "avx512"
+
+    with_variants(variant("pathy", code_path=lambda: "avx2"),
+                  variant("unbuilt", code_path=unbuilt_path, build=lambda: asked.append("build") or "",
+                          is_built=lambda: False))
+    rc, out, _ = run(capsys, "list", "--wide")
+    assert rc == 0 and "code path" in out.splitlines()[0]
+    lines = {tuple(line.split()[:2]): line for line in out.splitlines()[2:] if line[:1].strip()}
+    assert " avx2 " in lines[(FN, "pathy")] and " not built " in lines[(FN, "unbuilt")]
+    assert " - " in lines[(FN, "reference")]  # one path only: nothing to say
+    info = run_json(capsys, "info")
+    paths = info["ops"][FN]["code_paths"]
+    assert (paths["pathy"], paths["unbuilt"]) == ("avx2", "not built") and "reference" not in paths
+    rc, out, _ = run(capsys, "info")
+    assert "pathy avx2, unbuilt not built" in out
+    assert asked == []
+
+
 def test_python_dash_m_runs_the_cli(tmp_path):
     env = {**os.environ, "KV_CACHE_DIR": str(tmp_path / "c")}
     proc = subprocess.run([sys.executable, "-m", "kernel_variants", "info", "--json"], capture_output=True,

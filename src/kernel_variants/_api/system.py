@@ -5,7 +5,7 @@ files, the device fingerprint and table (:func:`info`), and building what is com
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,9 @@ class SystemInfo:
     plugins: list[str]
     broken_plugins: dict[str, str]  # plugin name -> why it was left out
     op_plugins: dict[str, str]  # op name -> the plugin that registered it
+    # op name -> variant id -> the code path it runs on this device ("avx512-bf16", "not built"),
+    # for the variants whose path is chosen at run time (``Variant.code_path``)
+    code_paths: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def info(device: str = "cpu") -> SystemInfo:
@@ -64,9 +67,16 @@ def info(device: str = "cpu") -> SystemInfo:
     d = dispatcher()
     fp = fingerprint(str(torch.device(device)))
     table = d.table
+    paths: dict[str, dict[str, str]] = {}
+    for rv in d.registry.variants():
+        if rv.tactic is None and fp["device"] in rv.variant.capabilities.devices:
+            path = rv.code_path()
+            if path is not None:
+                paths.setdefault(rv.op, {})[rv.id] = path
     return SystemInfo(__version__, fp, fingerprint_id(fp), str(table.directory), table.in_memory,
                       table.store.read_only, len(table), callcore.status()[1], d.registry.plugins(),
-                      dict(d.registry.broken), {s.name: d.registry.op_plugin(s.name) for s in d.registry.ops()})
+                      dict(d.registry.broken), {s.name: d.registry.op_plugin(s.name) for s in d.registry.ops()},
+                      paths)
 
 
 @dataclass

@@ -1,6 +1,8 @@
-"""What this machine's table is keyed by and where it lives: the device fingerprint, the cache
-directory (or that it is in memory), the table size, the call path the ops take (the compiled
-call core, or Python and why) and the plugins loaded."""
+"""What this machine's table is keyed by and where it lives: the device fingerprint (on the CPU:
+its name, thread count, architecture, vendor, family, model, stepping and the ISA level its code
+paths run at), the cache directory (or that it is in memory), the table size, the call path the
+ops take (the compiled call core, or Python and why), the plugins loaded, and the code path of
+each variant that picks one at run time (cpu_native's ISA build; "not built" before a build)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
         "broken_plugins": i.broken_plugins,
         "variants": {spec.name: [rv.id for rv in kv.variants(spec.name)] for spec in specs},
         "ops": {spec.name: {"axes": list(spec.axes), "aliases": list(spec.aliases), "sweeps": list(spec.sweeps),
-                            "features": list(spec.features.model_fields), "plugin": i.op_plugins[spec.name]}
+                            "features": list(spec.features.model_fields), "plugin": i.op_plugins[spec.name],
+                            "code_paths": i.code_paths.get(spec.name, {})}
                 for spec in specs},
     }
     if args.json:
@@ -49,5 +52,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append([op, f"axes {','.join(o['axes'])}; aliases {', '.join(o['aliases']) or '-'}; "
                          f"sweeps {', '.join(o['sweeps']) or '-'}"])
         rows.append(["  variants", ", ".join(ids)])
+        if o["code_paths"]:
+            rows.append(["  code paths", ", ".join(f"{v} {path}" for v, path in o["code_paths"].items())])
     print(render_table(["", ""], rows, right=[False, False], header=False))
     return 0

@@ -39,7 +39,7 @@ def _catalogue(args: argparse.Namespace) -> int:
             "op": rv.op, "id": rv.id, "tactics": list(rv.tactics), "plugin": rv.plugin, "version": rv.version, "depends": rv.deps,
             "priority": rv.variant.priority, "devices": sorted(c.devices), "dtypes": sorted(c.dtypes),
             "features": c.summary(), "available": why is None, "reason": why,
-            "needs_build": rv.needs_build(),
+            "needs_build": rv.needs_build(), "code_path": rv.code_path(),
             "qualification": [{"dtype": v.group.dtype, "features": dict(v.group.features), "passed": v.passed,
                                "cases": v.cases, "failed_case": v.failed_case, "reason": v.reason}
                               for v in verdicts.get((rv.op, rv.id), [])],
@@ -54,10 +54,10 @@ def _catalogue(args: argparse.Namespace) -> int:
                  for r, rv in zip(records, entries, strict=True)]
     if args.wide:
         rows = [[r["op"], _named(r, True), r["plugin"], r["version"], r["priority"], ",".join(r["devices"]),
-                 ",".join(_short(d) for d in r["dtypes"]), r["features"], q, st]
+                 ",".join(_short(d) for d in r["dtypes"]), r["features"], r["code_path"] or "-", q, st]
                 for r, st, q in zip(records, status, qualified, strict=True)]
         print(render_table(["op", "variant", "plugin", "version", "prio", "devices", "dtypes", "capabilities",
-                            "qualified", "available"], rows, right=[False] * 4 + [True] + [False] * 5))
+                            "code path", "qualified", "available"], rows, right=[False] * 4 + [True] + [False] * 6))
     else:
         # "available" last: its reasons are the long cells, wrapped to the terminal's width.
         rows = [[r["op"], _named(r, False), r["priority"], ",".join(r["devices"]),

@@ -208,6 +208,10 @@ class Variant(BaseModel):
     probe: Callable[[], str | None] | None = Field(default=None, exclude=True, repr=False)
     build: Callable[[], str] | None = Field(default=None, exclude=True, repr=False)
     is_built: Callable[[], bool] | None = Field(default=None, exclude=True, repr=False)
+    # Which of its code paths runs on this machine, in a word ("avx512-bf16", say), for one whose
+    # speed depends on a path chosen at run time; shown by `kv list --wide` and `kv info`, and
+    # asked only once the variant is built (``is_built``): answering never builds it.
+    code_path: Callable[[], str] | None = Field(default=None, exclude=True, repr=False)
     priority: int = 0
     # Qualified in a child process (see _tuning/isolate.py): it runs compiled code (its own C++,
     # a vendor op, an engine's kernel) whose crash or hang must be a verdict, not the caller's

@@ -158,6 +158,22 @@ class RegisteredVariant:
         except Exception:  # a broken check is answered by the build itself
             return True
 
+    def code_path(self) -> str | None:
+        """Which of its code paths the variant runs here (its ``code_path``), "not built" while
+        a build is pending; None when it declares none or cannot run here. Never builds."""
+        if self.parent is not None:
+            return self.parent.code_path()
+        ask = self.variant.code_path
+        if ask is None or self.unavailable_reason() is not None:
+            return None
+        if self.needs_build():
+            return "not built"
+        try:
+            path = ask()
+        except Exception as exc:  # third-party code: its failure is no reason to fail a listing
+            return f"unknown ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"[:200]
+        return path if isinstance(path, str) else f"unknown (code_path returned {type(path).__name__})"
+
     def ensure_built(self) -> str | None:
         """Build now if the variant needs it; ``None`` when it can run, else why not."""
         if self.parent is not None:

@@ -85,6 +85,15 @@ def isa_path() -> str:
     return _build.load_extension().isa_path()
 
 
+def _code_path(ext: _build.Extension) -> str:
+    """``isa_path()``, for a variant of ``ext`` that is built (kv list --wide, kv info). Both
+    extensions pick their build with the one ``kv_cpu::isa_level()`` (csrc/cpu_common.h), which
+    the conv extension reports: the RMSNorm one answers through it, without building it."""
+    if ext is not _build.CONV and not _build.is_built(_build.CONV):
+        return "unknown until the conv kernels are built (kv build)"
+    return isa_path()
+
+
 _CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True,
              takes_out=True, in_place=True)  # the C++ writes into out, out=x included (reads before writes)
 
@@ -94,6 +103,7 @@ def _native(ext: _build.Extension) -> dict:
     # Its speed depends on the compiler that built it and the ISA path it takes, besides torch.
     return dict(probe=functools.partial(_build.toolchain_missing, ext), depends=("torch", "compiler", "isa"),
                 build=functools.partial(_build.build, ext), is_built=functools.partial(_build.is_built, ext),
+                code_path=functools.partial(_code_path, ext),
                 sources=tuple(str(p) for p in _build.source_files(ext)))
 
 
