@@ -7,9 +7,11 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 from helpers.calibration import assert_one_line_error, quick_argv, run, run_json
@@ -338,6 +340,67 @@ def test_a_document_from_another_fingerprint_needs_force(capsys, monkeypatch, tm
     assert _winners() == before  # filed under this machine's fingerprint, so dispatch uses it
 
 
+def test_a_document_from_another_cpu_is_refused_forced_or_not_and_never_used_here(capsys, monkeypatch, tmp_path):
+    """A VM calls a Zen 3 and a Zen 4 both "AMD EPYC": the fingerprint's CPU kind tells them
+    apart. A document edited to say another ISA level or model (its id recomputed) is refused,
+    --force or not; its rows put in the store all the same are never chosen from. The unedited
+    document imports and is used; one whose fingerprint was edited without its id is refused."""
+    from helpers.calibration import conv_call
+
+    from kernel_variants._table.fingerprint import describe_cpu
+    from kernel_variants._table.rows import Measurement, Winner
+    from kernel_variants._table.store import CalibrationWarning
+
+    calibrate(capsys)
+    before = _winners()
+    doc_path = tmp_path / "t.json"
+    run(capsys, "export", str(doc_path))
+    doc = json.loads(doc_path.read_text())
+    here = fingerprint("cpu")
+    _switch_table(monkeypatch, tmp_path / "other")
+    for changes in ({"isa": "avx2" if here["isa"] != "avx2" else "avx512"}, {"model": here["model"] + "7"}):
+        edited = _refingerprint(json.loads(json.dumps(doc)), **changes)
+        path = tmp_path / "edited.json"
+        path.write_text(json.dumps(edited))
+        for force in ((), ("--force",)):
+            rc, _, err = run(capsys, "import", str(path), *force)
+            assert_one_line_error(rc, err, "import")
+            assert f"measured on another CPU ({describe_cpu(edited['fingerprint'])}; this CPU is " \
+                   f"{describe_cpu(here)})" in err
+        assert len(dispatcher().table) == 0
+    # Forced into the store all the same (a shared cache directory, say): filed under its own
+    # fingerprint, nothing is chosen from it, and the one warning names both CPUs.
+    table = dispatcher().table
+    for m in edited["measurements"]:
+        table.record(Measurement.model_validate(m))
+    for w in edited["winners"]:
+        table.store.set(Winner.model_validate(w).storage_key(), json.dumps(w))
+    kv.reload()
+    args, kw = conv_call(1, 16, 8)
+    with pytest.warns(CalibrationWarning, match=f"rows measured on another CPU .*this CPU is {re.escape(describe_cpu(here))}"):
+        assert _timed(kv.explain(FN, *args, **kw)) == {}
+    assert _winners() == {}
+    stale_id = tmp_path / "stale-id.json"
+    stale_id.write_text(json.dumps({**doc, "fingerprint": {**doc["fingerprint"], "model": "17"}}))
+    rc, _, err = run(capsys, "import", str(stale_id))
+    assert_one_line_error(rc, err, "import")
+    assert f"fingerprint_id {doc['fingerprint_id']} does not match the fingerprint, whose id is" in err
+    with warnings.catch_warnings():  # shown on stderr, as kv shows warnings, not raised
+        warnings.simplefilter("always", CalibrationWarning)
+        rc, out, err = run(capsys, "import", str(doc_path), "--json")
+    assert rc == 0, err
+    assert (json.loads(out)["added"], json.loads(out)["forced"]) == (4, False)
+    assert "rows measured on another CPU" in err  # the forced-in rows, still ignored
+    assert _winners() == before
+    assert _timed(kv.explain(FN, *args, **kw)) == {m["variant"]: m["best_us"] for m in doc["measurements"]
+                                                   if tuple(m["shape"]) == (1, 16, 8)}
+
+
+def _timed(decision):
+    """The figures a decision weighed: the table's, for the variants it has rows of."""
+    return {r.variant: r.time_us for r in decision.trace if r.time_us is not None}
+
+
 def _valid_doc(capsys, tmp_path):
     calibrate(capsys)
     p = tmp_path / "good.json"
@@ -369,6 +432,7 @@ HOSTILE = {
     "future timestamp": _first_m(measured_at=1e15),
     "variant id with a separator": _first_m(variant="a|b"),
     "forged fingerprint id": lambda doc: doc | {"fingerprint_id": "0123456789abcdef"},
+    "fingerprint edited, its id not": lambda doc: doc | {"fingerprint": {**doc["fingerprint"], "isa": "avx2"}},
     "measurement of another fingerprint": _first_m(fingerprint_id="0123456789abcdef"),
     "duplicate entry": lambda doc: doc | {"measurements": doc["measurements"] + doc["measurements"][:1]},
     "10 MB of garbage": lambda doc: "x" * (10 << 20),

@@ -22,7 +22,8 @@ def export_table(path_or_file: str | os.PathLike[str] | IO[str], device: str = "
 def import_table(path: str | os.PathLike[str], *, force: bool = False, device: str = "cpu") -> ImportReport:
     """Validate the document at ``path`` whole, then merge it into this machine's table in one
     transaction (the newer row wins). A document from another device or software stack is
-    refused unless ``force``."""
+    refused unless ``force``; one from another kind of CPU (or an earlier release's, which did not
+    record it), and one whose fingerprint_id is not its fingerprint's, even then."""
     d = dispatcher()
     try:
         return exchange.import_table(d.table, d.versions(), path, force=force, device=device)

@@ -2,7 +2,8 @@
 
 The whole document is validated before anything is written; a document measured on another
 fingerprint is refused unless ``--force`` (which files its entries under this machine's
-fingerprint). Per entry, the newer of the local and the imported one is kept.
+fingerprint), and one measured on another kind of CPU (vendor, family, model, stepping or ISA
+level) is refused even then. Per entry, the newer of the local and the imported one is kept.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from kernel_variants._cli._output import print_json
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help="a document written by kv export")
-    p.add_argument("--force", action="store_true", help="import a document from another fingerprint")
+    p.add_argument("--force", action="store_true", help="import a document from another fingerprint (another thread count or driver, say; "
+                   "never another kind of CPU)")
     opt.add_device(p)
 
 

@@ -6,7 +6,9 @@ and its declared dependencies' versions, so a machine with another torch or Trit
 affected rows stale, and only those): ``export_table`` writes this device's part of the table,
 ``import_table`` merges a document into the local table. An import validates the
 whole document first and then writes it in one transaction, so a malformed or hostile file
-changes nothing; a document from another fingerprint is refused unless forced.
+changes nothing; a document from another fingerprint is refused unless forced, and one from
+another kind of CPU (or one exported before a CPU's kind was kept) even then: its timings and
+verdicts are not this CPU's, under any fingerprint.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kernel_variants._registry.models import valid_candidate
-from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.fingerprint import (
+    cpu_kind,
+    describe_cpu,
+    fingerprint,
+    fingerprint_id,
+    lacks_cpu_kind,
+)
 from kernel_variants._table.rows import (
     DEFAULT_MARGIN,
     VERDICT_PREFIX,
@@ -71,7 +79,8 @@ class TableDocument(BaseModel):
     def _sound(self) -> TableDocument:
         now = time.time()
         if fingerprint_id(self.fingerprint) != self.fingerprint_id:
-            raise ValueError("fingerprint_id does not match the fingerprint it claims to identify")
+            raise ValueError(f"fingerprint_id {self.fingerprint_id} does not match the fingerprint, whose id is "
+                             f"{fingerprint_id(self.fingerprint)} (the fingerprint was edited after export)")
         if any(len(k) > 200 or len(v) > 1000 for k, v in self.fingerprint.items()):
             raise ValueError("fingerprint: keys or values too long")
         _check_time("created_at", self.created_at, now)
@@ -285,6 +294,21 @@ def _differences(theirs: dict[str, str], ours: dict[str, str]) -> str:
                      for k in keys if theirs.get(k) != ours.get(k))
 
 
+def _same_cpu(theirs: dict[str, str], ours: dict[str, str], source: str) -> None:
+    """Refuse a CPU document of another kind of CPU than this one, or of an unknown kind, forced
+    or not: a forced import files rows under this machine's fingerprint, where they are used."""
+    if ours.get("device") != "cpu":
+        return
+    if lacks_cpu_kind(theirs):
+        raise ExchangeError(f"{source}: exported by an earlier kernel_variants release, which did not record the "
+                            f"CPU's model and ISA level: it cannot be told this CPU's ({describe_cpu(ours)}); "
+                            "export it again with this release, or calibrate here")
+    if cpu_kind(theirs) != cpu_kind(ours):
+        raise ExchangeError(f"{source}: measured on another CPU ({describe_cpu(theirs)}; this CPU is "
+                            f"{describe_cpu(ours)}): its timings and verdicts do not hold here, --force or not; "
+                            "calibrate here (kv calibrate)")
+
+
 def import_document(doc: TableDocument, table: CalibrationTable, versions: dict[tuple[str, str], str], *,
                     force: bool = False, device: str = "cpu", source: str = "document") -> ImportReport:
     """Merge ``doc`` into ``table`` (whose registered variants have ``versions``), keeping the
@@ -300,6 +324,7 @@ def import_document(doc: TableDocument, table: CalibrationTable, versions: dict[
                             f"not {dev.type} (pass the matching --device)")
     ours = fingerprint(str(dev))
     ours_id = fingerprint_id(ours)
+    _same_cpu(doc.fingerprint, ours, source)
     report = ImportReport(source, ours_id)
     ms, ws = list(doc.measurements), list(doc.winners)
     if doc.fingerprint_id != ours_id:
