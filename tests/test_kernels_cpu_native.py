@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_variants._tolerances import TOLERANCES
+from kernel_variants._tolerances import TOLERANCES, mismatch
 from kernel_variants.kernels import cpu_native
 from kernel_variants.kernels.cpu_native import _build
 from kernel_variants.ops.causal_conv1d import _reference
@@ -390,3 +390,52 @@ def test_fresh_output_sits_half_a_page_from_x(x_offset_bytes):
     assert got.data_ptr() % 64 == 0
     assert (got.data_ptr() - (x.data_ptr() & ~63)) % 4096 == 2048
     _same(got, cpu_native.causal_conv1d_fn(x, w, b, activation="silu", out=torch.empty_like(x)))
+
+
+# Conv outputs far out on both sides of SiLU, where its exponential over- and underflows: |y| from
+# 20 to past fp32's range, the boundaries of the kernels' clamps (about -88.7 and 87), +-inf, NaN.
+OUTLIERS = (float("-inf"), float("inf"), float("nan"), -3.3e38, 3.3e38, -1e30, 1e30, -1e4, 1e4, -100.0, 100.0,
+            -89.5, -88.7, -88.5, -88.4, -88.0, -87.5, -87.0, 87.0, 88.0, -40.0, 40.0, -25.0, 25.0, -20.5, 20.5,
+            -0.5, 0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [128, 136], ids=["whole_groups", "ragged"])
+def test_silu_outliers_match_the_reference(dtype, dim):
+    """SiLU of outlying conv outputs on the prefill paths (window and block, ragged last group)
+    and decode: the reference's values within the dtype's tolerance, with NaN, +-inf and -0 where
+    it has them (silu(-inf) is NaN, silu(y) for y far below zero -0, never x * e^-87)."""
+    vals = torch.tensor(OUTLIERS, dtype=torch.float64)
+    L, W = 64, 4
+    # Runs of 8 equal rows: most outputs are the outlier itself (w = 1 sums four quarters); the
+    # rows where runs meet mix neighbours (inf + -inf, a huge value + a small one).
+    idx = (torch.arange(dim)[None, :] + torch.arange(L)[:, None] // 8) % len(OUTLIERS)
+    x = (vals[idx] / 4).to(dtype).unsqueeze(0).repeat(2, 1, 1)
+    w = torch.ones(dim, W, dtype=dtype)
+    b = torch.zeros(dim, dtype=dtype)
+    got = cpu_native.causal_conv1d_fn(x, w, b, activation="silu")
+    want = _reference.causal_conv1d_fn(x, w, b, activation="silu")
+    assert mismatch(got, want, f"fwd {cpu_native.isa_path()}") is None
+    state = (vals[idx[:W - 1]] / 4).to(dtype).unsqueeze(0).repeat(L, 1, 1)  # one slot per token
+    xd = x[0]
+    got = cpu_native.causal_conv1d_update(xd, state.clone(), w, b, activation="silu")
+    want = _reference.causal_conv1d_update(xd, state.clone(), w, b, activation="silu")
+    assert mismatch(got, want, f"update {cpu_native.isa_path()}") is None
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.float16], ids=str)
+def test_a_nan_tap_of_any_payload_gives_nan_in_bf16(wdtype):
+    """bf16 outputs of fp32 / fp16 taps that are NaN with payload bits in the low half (fp32
+    0x7fffffff, fp16 0x7fff): NaN, never -0 or inf from the rounding's carry (the AVX2 store
+    rounds without a NaN test and relies on the taps' NaNs being made canonical)."""
+    g = _gen(5)
+    D, W = 48, 4
+    x = torch.randn(1, 40, D, generator=g).to(torch.bfloat16)
+    w, b = _filter(D, W, wdtype, g)
+    bits = torch.int32 if wdtype == torch.float32 else torch.int16
+    nan = torch.tensor([0x7FFFFFFF if wdtype == torch.float32 else 0x7FFF], dtype=bits).view(wdtype)
+    w[5, 1], b[20] = nan[0], nan[0]
+    for act in (None, "silu"):
+        got = cpu_native.causal_conv1d_fn(x, w, b, activation=act)
+        assert got[0, :, 5].isnan()[1:-1].all() and got[0, :, 20].isnan().all()
+        assert mismatch(got, _reference.causal_conv1d_fn(x, w, b, activation=act), "bf16 out") is None

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -137,10 +138,20 @@ struct Exp2Poly<5> {
 };
 
 constexpr float kNegLog2e = -1.44269504088896341f;
-// |x| <= 87 keeps exp(-x) and its reciprocal normal floats (no denormal
-// assists, no inf*0 in the Newton step); outside, sigmoid is saturated.
-constexpr float kClamp = 87.0f;
+// The exponential's argument is clamped to x in [kClampLo, kClampHi]. Above, exp(-x) stays a
+// normal float (no denormal assists) and 1 + exp(-x) rounds to 1: SiLU is x. Below, exp(-x)
+// is made exactly +inf, so its reciprocal is exactly 0 and SiLU is x * 0: -0 for any finite x,
+// NaN for -inf (the reference's -inf / inf), never x * exp(-87), which for |x| near fp32's
+// largest is not small (-3e38 gave -4.9). kClampLo differs per build: the AVX2 exponent trick
+// gives 2^128 = inf for n = round(-x log2e) = 128 (x in [-89.06, -88.37]; n = 129 would
+// wrap into the sign bit), vscalefps gives inf for floor(-x log2e) >= 128 (x <= -88.73).
+constexpr float kClampHi = 87.0f;
+constexpr float kClampLo2 = -88.5f;    // AVX2: n = 128
+constexpr float kClampLo512 = -89.5f;  // AVX-512: floor = 129
 constexpr float kMagic = 12582912.f + 127.f;  // 1.5 * 2^23 + exponent bias
+// The Newton step's d * rc is inf * 0 = NaN where d is inf: it takes d capped at fp32's largest
+// (then rc = 0 gives the step 2, and SiLU x * 0 as above).
+constexpr float kFltMax = 3.40282347e+38f;
 
 #if defined(CPU_CAPABILITY_AVX512)
 template <int DEG>
@@ -159,8 +170,8 @@ KV_INLINE fVec silu(const fVec& xv) {
   // overflowing to inf gives rcp14 = 0 and y = -0; underflow gives y = x.
   __m512 xc = x;
   if constexpr (P::kRefine)
-    xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-kClamp)),
-                       _mm512_set1_ps(kClamp));
+    xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kClampLo512)),
+                       _mm512_set1_ps(kClampHi));
   // exp(-x) = 2^t = 2^floor(t) * 2^frac(t): vreduceps gives frac(t) and
   // vscalefps applies floor(t) in one instruction each.
   const __m512 t = _mm512_mul_ps(xc, _mm512_set1_ps(kNegLog2e));
@@ -169,7 +180,8 @@ KV_INLINE fVec silu(const fVec& xv) {
   const __m512 d = _mm512_add_ps(e, _mm512_set1_ps(1.f));
   const __m512 rc = _mm512_rcp14_ps(d);
   if constexpr (P::kRefine) {
-    const __m512 nr = _mm512_fnmadd_ps(d, rc, _mm512_set1_ps(2.f));
+    const __m512 nr = _mm512_fnmadd_ps(_mm512_min_ps(d, _mm512_set1_ps(kFltMax)), rc,
+                                       _mm512_set1_ps(2.f));
     return fVec(_mm512_mul_ps(_mm512_mul_ps(x, rc), nr));
   } else {
     return fVec(_mm512_mul_ps(x, rc));
@@ -181,13 +193,16 @@ KV_INLINE fVec silu(const fVec& xv) {
   using P = Prec<T>;
   constexpr int DEG = P::kDeg;
   const __m256 x = xv;
-  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-kClamp)),
-                                  _mm256_set1_ps(kClamp));
-  // Round-to-int by adding 1.5*2^23 (+127): the low mantissa bits of f then
-  // hold n+127, so f<<23 is the float 2^n.
-  const __m256 t = _mm256_mul_ps(xc, _mm256_set1_ps(kNegLog2e));
-  const __m256 f = _mm256_add_ps(t, _mm256_set1_ps(kMagic));
-  const __m256 r = _mm256_sub_ps(t, _mm256_sub_ps(f, _mm256_set1_ps(kMagic)));
+  // x NaN: max returns kClampLo2 (its second operand), and x * rc below is NaN.
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kClampLo2)),
+                                  _mm256_set1_ps(kClampHi));
+  // Round-to-int by adding 1.5*2^23 (+127) to t = -x log2e, fused into the
+  // multiply: the low mantissa bits of f then hold n+127, so f<<23 is the
+  // float 2^n (2^128 = inf for n = 128), and r = t - n comes from one more FMA
+  // (exact up to its one rounding, no rounded t in between).
+  const __m256 nl2e = _mm256_set1_ps(kNegLog2e);
+  const __m256 f = _mm256_fmadd_ps(xc, nl2e, _mm256_set1_ps(kMagic));
+  const __m256 r = _mm256_fmsub_ps(xc, nl2e, _mm256_sub_ps(f, _mm256_set1_ps(kMagic)));
   __m256 q = _mm256_set1_ps(Exp2Poly<DEG>::kRound[DEG]);
 #pragma GCC unroll 8
   for (int i = DEG - 1; i >= 0; --i)
@@ -198,7 +213,8 @@ KV_INLINE fVec silu(const fVec& xv) {
   // rcp_ps is only 12-bit accurate: refine for everything but bf16.
   const __m256 rc = _mm256_rcp_ps(d);
   if constexpr (DEG >= 4) {
-    const __m256 nr = _mm256_fnmadd_ps(d, rc, _mm256_set1_ps(2.f));
+    const __m256 nr = _mm256_fnmadd_ps(_mm256_min_ps(d, _mm256_set1_ps(kFltMax)), rc,
+                                       _mm256_set1_ps(2.f));
     return fVec(_mm256_mul_ps(_mm256_mul_ps(x, rc), nr));
   } else {
     return fVec(_mm256_mul_ps(x, rc));
@@ -210,8 +226,8 @@ KV_INLINE fVec silu(const fVec& xv) {
 template <typename T>
 KV_INLINE fVec silu(const fVec& x) {
   constexpr int DEG = 5;
-  const fVec xc = at::vec::minimum(at::vec::maximum(x, fVec(-kClamp)),
-                                   fVec(kClamp));
+  const fVec xc = at::vec::minimum(at::vec::maximum(x, fVec(kClampLo2)),
+                                   fVec(kClampHi));
   const fVec t = xc * fVec(kNegLog2e);
   const fVec f = t + fVec(kMagic);
   const fVec r = t - (f - fVec(kMagic));
@@ -340,6 +356,7 @@ template <>
 struct IO<c10::BFloat16> : AtenIO<c10::BFloat16> {
   using T = c10::BFloat16;
   using AtenIO<T>::load;
+  using AtenIO<T>::store;
   static KV_INLINE __m256 widen(const T* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(
@@ -349,6 +366,24 @@ struct IO<c10::BFloat16> : AtenIO<c10::BFloat16> {
   static KV_INLINE void load(const T* p, fVec& a, fVec& b) {
     a = widen(p);
     b = widen(p + 8);
+  }
+  // fp32 -> bf16 rounded to nearest even, in integer adds: (v + 0x7fff + bit 16 of v) >> 16.
+  // Overflow rounds to inf, inf stays inf. ATen's conversion also tests every lane for NaN
+  // (an ordered compare and a blend, 20% of this SiLU loop's time on AVX2): a NaN whose bits
+  // 16-22 are all set and whose low half is >= 0x8000 would carry into the sign (-0). No NaN
+  // that reaches here has such a low half: data (x, states) is widened bf16 (low half 0), the
+  // arithmetic's own NaN is 0xffc00000, and an input NaN keeps its payload; the taps, the
+  // one fp32 input of another dtype, have their NaNs made canonical (load_taps, kCanonNaN).
+  static KV_INLINE __m256i rne16(const fVec& v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  }
+  static KV_INLINE void store(T* p, const fVec& a, const fVec& b) {
+    // packus interleaves the 128-bit halves; the permute puts them back in channel order.
+    const __m256i v = _mm256_permute4x64_epi64(_mm256_packus_epi32(rne16(a), rne16(b)), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
   }
 };
 
@@ -465,10 +500,27 @@ inline void fill_bias(const WT* b, int64_t sd, int64_t c0, int64_t n,
   for (int64_t c = 0; c < n; ++c) bt[c] = to_f(b[(c0 + c) * sd]);
 }
 
+// Whether data of type T is stored by a conversion that needs NaN taps made canonical
+// (IO<bf16>::rne16 on AVX2).
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+template <typename T>
+constexpr bool kCanonNaN = std::is_same_v<T, c10::BFloat16>;
+#else
+template <typename T>
+constexpr bool kCanonNaN = false;
+#endif
+
+// Every NaN among v[0, n) made the quiet NaN 0x7fc00000: its low 16 bits are 0.
+inline void canonical_nans(float* v, int64_t n) {
+  for (int64_t c = 0; c < n; ++c)
+    if (v[c] != v[c]) v[c] = std::numeric_limits<float>::quiet_NaN();
+}
+
 // Transposed fp32 taps [W][kTileC] and bias [kTileC] for channels
 // [c0, c0+n); the tail up to the next group boundary is zeroed so ragged
-// groups compute on defined values.
-template <int W>
+// groups compute on defined values. For data T whose stores need it (kCanonNaN), NaNs in
+// taps of a dtype wider than bf16 are made canonical (bf16 taps widen with a low half of 0).
+template <int W, typename T>
 inline void load_taps(const Params& p, int64_t c0, int64_t n, float* wt,
                       float* bt) {
   const int64_t npad = std::min<int64_t>(kTileC, (n + VW - 1) / VW * VW);
@@ -486,6 +538,10 @@ inline void load_taps(const Params& p, int64_t c0, int64_t n, float* wt,
                    n, wt);
       break;
   }
+  if constexpr (kCanonNaN<T>) {
+    if (p.wdtype != DType::BF16)
+      for (int k = 0; k < W; ++k) canonical_nans(wt + k * kTileC, n);
+  }
   for (int k = 0; k < W; ++k)
     for (int64_t c = n; c < npad; ++c) wt[k * kTileC + c] = 0.f;
   if (p.bias == nullptr) {
@@ -502,6 +558,9 @@ inline void load_taps(const Params& p, int64_t c0, int64_t n, float* wt,
     case DType::F16:
       fill_bias(static_cast<const c10::Half*>(p.bias), p.b_sd, c0, n, bt);
       break;
+  }
+  if constexpr (kCanonNaN<T>) {
+    if (p.bdtype != DType::BF16) canonical_nans(bt, n);
   }
   for (int64_t c = n; c < npad; ++c) bt[c] = 0.f;
 }
@@ -893,7 +952,7 @@ void fwd_range_t(const Params& p, int64_t begin, int64_t end) {
     const bool need = p.chunk_major ? converted[tile] == 0 : tile != taps_tile;
     if (!sq.pad && need) {
       const int64_t c0 = tile * p.tile_c;
-      load_taps<W>(p, c0, std::min(p.dim, c0 + p.tile_c) - c0, wt, wt + W * kTileC);
+      load_taps<W, T>(p, c0, std::min(p.dim, c0 + p.tile_c) - c0, wt, wt + W * kTileC);
       if (p.chunk_major) {
         converted[tile] = 1;
       } else {
@@ -933,7 +992,7 @@ void update_range_t(const Params& p, int64_t begin, int64_t end) {
         continue;
       }
       if (taps_tile != tile) {
-        load_taps<W>(p, c0, nc, wt, bt);
+        load_taps<W, T>(p, c0, nc, wt, bt);
         taps_tile = tile;
       }
       if (L == 1 && p.st_sd == 1) {
