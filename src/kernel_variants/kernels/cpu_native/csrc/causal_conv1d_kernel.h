@@ -1075,6 +1075,9 @@ inline void dispatch(const Params& p, int64_t b, int64_t e, bool upd) {
 
 }  // namespace
 
+// KV_CCONV_PRIMITIVES_ONLY: a bench-only build (tools/bench_cpu_roofline.py's floor) that uses
+// the loads, stores and SiLU above without compiling the whole kernel again.
+#if !defined(KV_CCONV_PRIMITIVES_ONLY)
 void fwd_range(const Params& p, int64_t begin, int64_t end) {
   dispatch(p, begin, end, false);
 }
@@ -1082,6 +1085,7 @@ void fwd_range(const Params& p, int64_t begin, int64_t end) {
 void update_range(const Params& p, int64_t begin, int64_t end) {
   dispatch(p, begin, end, true);
 }
+#endif
 
 }  // namespace KV_ISA_NS
 }  // namespace kv_cconv
