@@ -131,7 +131,7 @@ def test_without_the_interpreter_or_a_gpu_the_probe_says_why(monkeypatch):
         assert rv.unavailable_reason() == "no CUDA device (set TRITON_INTERPRET=1 to run on CPU under the interpreter)"
 
 
-@pytest.mark.parametrize("op", ["gemma_rms_norm", "add_gemma_rms_norm"])
+@pytest.mark.parametrize("op", ["gemma_rms_norm", "add_gemma_rms_norm", "rms_norm", "fused_add_rms_norm"])
 def test_triton_rms_norm_matches_the_reference_on_every_claimed_case(interpreter, op):
     rv = dispatcher().registry.get(op, "triton")
     assert rv.unavailable_reason() is None

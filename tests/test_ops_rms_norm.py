@@ -1,4 +1,4 @@
-"""The second op family, gemma_rms_norm and add_gemma_rms_norm, through everything the conv ops
+"""The second op family, gemma_rms_norm and add_gemma_rms_norm (and the plain family's bad input), through everything the conv ops
 go through: the dispatched ops, explain, force, calibration, every kv command, torch.compile and
 bad input. (Conformance of every variant is tests/test_conformance.py, which knows no op.)"""
 
@@ -64,6 +64,16 @@ def test_explain_and_force_work_per_op():
         (lambda x, w, r: kv.add_gemma_rms_norm(x, w, r[:, :1]), "residual: expected shape [3, 5, 64]"),
         (lambda x, w, r: kv.add_gemma_rms_norm(x, w, r.half()), "residual: expected dtype bfloat16"),
         (lambda x, w, r: kv.add_gemma_rms_norm(x, w, None), "residual: expected a torch.Tensor"),
+        # the plain family (vLLM IR's rms_norm / fused_add_rms_norm)
+        (lambda x, w, r: kv.rms_norm(x, w[:-1], 1e-6), "weight: expected None or shape [D=64]"),
+        (lambda x, w, r: kv.rms_norm(x, w.half(), 1e-6), "weight: expected x's dtype bfloat16 or float32, got float16"),
+        (lambda x, w, r: kv.rms_norm(x, w, 1e-6, 65), "variance_size: expected None or 1 <= variance_size <= D=64, got 65"),
+        (lambda x, w, r: kv.rms_norm(x, w, 1e-6, 0), "variance_size: expected None or 1 <= variance_size"),
+        (lambda x, w, r: kv.rms_norm(x, w, 1e-6, 2.0), "variance_size: expected None or an int, got float"),
+        (lambda x, w, r: kv.rms_norm(x, w, -1.0), "epsilon: expected a finite number >= 0"),
+        (lambda x, w, r: kv.fused_add_rms_norm(x, r[:, :1], w, 1e-6), "x_residual: expected shape [3, 5, 64]"),
+        (lambda x, w, r: kv.fused_add_rms_norm(x, r.half(), w, 1e-6), "x_residual: expected dtype bfloat16"),
+        (lambda x, w, r: kv.fused_add_rms_norm(x, r, w, 1e-6, out=(x, x)), "out"),
     ],
 )
 def test_bad_input_is_named_and_nothing_is_written(call, says):

@@ -15,14 +15,17 @@ from helpers.variants import variant
 import kernel_variants as kv
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._tuning.verify import verify
-from kernel_variants.kernels import cpu_native
+from kernel_variants.kernels import cpu_native, cpu_rms_norm
 from kernel_variants.ops.causal_conv1d import ConvCapabilities
 from kernel_variants.ops.causal_conv1d._cases import make_case
+from kernel_variants.ops.rms_norm import NormCapabilities
 from kernel_variants.plugin import Capabilities
 
 FN, UPDATE, RMS, ADD = "causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm"
+PLAIN, PLAIN_ADD = "rms_norm", "fused_add_rms_norm"  # vLLM IR's semantics
 FAST = {FN: cpu_native.causal_conv1d_fn, UPDATE: cpu_native.causal_conv1d_update,
-        RMS: cpu_native.gemma_rms_norm, ADD: cpu_native.add_gemma_rms_norm}
+        RMS: cpu_native.gemma_rms_norm, ADD: cpu_native.add_gemma_rms_norm,
+        PLAIN: cpu_rms_norm.rms_norm, PLAIN_ADD: cpu_rms_norm.fused_add_rms_norm}
 CONV_CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(2, 4), noncontiguous_states=True)
 # Windows of at most 50 ms: some variants here are slow on purpose, and speed is not the point.
 TIMING = quick(window_budget_s=0.05)
@@ -175,8 +178,9 @@ RMS_BAD = [zeros, writes_input, ignores_x_offset]
 
 
 def _variant(op, make, *, isolate=False, priority=100):
+    rms = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"})
     caps = (ConvCapabilities(varlen=op == FN, num_accepted_tokens=op == UPDATE, **CONV_CAPS) if op in (FN, UPDATE)
-            else Capabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}))
+            else NormCapabilities(**rms, variance_size=True) if op in (PLAIN, PLAIN_ADD) else Capabilities(**rms))
     return variant("evil", op, make(op), capabilities=caps, priority=priority, isolate=isolate)
 
 
@@ -218,16 +222,17 @@ def test_a_wrong_conv_variant_is_never_chosen(with_variants, op, make):
     _assert_never_chosen(op)
 
 
-@pytest.mark.parametrize("op", [RMS, ADD])
+@pytest.mark.parametrize("op", [RMS, ADD, PLAIN, PLAIN_ADD])
 @pytest.mark.parametrize("make", RMS_BAD, ids=lambda f: f.__name__)
 def test_a_wrong_rmsnorm_variant_is_never_chosen(with_variants, op, make):
     with_variants(_variant(op, make))
     _assert_never_chosen(op)
 
 
-def test_a_wrong_residual_sum_is_never_chosen(with_variants):
-    with_variants(_variant(ADD, wrong_residual_sum))
-    assert "residual_sum" in _assert_never_chosen(ADD)
+@pytest.mark.parametrize(("op", "output"), [(ADD, "residual_sum"), (PLAIN_ADD, "residual")])
+def test_a_wrong_residual_sum_is_never_chosen(with_variants, op, output):
+    with_variants(_variant(op, wrong_residual_sum))
+    assert output in _assert_never_chosen(op)
 
 
 @pytest.mark.parametrize("op", [FN, UPDATE])
@@ -237,7 +242,7 @@ def test_nan_on_pad_rows_is_caught_by_the_pad_cases(with_variants, op):
     assert "pad" in reason and "NaN" in reason, reason
 
 
-@pytest.mark.parametrize("op", [FN, UPDATE, RMS, ADD])
+@pytest.mark.parametrize("op", [FN, UPDATE, RMS, ADD, PLAIN, PLAIN_ADD])
 def test_a_crashing_variant_fails_in_its_child_and_the_caller_lives(with_variants, op):
     with_variants(_variant(op, crashes, isolate=True))
     reason = _assert_never_chosen(op)

@@ -2,8 +2,8 @@
 variant measured fastest for its shape on this device, among those that qualified here.
 
 For callers: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`,
-:func:`gemma_rms_norm`, :func:`add_gemma_rms_norm`); why a call goes where it goes
-(:func:`explain`, :func:`variants`); pinning (:func:`force`) and a fixed choice for a loop
+:func:`gemma_rms_norm`, :func:`add_gemma_rms_norm`, :func:`rms_norm`, :func:`fused_add_rms_norm`);
+why a call goes where it goes (:func:`explain`, :func:`variants`); pinning (:func:`force`) and a fixed choice for a loop
 (:func:`bind`); qualification (:func:`qualify`, :func:`verdicts`, :func:`clear_verdicts`);
 calibration (:func:`calibrate` with a :class:`TimingConfig`, :func:`plan_calibration` for the
 figures a table lacks, :func:`table`, :func:`stale_rows`,
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from kernel_variants._tuning.timing import TimingConfig
     from kernel_variants.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
     from kernel_variants.ops.gemma_rms_norm import add_gemma_rms_norm, gemma_rms_norm
+    from kernel_variants.ops.rms_norm import fused_add_rms_norm, rms_norm
     from kernel_variants.types import RegisteredVariant
 
 
@@ -93,6 +94,8 @@ _LAZY = {
     "causal_conv1d_update": "kernel_variants.ops.causal_conv1d",
     "gemma_rms_norm": "kernel_variants.ops.gemma_rms_norm",
     "add_gemma_rms_norm": "kernel_variants.ops.gemma_rms_norm",
+    "rms_norm": "kernel_variants.ops.rms_norm",
+    "fused_add_rms_norm": "kernel_variants.ops.rms_norm",
     "explain": "kernel_variants._runtime.bind",
     "bind": "kernel_variants._runtime.bind",
     "force": "kernel_variants._runtime.dispatcher",
@@ -207,6 +210,7 @@ __all__ = [
     "explain",
     "export_table",
     "force",
+    "fused_add_rms_norm",
     "gemma_rms_norm",
     "import_table",
     "info",
@@ -217,6 +221,7 @@ __all__ = [
     "recorded",
     "reload",
     "replay_mismatch",
+    "rms_norm",
     "shadow",
     "shadow_report",
     "stale_rows",

@@ -7,11 +7,12 @@ oracle every other variant is checked against.
 
 from __future__ import annotations
 
-ESSENTIAL_PLUGINS: tuple[str, ...] = ("causal_conv1d", "gemma_rms_norm")
+ESSENTIAL_PLUGINS: tuple[str, ...] = ("causal_conv1d", "gemma_rms_norm", "rms_norm")
 
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("causal_conv1d", "kernel_variants.ops.causal_conv1d"),
     ("gemma_rms_norm", "kernel_variants.ops.gemma_rms_norm"),
+    ("rms_norm", "kernel_variants.ops.rms_norm"),
     ("torch_shift", "kernel_variants.kernels.torch_shift"),
     ("aten", "kernel_variants.kernels.aten"),
     ("cpu_native", "kernel_variants.kernels.cpu_native"),
@@ -25,4 +26,6 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("rms_aten", "kernel_variants.kernels.rms_aten"),
     ("npu_rms_norm", "kernel_variants.kernels.npu_rms_norm"),
     ("triton_rms_norm", "kernel_variants.kernels.triton_rms_norm"),
+    ("cpu_rms_norm", "kernel_variants.kernels.cpu_rms_norm"),
+    ("vllm_ir", "kernel_variants.kernels.vllm_ir"),
 )

@@ -59,12 +59,15 @@ from types import ModuleType
 
 import torch
 
+from kernel_variants.ops.rms_norm import NormCapabilities
 from kernel_variants.plugin import Capabilities, Variant, hookimpl
 
 __all__ = [
     "device_family",
     "npu_gemma_add_fn",
     "npu_gemma_rms_norm_fn",
+    "npu_plain_add_fn",
+    "npu_plain_rms_norm_fn",
     "npu_rms_add_fn",
     "npu_rms_norm_fn",
     "probe_npu_gemma_add",
@@ -185,12 +188,12 @@ def probe_npu_rms_norm() -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x as contiguous ``[N, D]`` rows, after checking weight is ``[D]``."""
+def _rows(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """x as contiguous ``[N, D]`` rows, after checking weight is ``[D]`` (or None)."""
     if x.ndim == 0:
         raise ValueError("x must have at least one dimension")
     dim = x.shape[-1]
-    if weight.shape != (dim,):
+    if weight is not None and weight.shape != (dim,):
         raise ValueError(f"weight must be [{dim}] (x's last dimension), got {list(weight.shape)}")
     return x.reshape(-1, dim).contiguous()
 
@@ -201,10 +204,35 @@ def _plus_one(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (1.0 + weight.float()).to(dtype).contiguous()
 
 
+def _gamma(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The plain ops' weight as a gamma of x's dtype (ones without one): an fp32 weight under a
+    half x is rounded once, within the dtype's tolerance."""
+    if weight is None:
+        return torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    return weight.to(x.dtype).contiguous()
+
+
 def _residual_rows(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     if residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
     return residual.to(x.dtype).reshape(-1, x.shape[-1]).contiguous()
+
+
+def _rms_kernel(x: torch.Tensor, rows: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """``torch_npu.npu_rms_norm(rows, gamma, eps)[0]`` in x's shape (an empty x answered here)."""
+    if rows.numel() == 0:
+        return torch.empty_like(x)
+    return torch_npu_module().npu_rms_norm(rows, gamma, float(eps))[0].reshape(x.shape)
+
+
+def _add_kernel(x: torch.Tensor, rows: torch.Tensor, res: torch.Tensor, gamma: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch_npu.npu_add_rms_norm(res, rows, gamma, eps)`` as ``(y, res + rows)`` in x's shape
+    (its sum is exact and commutative: the order of the two is sgl-kernel-npu's)."""
+    if rows.numel() == 0:
+        return torch.empty_like(x), (rows + res).reshape(x.shape)
+    y, _rstd, total = torch_npu_module().npu_add_rms_norm(res, rows, gamma, float(eps))
+    return y.reshape(x.shape), total.reshape(x.shape)
 
 
 def npu_gemma_rms_norm_fn(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -221,22 +249,13 @@ def npu_gemma_add_fn(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
                      eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """add_gemma_rms_norm through ``torch_npu.npu_add_rms_norm(residual, x, 1 + weight, eps)``,
     whose outputs are ``(y, rstd, residual + x)`` (A2/A3 in sgl-kernel-npu; runs everywhere)."""
-    rows = _rows(x, weight)
-    res = _residual_rows(x, residual)
-    if rows.numel() == 0:
-        return torch.empty_like(x), (rows + res).reshape(x.shape)
-    y, _rstd, total = torch_npu_module().npu_add_rms_norm(res, rows, _plus_one(weight, x.dtype), float(eps))
-    return y.reshape(x.shape), total.reshape(x.shape)
+    return _add_kernel(x, _rows(x, weight), _residual_rows(x, residual), _plus_one(weight, x.dtype), eps)
 
 
 def npu_rms_norm_fn(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """gemma_rms_norm through ``torch_npu.npu_rms_norm(x, 1 + weight, eps)[0]`` (sgl-kernel-npu's
     path for 310P and unknown devices)."""
-    rows = _rows(x, weight)
-    if rows.numel() == 0:
-        return torch.empty_like(x)
-    y = torch_npu_module().npu_rms_norm(rows, _plus_one(weight, x.dtype), float(eps))[0]
-    return y.reshape(x.shape)
+    return _rms_kernel(x, _rows(x, weight), _plus_one(weight, x.dtype), eps)
 
 
 def npu_rms_add_fn(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
@@ -245,10 +264,21 @@ def npu_rms_add_fn(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
     in torch (x's dtype), then ``torch_npu.npu_rms_norm(sum, 1 + weight, eps)[0]``."""
     rows = _rows(x, weight)
     total = rows + _residual_rows(x, residual)
-    if rows.numel() == 0:
-        return torch.empty_like(x), total.reshape(x.shape)
-    y = torch_npu_module().npu_rms_norm(total, _plus_one(weight, x.dtype), float(eps))[0]
-    return y.reshape(x.shape), total.reshape(x.shape)
+    return _rms_kernel(x, total, _plus_one(weight, x.dtype), eps), total.reshape(x.shape)
+
+
+def npu_plain_rms_norm_fn(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
+                          variance_size: int | None = None) -> torch.Tensor:
+    """rms_norm (vLLM IR's) through ``torch_npu.npu_rms_norm(x, weight, epsilon)[0]``; weight
+    None is a gamma of ones. No variance_size (the capabilities say so)."""
+    return _rms_kernel(x, _rows(x, weight), _gamma(weight, x), epsilon)
+
+
+def npu_plain_add_fn(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
+                     variance_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm (vLLM IR's) through ``torch_npu.npu_add_rms_norm(x_residual, x, weight,
+    epsilon)``: ``(y, x + x_residual)``, the norm of the sum as rounded to x's dtype."""
+    return _add_kernel(x, _rows(x, weight), _residual_rows(x, x_residual), _gamma(weight, x), epsilon)
 
 
 _CAPS = Capabilities(devices={"npu"}, dtypes={"float32", "bfloat16", "float16"})
@@ -266,12 +296,19 @@ _VARIANTS = (
      "torch_npu.npu_rms_norm(x, 1 + w, eps)[0] (310P and unknown devices)"),
     ("npu_rms_norm", "add_gemma_rms_norm", npu_rms_add_fn, probe_npu_rms_norm, 15,
      "x + residual in torch, then torch_npu.npu_rms_norm(s, 1 + w, eps)[0]"),
+    # The plain ops (vLLM IR's rms_norm / fused_add_rms_norm): the scale is the weight itself.
+    ("npu_rms_norm", "rms_norm", npu_plain_rms_norm_fn, probe_npu_rms_norm, 15,
+     "torch_npu.npu_rms_norm(x, w, eps)[0]"),
+    ("npu_rms_norm", "fused_add_rms_norm", npu_plain_add_fn, probe_npu_gemma_add, 15,
+     "torch_npu.npu_add_rms_norm(x_residual, x, w, eps)"),
 )
+_PLAIN_CAPS = NormCapabilities(devices={"npu"}, dtypes={"float32", "bfloat16", "float16"})
 
 
 @hookimpl
 def kv_register_variants(register) -> None:
     for vid, op, fn, probe, priority, what in _VARIANTS:
+        caps = _PLAIN_CAPS if op in ("rms_norm", "fused_add_rms_norm") else _CAPS
         register(Variant(id=vid, op=op, version="1", depends=_DEPENDS, fn=fn, probe=probe, priority=priority,
-                         capabilities=_CAPS, description=what))
+                         capabilities=caps, description=what))
 

@@ -1,12 +1,14 @@
-"""``aten`` for the Gemma RMSNorm ops: what one writes without this project,
-``torch.nn.functional.rms_norm`` with ``1 + weight`` as its scale (and a torch add in front for
-the residual form). ATen computes half-precision inputs in fp32 internally."""
+"""``aten`` for the RMSNorm ops: what one writes without this project,
+``torch.nn.functional.rms_norm`` (with ``1 + weight`` as its scale for the Gemma ops, and a
+torch add in front for the residual forms). ATen computes half-precision inputs in fp32
+internally. It has no ``variance_size``: the plain ops' calls with one go elsewhere."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kernel_variants.ops.rms_norm import NormCapabilities
 from kernel_variants.plugin import Capabilities, Variant, hookimpl
 
 
@@ -22,8 +24,24 @@ def add_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
     return F.rms_norm(s, (s.shape[-1],), 1 + weight, eps), s
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
+             variance_size: int | None = None) -> torch.Tensor:
+    """x: [..., D]; weight: [D] (x's dtype or fp32) or None. Returns x's shape and dtype."""
+    if weight is not None and weight.dtype != x.dtype:  # an fp32 weight under a half x: F.rms_norm wants one dtype
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, epsilon).to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight, epsilon)
+
+
+def fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
+                       variance_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, x_residual: [..., D]; weight: [D] or None. Returns (normed, x + x_residual)."""
+    s = x + x_residual
+    return rms_norm(s, weight, epsilon), s
+
+
 _CAPS = Capabilities(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"}, autograd=True)
 _WHAT = "F.rms_norm(x, (D,), 1 + weight, eps)"
+_PLAIN = NormCapabilities(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"}, autograd=True)
 
 
 @hookimpl
@@ -32,4 +50,7 @@ def kv_register_variants(register) -> None:
                      capabilities=_CAPS, description=_WHAT))
     register(Variant(id="aten", op="add_gemma_rms_norm", version="1", fn=add_gemma_rms_norm, priority=10, isolate=False,
                      capabilities=_CAPS, description=f"x + residual, then {_WHAT}"))
-
+    register(Variant(id="aten", op="rms_norm", version="1", fn=rms_norm, priority=10, isolate=False,
+                     capabilities=_PLAIN, description="F.rms_norm(x, (D,), weight, epsilon)"))
+    register(Variant(id="aten", op="fused_add_rms_norm", version="1", fn=fused_add_rms_norm, priority=10,
+                     isolate=False, capabilities=_PLAIN, description="x + x_residual, then F.rms_norm"))

@@ -1,5 +1,7 @@
 """Gemma RMSNorm in Triton (the semantics of sgl-kernel-npu's ``gemma_rms_norm`` /
-``add_gemma_rms_norm``), for CUDA, or for the CPU under the Triton interpreter.
+``add_gemma_rms_norm``), for CUDA, or for the CPU under the Triton interpreter; the same kernel
+with a scale offset of 0, an optional weight and a ``variance_size`` serves the plain RMSNorm
+ops (vLLM IR's ``rms_norm`` / ``fused_add_rms_norm``).
 
 ``out = s * rsqrt(mean(s^2 over the last dim) + eps) * (1 + weight)``, in fp32, cast to x's
 dtype; ``s`` is ``x``, or with a residual ``x + residual`` rounded to x's dtype first (exactly
@@ -36,6 +38,7 @@ import torch
 
 from kernel_variants.kernels._adapters import mark_written
 from kernel_variants.kernels._triton import DEPENDS, cdiv, device_guard, interpreting, pow2, probe
+from kernel_variants.ops.rms_norm import NormCapabilities
 from kernel_variants.plugin import Capabilities, Variant, hookimpl
 
 MAX_BLOCK_D = 8192  # widest row kept in registers in one pass; longer rows go in chunks of this
@@ -53,9 +56,11 @@ def kernels(interpret: bool) -> SimpleNamespace:
     import triton.language as tl
 
     @triton.jit
-    def gemma_rms(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, T, D, eps, sx, sr, sw, so, ss,
-                  HAS_RES: tl.constexpr, RNE_BF16: tl.constexpr, CHUNKED: tl.constexpr,
+    def gemma_rms(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, T, D, V, eps, offset, sx, sr, sw, so, ss,
+                  HAS_RES: tl.constexpr, HAS_W: tl.constexpr, RNE_BF16: tl.constexpr, CHUNKED: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        # The scale is offset + w (Gemma: 1 + w; plain RMSNorm: w, or 1 without HAS_W); the mean
+        # of squares is over the first V channels (V = D, or vLLM's variance_size).
         # RNE_BF16: x + residual is rounded to bf16 by hand (to nearest, ties to even, NaN kept):
         # the interpreter's fp32 -> bf16 cast truncates, and the sum must equal torch's x + residual.
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -81,8 +86,8 @@ def kernels(interpret: bool) -> SimpleNamespace:
                     s = s.to(x_ptr.dtype.element_ty)
                     tl.store(s_row + c[None, :], s, mask=m)
                 s = s.to(tl.float32)
-                acc += s * s
-            rstd = tl.rsqrt(tl.reduce(acc, 1, tl.standard._sum_combine) / D + eps)
+                acc += tl.where((c < V)[None, :], s * s, 0.0)
+            rstd = tl.rsqrt(tl.reduce(acc, 1, tl.standard._sum_combine) / V + eps)
             for off in range(0, D, BLOCK_D):
                 c = off + cols
                 c_ok = c < D
@@ -97,8 +102,10 @@ def kernels(interpret: bool) -> SimpleNamespace:
                         s = tl.where(s == s, rne, s)
                     s = s.to(x_ptr.dtype.element_ty)
                 s = s.to(tl.float32)
-                w = tl.load(w_ptr + c * sw, mask=c_ok, other=0.0).to(tl.float32)
-                y = s * rstd[:, None] * (1.0 + w[None, :])
+                y = s * rstd[:, None]
+                if HAS_W:
+                    w = tl.load(w_ptr + c * sw, mask=c_ok, other=0.0).to(tl.float32)
+                    y = y * (offset + w[None, :])
                 tl.store(o_row + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
         else:
             c_ok = cols < D
@@ -114,9 +121,12 @@ def kernels(interpret: bool) -> SimpleNamespace:
                 s = s.to(x_ptr.dtype.element_ty)
                 tl.store(s_row + cols[None, :], s, mask=m)
             s = s.to(tl.float32)
-            rstd = tl.rsqrt(tl.reduce(s * s, 1, tl.standard._sum_combine) / D + eps)
-            w = tl.load(w_ptr + cols * sw, mask=c_ok, other=0.0).to(tl.float32)
-            y = s * rstd[:, None] * (1.0 + w[None, :])
+            sq = tl.where((cols < V)[None, :], s * s, 0.0)
+            rstd = tl.rsqrt(tl.reduce(sq, 1, tl.standard._sum_combine) / V + eps)
+            y = s * rstd[:, None]
+            if HAS_W:
+                w = tl.load(w_ptr + cols * sw, mask=c_ok, other=0.0).to(tl.float32)
+                y = y * (offset + w[None, :])
             tl.store(o_row + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
     return SimpleNamespace(gemma_rms=gemma_rms)
@@ -146,23 +156,24 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous().view(-1, t.shape[-1])
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None = None) -> None:
     if x.ndim < 1:
         raise ValueError("x must have at least one dimension")
     if x.dtype not in DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight must be [{x.shape[-1]}], got {list(weight.shape)}")
-    if not weight.is_floating_point():
-        raise TypeError(f"weight must be floating point, got {weight.dtype}")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    if weight is not None:  # None: the plain op without a scale
+        if weight.shape != (x.shape[-1],):
+            raise ValueError(f"weight must be [{x.shape[-1]}], got {list(weight.shape)}")
+        if not weight.is_floating_point():
+            raise TypeError(f"weight must be floating point, got {weight.dtype}")
+        if weight.device != x.device:
+            raise ValueError(f"weight is on {weight.device}, x on {x.device}")
     if residual is not None and (residual.shape, residual.dtype, residual.device) != (x.shape, x.dtype, x.device):
         raise ValueError(f"residual must match x ({list(x.shape)} {x.dtype} on {x.device}), got "
                          f"{list(residual.shape)} {residual.dtype} on {residual.device}")
 
 
-def _launch(x, weight, residual, eps, max_block_d, out=None, summed=None):
+def _launch(x, weight, residual, eps, max_block_d, out=None, summed=None, *, offset=1.0, variance_size=None):
     # A given out/summed is contiguous (the dispatcher hands only dense ones): row stride D.
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     if residual is not None and summed is None:
@@ -176,9 +187,9 @@ def _launch(x, weight, residual, eps, max_block_d, out=None, summed=None):
         k = kernels(interpreting())
         with device_guard(x):
             k.gemma_rms[(cdiv(tokens, block_r),)](
-                x2, r2, weight, out, s_ptr, tokens, dim, float(eps),
-                x2.stride(0), r2.stride(0), weight.stride(0), dim, dim,
-                HAS_RES=residual is not None, RNE_BF16=residual is not None and x.dtype == torch.bfloat16,
+                x2, r2, x2 if weight is None else weight, out, s_ptr, tokens, dim, variance_size or dim, float(eps),
+                float(offset), x2.stride(0), r2.stride(0), 0 if weight is None else weight.stride(0), dim, dim,
+                HAS_RES=residual is not None, HAS_W=weight is not None, RNE_BF16=residual is not None and x.dtype == torch.bfloat16,
                 CHUNKED=chunked, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
     mark_written(out, summed)
     return out, summed
@@ -216,6 +227,31 @@ def add_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
     return _launch(x, weight, residual, eps, max_block_d, *given)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float, variance_size: int | None = None, *,
+             max_block_d: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain RMSNorm (vLLM IR's ``rms_norm``): the Gemma kernel with offset 0, weight optional.
+
+    x: [..., D] (any row stride), float32/bfloat16/float16. weight: [D] (x's dtype or fp32, any
+    stride) or None. variance_size: None, or the first channels the mean of squares is over.
+    Returns a new contiguous tensor of x's shape and dtype (or ``out``, as in gemma_rms_norm).
+    """
+    _check(x, weight)
+    return _launch(x, weight, None, epsilon, max_block_d, out, offset=0.0, variance_size=variance_size)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
+                       variance_size: int | None = None, *, max_block_d: int | None = None,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add, then plain RMSNorm (vLLM IR's ``fused_add_rms_norm``); nothing is written in
+    place. x, x_residual: [..., D], same shape and dtype. Returns ``(normed, x + x_residual)``
+    (the sum rounded to x's dtype, bit-equal to torch's, and normalised as rounded: within the
+    dtype's tolerance of vLLM's norm of the fp32 sum), new or the pair ``out``.
+    """
+    _check(x, weight, x_residual)
+    given = (None, None) if out is None else out
+    return _launch(x, weight, x_residual, epsilon, max_block_d, *given, offset=0.0, variance_size=variance_size)
+
+
 @hookimpl
 def kv_register_variants(register) -> None:
     # Under the interpreter the kernel claims the CPU too, where it is far slower than any native
@@ -227,3 +263,8 @@ def kv_register_variants(register) -> None:
     register(Variant(op="gemma_rms_norm", fn=gemma_rms_norm, description="Triton, one pass per row", **common))
     register(Variant(op="add_gemma_rms_norm", fn=add_gemma_rms_norm,
                      description="Triton, the residual add fused in", **common))
+    # The same kernel with offset 0 (and without a weight where there is none).
+    plain = {**common, "capabilities": NormCapabilities(**caps.model_dump(), variance_size=True)}
+    register(Variant(op="rms_norm", fn=rms_norm, description="Triton, one pass per row (offset 0)", **plain))
+    register(Variant(op="fused_add_rms_norm", fn=fused_add_rms_norm,
+                     description="Triton, the residual add fused in (offset 0)", **plain))

@@ -33,7 +33,7 @@ class RmsFeatures(Features):
     """Nothing but the shape and dtype changes which variant is fastest: no flags."""
 
 
-def _x(x: object) -> torch.Tensor:
+def check_x(x: object) -> torch.Tensor:
     tensor("x", x)
     assert isinstance(x, torch.Tensor)
     if x.dtype not in DTYPES:
@@ -51,11 +51,12 @@ def _weight(weight: object, x: torch.Tensor) -> None:
     like_x("weight", weight, x)
 
 
-def _eps(eps: object) -> None:
+def check_eps(eps: object, name: str = "eps") -> None:
+    """``eps`` (called ``name`` in the op's signature) must be a finite float >= 0."""
     if isinstance(eps, bool) or not isinstance(eps, int | float):
-        raise TypeError(f"eps: expected a float, got {type(eps).__name__}")
+        raise TypeError(f"{name}: expected a float, got {type(eps).__name__}")
     if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+        raise ValueError(f"{name}: expected a finite number >= 0, got {eps!r}")
 
 
 def _key(x: torch.Tensor) -> KeyParts:
@@ -65,22 +66,22 @@ def _key(x: torch.Tensor) -> KeyParts:
 
 def check_fn(x: object, weight: object, eps: object, *, values: bool) -> KeyParts:
     """Validate a ``gemma_rms_norm`` call; return its key parts (T, D)."""
-    x = _x(x)
+    x = check_x(x)
     _weight(weight, x)
-    _eps(eps)
+    check_eps(eps)
     return _key(x)
 
 
 def check_add(x: object, weight: object, residual: object, eps: object, *, values: bool) -> KeyParts:
     """Validate an ``add_gemma_rms_norm`` call; return its key parts (T, D)."""
-    x = _x(x)
+    x = check_x(x)
     _weight(weight, x)
     tensor("residual", residual)
     assert isinstance(residual, torch.Tensor)
     if residual.shape != x.shape:
         raise ValueError(f"residual: expected shape {shape_str(x)} (x's), got {shape_str(residual)}")
     like_x("residual", residual, x)
-    _eps(eps)
+    check_eps(eps)
     return _key(x)
 
 
@@ -113,19 +114,22 @@ def reference_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     return out[0], out[1].copy_(s)
 
 
-def make_case(op: str, shape: tuple[int, ...], *, dtype: torch.dtype, device: str | torch.device = "cpu",
-              seed: int = 0, batched: bool = False, strided: bool = False, offset: bool = False,
-              eps: float = 1e-6) -> Case:
-    """A call on (T, D): x [T, D] (or [2, T/2, D] when ``batched``), a Gemma-like weight near 0
-    (the scale is 1 + weight), and for the add op a residual; ``strided`` makes x a view with a
-    row stride of 2D (and the weight a stride-2 view); ``offset`` starts every tensor three
-    elements into an allocation of NaN (a slice of a larger buffer, as engines pass them)."""
+def tensors(shape: tuple[int, ...], *, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0,
+            batched: bool = False, strided: bool = False, offset: bool = False, weight_dtype: torch.dtype | None = None,
+            weight_base: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x, weight, residual)`` for a call on (T, D): x and residual ``[T, D]`` (``[2, T/2, D]``
+    when ``batched``), weight ``[D]`` drawn around ``weight_base`` (0 for Gemma's ``1 + weight``, 1
+    for a plain scale) in ``weight_dtype`` (default x's). ``strided`` makes x and residual views
+    with a row stride of 2D and the weight a stride-2 view (NaN between); ``offset`` starts every
+    tensor three elements into an allocation of NaN (a slice of a larger buffer, as engines pass
+    them)."""
     tokens, dim = shape
     # Drawn on the device itself (a host-made prefill would cost host time and a copy per case).
     gen = torch.Generator(device=device).manual_seed(seed)
 
-    def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*size, generator=gen, device=gen.device) * scale).to(dtype=dtype, device=device)
+    def randn(*size: int, scale: float = 1.0, base: float = 0.0, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+        drawn = torch.randn(*size, generator=gen, device=gen.device) * scale + base
+        return drawn.to(dtype=as_dtype, device=device)
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         if strided:
@@ -142,13 +146,22 @@ def make_case(op: str, shape: tuple[int, ...], *, dtype: torch.dtype, device: st
         return whole.as_strided(t.shape, t.stride(), 3).copy_(t)
 
     x = inside(rows(randn(tokens, dim, scale=3.0)))
-    weight = randn(dim, scale=0.5)
+    weight = randn(dim, scale=0.5, base=weight_base, as_dtype=weight_dtype or dtype)
     if strided:
         weight = torch.stack([weight, torch.full_like(weight, float("nan"))], dim=1)[:, 0]
-    weight = inside(weight)
+    return x, inside(weight), inside(rows(randn(tokens, dim)))
+
+
+def make_case(op: str, shape: tuple[int, ...], *, dtype: torch.dtype, device: str | torch.device = "cpu",
+              seed: int = 0, batched: bool = False, strided: bool = False, offset: bool = False,
+              eps: float = 1e-6) -> Case:
+    """A call on (T, D) (:func:`tensors`): a Gemma-like weight near 0 (the scale is 1 + weight),
+    and for the add op a residual."""
+    x, weight, residual = tensors(shape, dtype=dtype, device=device, seed=seed, batched=batched, strided=strided,
+                                  offset=offset)
     if op == FN:
         return Case(SPECS[op], (x, weight), {"eps": eps})
-    return Case(SPECS[op], (x, weight, inside(rows(randn(tokens, dim)))), {"eps": eps})
+    return Case(SPECS[op], (x, weight, residual), {"eps": eps})
 
 
 def spec_case(op: str):
@@ -177,9 +190,12 @@ def conformance(caps: Capabilities) -> Iterator[tuple[str, dict[str, Any]]]:
     yield from CASES.items()
 
 
-def sweeps(op: str) -> dict[str, Sweep]:
-    """Decode-like T 1..256 and prefill T up to 16k, D 1024..8192; and a few small shapes."""
-    prefix = "" if op == FN else "add-"
+def sweeps(op: str, prefix: str | None = None) -> dict[str, Sweep]:
+    """Decode-like T 1..256 and prefill T up to 16k, D 1024..8192; and a few small shapes.
+    Named ``<prefix>rms`` and ``<prefix>rms-smoke`` (default prefix: none for gemma_rms_norm,
+    ``add-`` for add_gemma_rms_norm)."""
+    if prefix is None:
+        prefix = "" if op == FN else "add-"
     dims = (1024, 2048, 4096, 8192)
     decode = tuple((t, d) for t in (1, 8, 64, 256) for d in dims)
     prefill = tuple((t, d) for t in (1024, 4096, 16384) for d in dims)

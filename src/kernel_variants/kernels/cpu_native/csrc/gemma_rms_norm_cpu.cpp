@@ -1,9 +1,12 @@
-// Fused CPU Gemma RMSNorm, plain and with a residual add (the semantics of
-// sgl-kernel-npu's gemma_rms_norm / add_gemma_rms_norm):
-//   s   = x                       (gemma_rms_norm)
-//   s   = round_to_dtype(x + residual), returned too (add_gemma_rms_norm)
-//   out = s * rsqrt(mean(s^2 over D) + eps) * (1 + weight), in fp32,
-//         returned in x's dtype.
+// Fused CPU RMSNorm, plain and with a residual add, in two flavours of one
+// kernel: Gemma's (sgl-kernel-npu's gemma_rms_norm / add_gemma_rms_norm,
+// scale 1 + weight) and plain RMSNorm (vLLM IR's rms_norm /
+// fused_add_rms_norm: scale weight, or none, and an optional variance_size):
+//   s   = x                       (gemma_rms_norm, rms_norm)
+//   s   = round_to_dtype(x + residual), returned too (the add forms)
+//   out = s * rsqrt(mean(s[:V]^2) + eps) * (offset + weight), in fp32,
+//         returned in x's dtype (offset 1 for Gemma, 0 otherwise; V = D, or
+//         variance_size; no weight: a scale of 1).
 //
 // This TU holds the torch bindings, argument checks, the parallel split
 // over rows and the portable (baseline-ISA) kernel build; the AVX2 /
@@ -151,8 +154,17 @@ at::Tensor output_for(const at::Tensor& x, const c10::optional<at::Tensor>& out,
   return o;
 }
 
-std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::Tensor& weight,
+// How the scale and the mean are formed: Gemma's (1 + weight over all D) or
+// plain RMSNorm's (weight or none, over the first variance_size channels).
+struct Flavour {
+  float offset;
+  c10::optional<int64_t> variance_size;
+};
+
+std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in,
+                                             const c10::optional<at::Tensor>& weight,
                                              const at::Tensor* residual_in, double eps,
+                                             Flavour flavour,
                                              const c10::optional<at::Tensor>& out_arg,
                                              const c10::optional<at::Tensor>& sum_arg) {
   const at::Tensor x = rows_view(x_in, "x");
@@ -165,8 +177,13 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::T
     TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "residual dtype ",
                 residual.scalar_type(), " must match x dtype ", x.scalar_type());
   }
-  const at::Tensor w = weight_view(weight, x);
   const int64_t T = x.size(0), D = x.size(1);
+  // No weight: a scale of exactly 1, as an fp32 row of ones with no offset (one small
+  // allocation per call, instead of a third weight path through every ISA build).
+  const bool weighted = weight.has_value() && weight->defined();
+  const at::Tensor w = weighted ? weight_view(*weight, x) : at::ones({D}, x.options().dtype(at::kFloat));
+  const int64_t V = flavour.variance_size.value_or(D);
+  TORCH_CHECK(V >= 1 && V <= D, "variance_size must be in [1, D=", D, "], got ", V);
 
   // The norm may be written over x, the sum over residual (sglang's in-place fused add).
   at::Tensor out = output_for(x, out_arg, "out", x, {&residual, &w});
@@ -182,7 +199,9 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::T
   p.dtype = dt;
   p.wdtype = w.scalar_type() == at::kFloat ? DType::F32 : dt;
   p.dim = D;
+  p.var_dim = V;
   p.eps = static_cast<float>(eps);
+  p.offset = weighted ? flavour.offset : 0.f;
   p.x = x.data_ptr();
   p.x_rs = x.stride(0);
   p.res = residual_in ? residual.data_ptr() : nullptr;
@@ -196,9 +215,11 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const at::T
 
 }  // namespace
 
+constexpr Flavour kGemma{1.f, c10::nullopt};
+
 at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                           const c10::optional<at::Tensor>& out) {
-  return std::get<0>(norm_impl(x, weight, nullptr, eps, out, c10::nullopt));
+  return std::get<0>(norm_impl(x, weight, nullptr, eps, kGemma, out, c10::nullopt));
 }
 
 std::tuple<at::Tensor, at::Tensor> add_gemma_rms_norm(const at::Tensor& x,
@@ -206,7 +227,19 @@ std::tuple<at::Tensor, at::Tensor> add_gemma_rms_norm(const at::Tensor& x,
                                                       const at::Tensor& residual, double eps,
                                                       const c10::optional<at::Tensor>& out,
                                                       const c10::optional<at::Tensor>& residual_sum) {
-  return norm_impl(x, weight, &residual, eps, out, residual_sum);
+  return norm_impl(x, weight, &residual, eps, kGemma, out, residual_sum);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps,
+                    c10::optional<int64_t> variance_size, const c10::optional<at::Tensor>& out) {
+  return std::get<0>(norm_impl(x, weight, nullptr, eps, {0.f, variance_size}, out, c10::nullopt));
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(
+    const at::Tensor& x, const at::Tensor& residual, const c10::optional<at::Tensor>& weight,
+    double eps, c10::optional<int64_t> variance_size, const c10::optional<at::Tensor>& out,
+    const c10::optional<at::Tensor>& residual_sum) {
+  return norm_impl(x, weight, &residual, eps, {0.f, variance_size}, out, residual_sum);
 }
 
 // {dtype name: build} actually used, e.g. {"bfloat16": "avx512bf16", ...}.
@@ -226,6 +259,17 @@ void bind(pybind11::module_& m) {
         py::arg("residual_sum") = py::none(), py::call_guard<py::gil_scoped_release>(),
         "s = x + residual (in x's dtype), then Gemma RMSNorm of s; returns (out, s), each the "
         "given tensor (contiguous [T, D]; out may be x, residual_sum may be residual) or new.");
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
+        py::arg("variance_size") = py::none(), py::arg("out") = py::none(),
+        py::call_guard<py::gil_scoped_release>(),
+        "RMSNorm of x [T, D]: x * rsqrt(mean(x[:, :variance_size]^2) + eps) * weight (none: 1), "
+        "in fp32; returns out (contiguous [T, D] of x's dtype, may be x) or a new tensor.");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, py::arg("x"), py::arg("residual"),
+        py::arg("weight"), py::arg("eps"), py::arg("variance_size") = py::none(),
+        py::arg("out") = py::none(), py::arg("residual_sum") = py::none(),
+        py::call_guard<py::gil_scoped_release>(),
+        "s = x + residual (in x's dtype), then RMSNorm of s; returns (out, s), each the given "
+        "tensor (contiguous [T, D]; out may be x, residual_sum may be residual) or new.");
   m.def("gemma_rms_norm_isa", &isa,
         "Builds serving (float32, bfloat16, float16): default / avx2 / avx512 / avx512bf16.");
 }

@@ -1,6 +1,8 @@
-// Gemma RMSNorm (optionally preceded by a residual add) over rows of D
-// channels:  out = s * rsqrt(mean(s^2) + eps) * (1 + weight), in fp32,
-// where s = x, or s = round_to_T(x + residual) (also written out).
+// RMSNorm (optionally preceded by a residual add) over rows of D channels:
+//   out = s * rsqrt(mean(s[:V]^2) + eps) * (offset + weight), in fp32,
+// where s = x, or s = round_to_T(x + residual) (also written out); offset is
+// 1 for Gemma's (1 + w) and 0 for plain RMSNorm, V the channels that make the
+// mean (D, or vLLM's variance_size).
 //
 // Compiled once per ISA, like causal_conv1d_kernel.h: the including TU
 // defines KV_GRMS_ISA_NS (and, for SIMD builds, CPU_CAPABILITY /
@@ -438,21 +440,21 @@ KV_GRMS_INLINE float sum_squares(const T* x, const T* r, T* s, int64_t D) {
   return at::vec::vec_reduce_all<float>([](fVec& u, fVec& v) { return u + v; }, acc);
 }
 
-// Pass 2: o = (s * rstd) * w1. RAW: w1 = 1 + w, w the weight (WT);
-// else w is the fp32 (1 + weight) buffer, already in T's lane order and
+// Pass 2: o = (s * rstd) * w1. RAW: w1 = offset + w, w the weight (WT);
+// else w is the fp32 (offset + weight) buffer, already in T's lane order and
 // padded to whole groups.
 template <typename T, typename WT, bool RAW>
-KV_GRMS_INLINE void scale_row(const T* s, const WT* w, T* o, float rstd, int64_t D) {
+KV_GRMS_INLINE void scale_row(const T* s, const WT* w, T* o, float rstd, float offset, int64_t D) {
   const fVec rv(rstd);
-  const fVec one(1.f);
+  const fVec off(offset);
   int64_t c = 0;
   for (; c + VW <= D; c += VW) {
     fVec a, b, wa, wb;
     IO<T>::load(s + c, a, b);
     if constexpr (RAW) {
       load_w<T, WT>(w + c, wa, wb);
-      wa = wa + one;
-      wb = wb + one;
+      wa = wa + off;
+      wb = wb + off;
     } else {
       IO<float>::load(w + c, wa, wb);
     }
@@ -464,8 +466,8 @@ KV_GRMS_INLINE void scale_row(const T* s, const WT* w, T* o, float rstd, int64_t
     load_n(s + c, a, b, n);
     if constexpr (RAW) {
       load_w_n<T, WT>(w + c, wa, wb, n);
-      wa = wa + one;
-      wb = wb + one;
+      wa = wa + off;
+      wb = wb + off;
     } else {
       IO<float>::load(w + c, wa, wb);
     }
@@ -473,22 +475,22 @@ KV_GRMS_INLINE void scale_row(const T* s, const WT* w, T* o, float rstd, int64_t
   }
 }
 
-// fp32 (1 + w) in T's lane order, padded to whole groups (w1 holds
+// fp32 (offset + w) in T's lane order, padded to whole groups (w1 holds
 // round_up(D, VW) floats).
 template <typename T, typename WT>
-void fill_w1(const WT* w, float* w1, int64_t D) {
-  const fVec one(1.f);
+void fill_w1(const WT* w, float* w1, float offset, int64_t D) {
+  const fVec off(offset);
   int64_t c = 0;
   fVec a, b;
   for (; c + VW <= D; c += VW) {
     load_w<T, WT>(w + c, a, b);
-    (a + one).store(w1 + c);
-    (b + one).store(w1 + c + VF);
+    (a + off).store(w1 + c);
+    (b + off).store(w1 + c + VF);
   }
   if (c < D) {
     load_w_n<T, WT>(w + c, a, b, static_cast<int>(D - c));
-    (a + one).store(w1 + c);
-    (b + one).store(w1 + c + VF);
+    (a + off).store(w1 + c);
+    (b + off).store(w1 + c + VF);
   }
 }
 
@@ -500,15 +502,18 @@ void rows_t(const Params& p, int64_t begin, int64_t end) {
   const WT* W = static_cast<const WT*>(p.weight);
   T* O = static_cast<T*>(p.out);
   T* S = static_cast<T*>(p.sum);
-  const float fD = static_cast<float>(D);
+  const int64_t V = p.var_dim;
+  const float fV = static_cast<float>(V);
   const float eps = p.eps;
 
   auto row_rstd = [&](int64_t r) {
     const T* x = X + r * p.x_rs;
     const T* rr = RES ? R + r * p.r_rs : nullptr;
     T* s = RES ? S + r * D : nullptr;
-    const float ss = sum_squares<T, RES>(x, rr, s, D);
-    return 1.f / std::sqrt(ss / fD + eps);
+    const float ss = sum_squares<T, RES>(x, rr, s, V);
+    // The channels past V still need their sum written; their squares are not wanted.
+    if (RES && V < D) (void)sum_squares<T, RES>(x + V, rr + V, s + V, D - V);
+    return 1.f / std::sqrt(ss / fV + eps);
   };
   auto row_src = [&](int64_t r) -> const T* { return RES ? S + r * D : X + r * p.x_rs; };
 
@@ -517,15 +522,15 @@ void rows_t(const Params& p, int64_t begin, int64_t end) {
   constexpr bool kConvertW = !std::is_same_v<WT, float> || IO<T>::kEO;
   if (kConvertW && end - begin >= kW1Rows && D <= kW1Max) {
     alignas(64) float w1[kW1Max + VW];
-    fill_w1<T, WT>(W, w1, D);
+    fill_w1<T, WT>(W, w1, p.offset, D);
     for (int64_t r = begin; r < end; ++r) {
       const float rstd = row_rstd(r);
-      scale_row<T, float, false>(row_src(r), w1, O + r * D, rstd, D);
+      scale_row<T, float, false>(row_src(r), w1, O + r * D, rstd, p.offset, D);
     }
   } else {
     for (int64_t r = begin; r < end; ++r) {
       const float rstd = row_rstd(r);
-      scale_row<T, WT, true>(row_src(r), W, O + r * D, rstd, D);
+      scale_row<T, WT, true>(row_src(r), W, O + r * D, rstd, p.offset, D);
     }
   }
 }

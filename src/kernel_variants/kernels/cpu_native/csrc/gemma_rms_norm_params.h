@@ -9,12 +9,15 @@ namespace kv_grms {
 
 enum class DType : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
 
-// One call: rows [0, T) of a [T, D] problem.
+// One call: rows [0, T) of a [T, D] problem. Serves Gemma RMSNorm (offset 1)
+// and plain RMSNorm (offset 0, vLLM IR's rms_norm / fused_add_rms_norm).
 struct Params {
   DType dtype;         // x / residual / out / residual_sum element type
   DType wdtype;        // weight: == dtype, or F32 (the binding converts others)
   int64_t dim;         // D
+  int64_t var_dim;     // channels [0, var_dim) make the mean of squares (vLLM's variance_size; D)
   float eps;
+  float offset;        // the scale is offset + weight: 1 for Gemma, 0 for plain RMSNorm
   const void* x;       // row r at x + r * x_rs (elements), stride 1 along D
   int64_t x_rs;
   const void* res;     // residual, or null for plain gemma_rms_norm
