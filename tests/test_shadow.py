@@ -288,3 +288,15 @@ def test_engine_shadow_returns_the_engines_result_and_reroutes(outlier_plugin, e
     assert (c.shadowed, c.mismatches) == (2, 1)
     why, ran = kv.replay_mismatch(verdict.evidence)
     assert why is not None and "against the reference" in ran
+
+
+def test_a_call_that_needs_gradients_is_not_shadowed(monkeypatch):
+    _shadowing(monkeypatch, "1")
+    spec = dispatcher().registry.spec("causal_conv1d_fn")
+    fn = shadow.wrap(spec, "mine", reference.causal_conv1d_fn, lambda *a: pytest.fail("judged"))
+    x, w = torch.randn(1, 8, 32, requires_grad=True), torch.randn(32, 4)
+    fn(x, w).sum().backward()  # the result is the variant's own, on the caller's graph
+    assert x.grad is not None
+    fn(x.detach(), w)
+    (c,) = [c for c in kv.shadow_report().counts if c.variant == "mine"]
+    assert (c.served, c.shadowed) == (2, 1)

@@ -14,7 +14,8 @@ a file that ``kv shadow --replay FILE`` judges again.
 Rate 0 (the default) adds nothing to a call: the memoised decision runs the variant itself.
 Otherwise the decision runs :func:`wrap`'s function in the variant's place (the compiled call
 core included), which counts the call and, when sampled, shadows it. Never while a graph is
-captured or traced: such a call is counted and runs unshadowed.
+captured or traced, nor for a call whose output must carry gradients: such a call is counted
+and runs unshadowed.
 """
 
 from __future__ import annotations
@@ -219,7 +220,9 @@ def wrap(spec: OpSpec, vid: str, fn: Callable[..., Any], on_mismatch: OnMismatch
         if not _state.sample(spec.name, vid):
             return fn(*args, **kwargs)
         t = args[first] if first < len(args) else kwargs.get(spec.params[first])
-        if capturing(getattr(getattr(t, "device", None), "type", "cpu")):
+        if capturing(getattr(getattr(t, "device", None), "type", "cpu")) or (
+                torch.is_grad_enabled() and spec.needs_grad(spec.bind(*args, **kwargs))):
+            # (a result built from copies would cut the caller's autograd graph)
             return fn(*args, **kwargs)
         count.shadowed += 1
         return _shadow_call(spec, vid, fn, reference, args, kwargs, count, on_mismatch)
