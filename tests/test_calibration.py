@@ -681,12 +681,17 @@ def test_a_key_recorded_with_another_thread_count_is_measured_with_it(capsys):
             "features": dict(group().features)}
     r.add("threads", {**base, "fingerprint": theirs, "fingerprint_id": fingerprint_id(theirs)})
     r.add("elsewhere", {**base, "shape": [2, 16, 4], "fingerprint": other, "fingerprint_id": fingerprint_id(other)})
+    # A key recorded here before fingerprints named the CPU's kind: still this machine's to measure.
+    old = {k: theirs[k] for k in ("device", "name", "threads", "machine")}
+    r.add("before", {**base, "shape": [3, 16, 4], "fingerprint": old, "fingerprint_id": fingerprint_id(old)})
     r.close()
     rc, out, err = run(capsys, "calibrate", "--recorded", "--variants", "reference", "--warmup", "1", "--windows", "1",
                        "--iters", "1", "-q", "--json")
     assert rc == 0, err
     doc = json.loads(out)
-    (m,) = [m for g in doc["groups"] for m in g["measurements"]]
-    assert m["fingerprint"]["threads"] == str(before + 1) and torch.get_num_threads() == before
+    by_shape = {tuple(m["shape"]): m for g in doc["groups"] for m in g["measurements"]}
+    assert sorted(by_shape) == [(1, 16, 4), (3, 16, 4)], [e["why"] for e in doc["not_measured"]]
+    assert all(m["fingerprint"]["threads"] == str(before + 1) for m in by_shape.values())
+    assert torch.get_num_threads() == before
     assert [(e["shape"], "another cpu" in e["why"]) for e in doc["not_measured"]] == [([2, 16, 4], True)]
     assert [e["id"] for e in recorded(pending_only=True)] == ["elsewhere"]

@@ -22,7 +22,7 @@ from kernel_variants._api.calibration import (
 )
 from kernel_variants._registry.spec import Shape
 from kernel_variants._runtime.dispatcher import dispatcher
-from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
+from kernel_variants._table.fingerprint import device_part, fingerprint, fingerprint_id
 from kernel_variants._table.rows import DEFAULT_PRUNE, Group, check_margin, check_prune
 from kernel_variants._table.table import DEFAULT_MARGIN
 from kernel_variants._tuning.calibrate import CalibrationResult, Progress
@@ -241,7 +241,12 @@ def _recorded_fit(entry: dict, ours: dict[str, str], device: str) -> tuple[str |
     theirs = entry.get("fingerprint")
     if not isinstance(theirs, dict) or entry.get("fingerprint_id") == fingerprint_id(ours):
         return None, None
+    # A key recorded before fingerprints named the CPU's kind: a shape to measure, on this CPU's
+    # name (measuring it here says nothing of the CPU it was recorded on).
+    theirs = device_part(theirs)
     differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    if not differ:
+        return None, None
     if differ == ["threads"] and str(theirs.get("threads", "")).isdigit():
         return None, int(theirs["threads"])  # the serving process's thread count: measured with it
     diff = ", ".join(f"{k} {theirs.get(k, '(none)')!r} vs {ours.get(k, '(none)')!r} here" for k in differ)
