@@ -73,6 +73,8 @@ from kernel_variants.integrations._vllm_cpu import (
     gdn_causal_conv1d_update_cpu,
     unpack_weight,
 )
+from kernel_variants.integrations._vllm_ir import PROVIDER as IR_PROVIDER
+from kernel_variants.integrations._vllm_ir import register_provider as register_ir_provider
 
 #: Where vLLM defines the two functions; everything else binding them is found from there.
 MODULE = "vllm.model_executor.layers.mamba.ops.causal_conv1d"
@@ -80,6 +82,7 @@ MODULE = "vllm.model_executor.layers.mamba.ops.causal_conv1d"
 __all__ = [
     "CPU_MODULE",
     "GDN_MODULE",
+    "IR_PROVIDER",
     "MODULE",
     "NULL_BLOCK_ID",
     "PAD_SLOT_ID",
@@ -98,6 +101,7 @@ __all__ = [
     "gdn_causal_conv1d_update_cpu",
     "patch",
     "plugin",
+    "register_ir_provider",
     "unpack_weight",
 ]
 
@@ -234,11 +238,18 @@ _plugin_patch: Patch | None = None
 def plugin() -> Patch | None:
     """The ``vllm.general_plugins`` entry point: vLLM calls it at the start of every process it
     runs (``vllm serve``'s API server, engine core and workers; ``LLM(...)``'s too), so that
-    those processes are patched without code of yours. Opt-in: nothing happens unless
-    ``KV_VLLM_PATCH`` is ``1`` (patch, leaving out variants not built) or ``build`` (patch, and
-    build them first); ``KV_SHADOW`` is the patch's ``shadow`` rate there. vLLM may call it more than once per process; it patches once. Announces
-    what it did on stderr. Returns the handle (also kept for the process's lifetime)."""
+    those processes are patched without code of yours.
+
+    It always registers kernel_variants as the vLLM IR provider ``kernel_variants`` of
+    ``rms_norm`` and ``fused_add_rms_norm`` where ``vllm.ir`` imports
+    (:func:`register_ir_provider`): harmless, since vLLM uses it only where the kernel config's
+    ``ir_op_priority`` names it (docs/integrations.md). The conv patch is opt-in: nothing more
+    happens unless ``KV_VLLM_PATCH`` is ``1`` (patch, leaving out variants not built) or
+    ``build`` (patch, and build them first); ``KV_SHADOW`` is the patch's ``shadow`` rate there.
+    vLLM may call it more than once per process; it registers and patches once. Announces the
+    patch on stderr. Returns the patch's handle (also kept for the process's lifetime), or None."""
     global _plugin_patch
+    register_ir_provider()
     raw = os.environ.get(PLUGIN_ENV, "").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
         return None
