@@ -13,7 +13,8 @@
 #      the token ids are identical where vLLM's conv path rounds as ours does (fp32; bf16 on
 #      AVX-512-BF16; elsewhere it says so), no conv call of the model reached vLLM's own
 #      functions or C++ kernels in the patched run, and the dispatcher served exactly as many
-#      conv calls as vLLM's functions ran unpatched.
+#      conv calls as vLLM's functions ran unpatched;
+#   5. a tiny Qwen3 with kernel_variants as vLLM IR's rms_norm provider, eager and compiled.
 # KV_VLLM_VENV=dir reuses (or creates) that virtualenv instead of a temporary one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +43,9 @@ if torch.cpu._is_avx512_bf16_supported():
 else:
     print(f'vllm_cpu_e2e: this CPU has no AVX-512-BF16; vllm_cpu is unavailable here ({why})')"
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_kernels_vllm_cpu.py tests/test_conformance.py -k vllm_cpu
+# vLLM IR's own providers as variants (vllm_native; vllm_c says why not on a CPU), and the provider.
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_conformance.py -k "vllm_native or vllm_c"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_integrations_vllm_ir.py
 
 # Identical token ids are the oracle only where vLLM's conv path rounds as ours does: fp32 models,
 # and bf16 where vLLM-CPU's AVX-512-BF16 kernels run (elsewhere it falls back to F.conv1d in bf16,
@@ -125,4 +129,42 @@ judged, bad = sum(c['shadowed'] for c in rep['counts']), sum(c['mismatches'] for
 if not judged or bad or rep['mismatches']:
     sys.exit(f'vllm_cpu_e2e plugin: FAILED, shadow judged {judged} calls, {bad} mismatches: {rep}')
 print(f'vllm_cpu_e2e plugin: kv shadow reads {judged} conv calls judged in the engine process, none disagreed')"
+# vLLM IR: kernel_variants as the provider of rms_norm and fused_add_rms_norm (registered in every
+# vLLM process by the package's vllm.general_plugins entry point, KV_VLLM_PATCH unset), first in
+# ir_op_priority, on a tiny fp32 Qwen3 (tools/vllm_ir_e2e.py): the token ids are identical with
+# and without it, eagerly and under vLLM's torch.compile, and the dispatcher served every RMSNorm
+# call of the provider's runs: as many as vLLM's native provider ran in the eager run without it
+# (the compiled runs schedule the same forwards; their calls are read from the profiler).
+ir_start=$SECONDS
+for mode in eager compiled; do
+  flag=""; [[ $mode == compiled ]] && flag="--compiled"
+  for side in off on; do
+    provider=""; [[ $side == on ]] && provider="--provider"
+    env -u KV_VLLM_PATCH "$venv/bin/python" tools/vllm_ir_e2e.py --dir "$work/qwen3" $flag $provider \
+      2>"$work/ir-$mode-$side.err" | grep '^{"pid"' | tail -n 1 >"$work/ir-$mode-$side.json" \
+      || { tail -n 30 "$work/ir-$mode-$side.err"; exit 1; }
+  done
+done
+"$venv/bin/python" - "$work" <<'EOF'
+import json, sys
+run = {(m, s): json.load(open(f"{sys.argv[1]}/ir-{m}-{s}.json")) for m in ("eager", "compiled") for s in ("off", "on")}
+expected = run["eager", "off"]["native"]
+problems = [] if expected else ["vLLM's native provider ran no RMSNorm call in the eager run"]
+for mode in ("eager", "compiled"):
+    off, on = run[mode, "off"], run[mode, "on"]
+    if on["priority"]["rms_norm"][0] != "kernel_variants":
+        problems.append(f"{mode}: kernel_variants is not first in ir_op_priority: {on['priority']}")
+    if off["tokens"] != on["tokens"] or on["tokens"] != run["eager", "off"]["tokens"]:
+        problems.append(f"{mode}: token ids differ:\n  without: {off['tokens']}\n  with:    {on['tokens']}")
+    if on["dispatched"] != expected or on["native"]:
+        problems.append(f"{mode}: the dispatcher served {on['dispatched']} RMSNorm calls ({on['counts']}, graph "
+                        f"{on['graph_calls']}), vLLM's native ran {on['native']}; expected {expected} and 0")
+if problems:
+    sys.exit("vllm_cpu_e2e ir: FAILED\n" + "\n".join(problems))
+on = run["compiled", "on"]
+print(f"vllm_cpu_e2e ir (Qwen3, fp32): identical token ids with kernel_variants first in ir_op_priority and without "
+      f"it, eager and compiled; {expected} of {expected} RMSNorm calls dispatched in each (compiled: "
+      f"{on['graph_calls']} through the graph's custom ops), served by {', '.join(on['served_by'])}")
+EOF
+echo "vllm_cpu_e2e ir: $((SECONDS - ir_start)) s"
 echo "vllm_cpu_e2e: passed in $((SECONDS - start)) s"
