@@ -78,7 +78,7 @@ def test_qualification_covers_every_cpu_builtin_in_three_dtypes_and_all_pass(cpu
     got = {(v["op"], v["variant"], v["dtype"]) for v in q["verdicts"]}
     assert got == _cpu_builtins()
     assert {op for op, _, _ in got} == {"causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm",
-                                        "add_gemma_rms_norm"}
+                                        "add_gemma_rms_norm", "rms_norm", "fused_add_rms_norm"}
     assert q["passed"] == len(got) > 0 and q["failed"] == 0 and q["failures"] == [] and q["skipped"] == 0
     assert all(v["passed"] and v["cases"] > 0 for v in q["verdicts"])
     assert q["triton_compilations"] == 0  # no Triton kernel compiles on a CPU without the interpreter

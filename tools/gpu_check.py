@@ -92,6 +92,7 @@ COMPILE_CAP = 150  # Triton kernels compiled before no further Triton variant is
 DTYPES = ("bfloat16", "float16", "float32")
 CALIBRATED = "float16"  # the seed table's dtype: calibrated, so qualified first
 FN, UPDATE, RMS, ADD_RMS = "causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm"
+PLAIN_RMS, FUSED_RMS = "rms_norm", "fused_add_rms_norm"  # vLLM IR's RMSNorm ops
 # seed69's smallest shapes (x 67 to 268 MB in fp16), a spread over B, D and L: the case builder
 # draws them on the device, and each variant is timed on them within the step's budget.
 SEED_SUBSET = ((64, 1024, 512), (64, 1024, 1024), (128, 1024, 512), (64, 2048, 512), (64, 4096, 512),
@@ -354,7 +355,7 @@ def _parallel(ctx: Ctx) -> int:
 
 
 def step_qualify(ctx: Ctx) -> dict[str, Any]:
-    return qualify_jobs(ctx, (FN, UPDATE, RMS, ADD_RMS), DTYPES, _parallel(ctx))
+    return qualify_jobs(ctx, (FN, UPDATE, RMS, ADD_RMS, PLAIN_RMS, FUSED_RMS), DTYPES, _parallel(ctx))
 
 
 # ---------------------------------------------------------------- step 3: calibration

@@ -142,7 +142,10 @@ def configure(env: Mapping[str, str], directory: Path | None) -> None:
     except ValueError:
         raise ValueError(f"{SEED_ENV}: expected an integer, got {seed!r}") from None
     _state.streams.clear()
-    _state.directory = directory
+    from kernel_variants._paths import table_dir
+
+    # Fixed now, with the table's: counters flushed at exit go beside the table this process used.
+    _state.directory = directory or table_dir()
 
 
 def set_rate(rate: float, seed: int | None = None) -> None:
