@@ -300,3 +300,70 @@ def test_a_call_that_needs_gradients_is_not_shadowed(monkeypatch):
     fn(x.detach(), w)
     (c,) = [c for c in kv.shadow_report().counts if c.variant == "mine"]
     assert (c.served, c.shadowed) == (2, 1)
+
+
+def test_a_variant_that_takes_out_is_shadowed_in_grad_mode(with_variants, monkeypatch):
+    from kernel_variants.ops.gemma_rms_norm import _spec as gemma
+    from kernel_variants.plugin import Capabilities, Variant
+
+    def writes_out(*args, **kwargs):  # right, and handed out= by the dispatcher
+        return gemma.reference_fn(*args, **kwargs)
+
+    monkeypatch.setenv("KV_SHADOW", "1")
+    with_variants(Variant(id="writes_out", op="gemma_rms_norm", version="1", priority=90, isolate=False,
+                          fn=writes_out, capabilities=Capabilities(
+                              devices={"cpu"}, dtypes={"float32"}, takes_out=True, in_place=True)))
+    x, w = torch.randn(4, 64), torch.randn(64)
+    out = torch.empty_like(x)
+    with kv.force(gemma_rms_norm="writes_out"):
+        assert kv.gemma_rms_norm(x, w, out=out) is out  # grad mode on: the default
+    torch.testing.assert_close(out, gemma.reference_fn(x, w), rtol=0, atol=0)
+    (c,) = [c for c in kv.shadow_report().counts if c.variant == "writes_out"]
+    assert (c.served, c.shadowed, c.mismatches) == (1, 1, 0)
+
+
+def test_kv_shadow_as_the_first_call_holds(monkeypatch):
+    import kernel_variants._runtime.dispatcher as dispatch
+
+    monkeypatch.setattr(dispatch, "_current", None)  # a process whose first call is kv.shadow
+    kv.shadow(1.0, seed=5)
+    assert (shadow.rate(), shadow.seed()) == (1.0, 5)
+    kv.shadow(0)
+
+
+@pytest.mark.parametrize("policy", ["require", "off"])
+def test_a_mismatch_bars_the_variant_even_when_nothing_can_be_saved(outlier_plugin, monkeypatch, policy):
+    monkeypatch.setenv("KV_QUALIFY", policy)
+    _shadowing(monkeypatch, "1")
+
+    def full_disk(doc):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shadow, "save_mismatch", full_disk)
+    args, kwargs = _prefill(outlier=True)
+    want, want_pool = _expected(args, kwargs)
+    with pytest.warns(kv.ShadowMismatch, match="inputs not saved: OSError"):
+        got = kv.causal_conv1d_fn(*args, **kwargs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(kwargs["conv_states"], want_pool)
+    # KV_QUALIFY=off skips the checks the user chose to skip, not a wrong answer seen live.
+    assert kv.explain("causal_conv1d_fn", *args, **kwargs).chosen.id != "outlier"
+
+
+def test_an_engine_that_writes_its_result_over_x_is_not_a_mismatch(outlier_plugin, engine):
+    kv_vllm, mixer, own = engine
+
+    def writes_over_x(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, **kw):
+        y = own(x.clone(), conv_state, weight, bias, activation, conv_state_indices, **kw)
+        return x.copy_(y)  # as vLLM's GPU decode: out = x
+
+    vars(sys.modules[kv_vllm.MODULE])["causal_conv1d_update"] = writes_over_x
+    vars(mixer)["causal_conv1d_update"] = writes_over_x
+    kv.reload()
+    x, cache, w, slots = _decode(outlier=False)
+    want = own(x.clone(), cache.clone().transpose(-1, -2), w, conv_state_indices=slots)
+    with kv_vllm.patch(shadow=1.0), warnings.catch_warnings():
+        warnings.simplefilter("error", kv.ShadowMismatch)
+        got = mixer.causal_conv1d_update(x, cache.transpose(-1, -2), w, conv_state_indices=slots)
+    torch.testing.assert_close(got, want)
+    assert all(v.passed for v in kv.verdicts() if v.variant == "outlier")

@@ -24,8 +24,9 @@ def shadow(rate: float, *, seed: int | None = None) -> None:
     state bit for bit), the caller gets the reference's result and state, the variant's verdict
     for that class of calls fails (so later calls go to the next qualified variant), and the
     call's inputs are saved (``kv shadow --replay FILE``). ``shadow(0)``: off (the default)."""
+    d = dispatcher()  # made first: its creation reads KV_SHADOW, which this call overrides
     _shadow.set_rate(rate, seed)
-    dispatcher().memo_clear()  # decisions hold the variant itself, or its shadowing wrapper
+    d.memo_clear()  # decisions hold the variant itself, or its shadowing wrapper
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,10 @@ def replay_mismatch(path: str | Path) -> tuple[str | None, str]:
     """Judge the variant of a saved mismatch again on its inputs, against the reference, as the
     shadowed call did; a mismatch found against an engine's own function is replayed against
     that function too where it can be imported. Returns (what is wrong, or None; what ran)."""
-    doc = load_call(str(path))
+    try:
+        doc = load_call(str(path))
+    except Exception as exc:  # torch.load's refusals are of several types
+        return f"cannot read the saved call ({type(exc).__name__}: {exc})".splitlines()[0], str(path)
     registry = dispatcher().registry
     spec = registry.spec(doc["op"])
     rv = registry.get(spec.name, doc["variant"])

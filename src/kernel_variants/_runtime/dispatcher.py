@@ -263,11 +263,14 @@ class Dispatcher:
         the call's class fails, so no later call is routed to it, and the file's path is returned."""
         key = spec.key(args, values=False)
         rv = self.registry.get(spec.name, vid)
-        where = shadow.save_mismatch({
-            "op": spec.name, "variant": vid, "version": rv.version, "oracle": oracle, "reason": why,
-            "key": key_text(key), "fingerprint": fingerprint(key.where), "args": tuple(args), **(extra or {}),
-        })
-        self.qualifier.shadow_failed(rv, key, f"{why} (a live call, against {oracle})", where)
+        try:
+            where = evidence = shadow.save_mismatch({
+                "op": spec.name, "variant": vid, "version": rv.version, "oracle": oracle, "reason": why,
+                "key": key_text(key), "fingerprint": fingerprint(key.where), "args": tuple(args), **(extra or {}),
+            })
+        except Exception as exc:  # a full disk must not keep a wrong variant serving
+            where, evidence = f"(inputs not saved: {type(exc).__name__}: {exc})".splitlines()[0], ""
+        self.qualifier.shadow_failed(rv, key, f"{why} (a live call, against {oracle})", evidence)
         return where
 
     def _record(self, key: CallKey, text: str) -> None:

@@ -224,7 +224,8 @@ def wrap(spec: OpSpec, vid: str, fn: Callable[..., Any], on_mismatch: OnMismatch
             return fn(*args, **kwargs)
         t = args[first] if first < len(args) else kwargs.get(spec.params[first])
         if capturing(getattr(getattr(t, "device", None), "type", "cpu")) or (
-                torch.is_grad_enabled() and spec.needs_grad(spec.bind(*args, **kwargs))):
+                torch.is_grad_enabled()
+                and spec.needs_grad(spec.bind(*args, **{k: v for k, v in kwargs.items() if k != "out"}))):
             # (a result built from copies would cut the caller's autograd graph)
             return fn(*args, **kwargs)
         count.shadowed += 1
@@ -239,16 +240,23 @@ def _shadow_call(spec: OpSpec, vid: str, fn: Callable[..., Any], reference: Call
                  args: tuple[Any, ...], kwargs: dict[str, Any], count: ShadowCount, on_mismatch: OnMismatch) -> Any:
     out = kwargs.pop("out", None)  # judged without it; the result is copied into it below
     case = Case(spec, args, kwargs)
-    expected_on = copy_case(case)
-    ref = expected_on.call(reference)
-    expected = (ref, {n: expected_on.allocation(n) for n in spec.mutates if n in expected_on.storages})
+    try:
+        expected_on = copy_case(case)
+        ref = expected_on.call(reference)
+        expected = (ref, {n: expected_on.allocation(n) for n in spec.mutates if n in expected_on.storages})
+    except Exception:  # no memory for the copies, say: the call runs unshadowed, as it would at rate 0
+        count.shadowed -= 1
+        return fn(*args, **kwargs) if out is None else fn(*args, **kwargs, out=out)
     judged = judge(fn, case, expected)
     if judged.why is None:
         result, ran_on = judged.got, judged.ran_on
     else:
         count.mismatches += 1
         # Saved while the caller's tensors still hold the inputs (nothing below has run on them).
-        where = on_mismatch(spec, vid, spec.bind(*args, **kwargs), judged.why)
+        try:
+            where = on_mismatch(spec, vid, spec.bind(*args, **kwargs), judged.why)
+        except Exception as exc:  # the caller still gets the reference's answer
+            where = f"(not recorded: {type(exc).__name__}: {exc})".splitlines()[0]
         count.last_mismatch = where
         warnings.warn(f"kernel_variants: shadow: {spec.name} variant {vid!r} disagrees with the reference on a "
                       f"live call: {judged.why}; this call returned the reference's result, and {vid!r} no longer "

@@ -257,7 +257,8 @@ def load_call(path: str) -> dict[str, Any]:
     """A live call saved by shadow verification (``_runtime.shadow.save_mismatch``): its op,
     variant, oracle, what was found, and ``args`` in signature order. Plain data and tensors
     only (``weights_only``): a shared cache directory must not run code when read."""
-    doc = torch.load(path, weights_only=True)
+    # A call saved on a GPU is still readable on a host without one (a shared cache directory).
+    doc = torch.load(path, weights_only=True, map_location=None if torch.cuda.is_available() else "cpu")
     if not isinstance(doc, dict) or not {"op", "variant", "args"} <= doc.keys():
         raise ValueError(f"{path}: not a call saved by kernel_variants' shadow verification")
     return doc

@@ -210,6 +210,10 @@ def patch_engine(
     if not isinstance(build, bool):
         raise TypeError(f"build: expected True or False, got {type(build).__name__} {build!r}")
     rate = _shadow.parse_rate(shadow, "shadow")
+    if rate:
+        from kernel_variants._runtime.dispatcher import dispatcher
+
+        dispatcher()  # made now if not yet: its creation reads KV_SHADOW_SEED, which the streams use
     originals: dict[int, tuple[Any, Any]] = {}
     already = False
 

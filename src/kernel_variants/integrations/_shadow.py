@@ -26,6 +26,7 @@ import torch
 from kernel_variants._capture import capturing
 from kernel_variants._runtime import shadow as _shadow
 from kernel_variants._runtime.dispatcher import dispatcher
+from kernel_variants._runtime.errors import VariantFailed
 from kernel_variants._tolerances import mismatch
 from kernel_variants.integrations._common import mark
 
@@ -75,9 +76,12 @@ def judge_against_engine(names: list[str], real: dict[str, Any], engine: tuple[A
             why = mismatch(y, x, what, exact=not x.is_floating_point())
             if why is not None:
                 return why
+    # An input the engine returns as its output (vLLM's GPU decode writes the result over x) was
+    # judged as the output just above; the adapter may leave it as it was.
+    returned = {t.untyped_storage().data_ptr() for t in ta if isinstance(t, torch.Tensor)}
     for name in names:
         x, y = a.get(name), b.get(name)
-        if not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor) or ("state" not in name and x.untyped_storage().data_ptr() in returned):
             continue
         if "state" in name or not x.is_floating_point():
             # a state holds copies of input rows; index tensors are never written: bit for bit
@@ -117,6 +121,12 @@ def _adopt(real: dict[str, Any], clones: dict[int, tuple[torch.Tensor, torch.Ten
     if isinstance(result, tuple | list):
         return type(result)(mine(t) for t in result)
     return mine(result)
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, tuple | list):
+        return all(_plain(x) for x in v)
+    return v is None or isinstance(v, torch.Tensor | bool | int | float | str)
 
 
 def _where_from(fn: Callable[..., Any]) -> str:
@@ -171,7 +181,7 @@ def _judged_call(adapter: Callable[..., Any], original: Callable[..., Any], sig:
     try:
         rb = _call(adapter, sig, b)
         raised = None
-    except Exception as exc:  # judged below: the engine decides whether the call was fine
+    except VariantFailed as exc:  # a kernel that raised: judged below, as a wrong answer is
         rb, raised = None, exc
     finally:
         _shadow.set_served_log(None)
@@ -201,20 +211,28 @@ def _judged_call(adapter: Callable[..., Any], original: Callable[..., Any], sig:
 def _mismatch(adapter: Callable[..., Any], original: Callable[..., Any], real: dict[str, Any],
               log: list[Any], why: str) -> None:
     d = dispatcher()
+    # Saved now, while the caller's tensors are untouched; only what a weights-only load reads back
+    # (an engine's metadata objects are left out: the functions take them as optional).
     engine = {"function": _where_from(original), "adapter": _where_from(adapter),
-              "arguments": {n: v for n, v in real.items()}}  # saved now: the caller's tensors are untouched yet
+              "arguments": {n: v for n, v in real.items() if _plain(v)}}
     oracle = f"the engine's {engine['function']}"
     blamed, saved = [], ""
     for spec, vid, call in log:
         if vid == "reference" or spec.reference.fn is d.registry.get(spec.name, vid).variant.fn:
             continue
-        saved = d.shadow_failed(spec, vid, call, why, oracle=oracle, extra={"engine": engine})
+        try:
+            saved = d.shadow_failed(spec, vid, call, why, oracle=oracle, extra={"engine": engine})
+        except Exception as exc:  # the caller still gets the engine's outcome
+            saved = f"(not recorded: {type(exc).__name__}: {exc})".splitlines()[0]
         _shadow.count_of(spec.name, vid).last_mismatch = saved
         blamed.append(vid)
     if not blamed:  # the reference served (or nothing was dispatched): a convention, not a kernel
         spec, vid, call = log[0] if log else (None, "reference", ())
-        saved = _shadow.save_mismatch({"op": spec.name if spec else "?", "variant": vid, "oracle": oracle,
-                                       "reason": why, "args": tuple(call), "engine": engine})
+        try:
+            saved = _shadow.save_mismatch({"op": spec.name if spec else "?", "variant": vid, "oracle": oracle,
+                                           "reason": why, "args": tuple(call), "engine": engine})
+        except Exception as exc:
+            saved = f"(not saved: {type(exc).__name__}: {exc})".splitlines()[0]
     what = f"variant {', '.join(map(repr, blamed))} no longer serves this class here" if blamed else \
         "the reference served it: the engine and the reference disagree"
     warnings.warn(f"kernel_variants: shadow: {engine['adapter']} disagrees with {oracle} on a live call: {why}; "
