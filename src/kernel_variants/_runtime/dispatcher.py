@@ -100,7 +100,7 @@ class Dispatcher:
         self._recorded: set[str] = set()  # keys this process has recorded (or tried to)
         self._record_lock = threading.Lock()
         self._table: CalibrationTable | None = None
-        shadow.configure(env, None)  # KV_SHADOW: a sampled share of calls checked against the reference
+        shadow.configure(env)  # KV_SHADOW: a sampled share of calls checked against the reference
         # KV_QUALIFY: who may be chosen (require: qualified variants only; strict: and checked
         # at a shape beyond those they were checked at, first; off: anything that can run).
         # A verdict turning to a failure drops every memoised decision: one may have chosen it.

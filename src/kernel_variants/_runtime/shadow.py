@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kernel_variants._capture import capturing
+from kernel_variants._paths import table_dir
 from kernel_variants._registry.case import Case
 from kernel_variants._tuning.verify import copy_case, judge
 
@@ -86,7 +87,7 @@ class _State:
         self.seed = 0
         self.engine = 0  # engine patches shadowing now (patch(shadow=...)): they need the counts
         self.counts: dict[tuple[str, str], ShadowCount] = {}
-        self.streams: dict[tuple[str, str], random.Random] = {}
+        self.streams: dict[tuple[str, str], Stream] = {}
         self.lock = threading.Lock()
         self.directory: Path | None = None  # where counters and mismatches go (the table's)
         self.flushed = 0.0
@@ -100,21 +101,18 @@ class _State:
         return c
 
     def sample(self, op: str, vid: str) -> bool:
-        """Whether this call of the (op, vid) stream is shadowed: the stream's own generator,
-        seeded from the seed and the stream's name, so a rerun samples the same calls."""
-        rate = self.rate
-        if rate >= 1.0 or rate <= 0.0:
-            return rate >= 1.0
-        rng = self.streams.get((op, vid))
-        if rng is None:
+        """Whether this call of the (op, vid) stream is shadowed (the streams start over when
+        the rate or the seed changes)."""
+        stream = self.streams.get((op, vid))
+        if stream is None:
             with self.lock:
-                rng = self.streams.setdefault((op, vid), random.Random(f"{self.seed}|{op}|{vid}"))
-        return rng.random() < rate
+                stream = self.streams.setdefault((op, vid), Stream(f"{self.seed}|{op}|{vid}", self.rate))
+        return stream.sample()
 
 
 class Stream:
-    """One sampled stream of calls (an engine function's): ``rate`` of them, deterministically
-    given the name (which carries the seed)."""
+    """One sampled stream of calls (an (op, variant)'s, an engine function's): ``rate`` of them,
+    deterministically given the name (which carries the seed), so a rerun samples the same calls."""
 
     def __init__(self, name: str, rate: float) -> None:
         self.rate = parse_rate(rate, "shadow")
@@ -127,7 +125,7 @@ class Stream:
 _state = _State()
 
 
-def configure(env: Mapping[str, str], directory: Path | None) -> None:
+def configure(env: Mapping[str, str]) -> None:
     """Read ``KV_SHADOW`` / ``KV_SHADOW_SEED`` at each dispatcher's creation (``kv.reload``),
     which starts the counters over (those so far are written out first)."""
     rate = parse_rate(env.get(ENV, ""))
@@ -142,10 +140,8 @@ def configure(env: Mapping[str, str], directory: Path | None) -> None:
     except ValueError:
         raise ValueError(f"{SEED_ENV}: expected an integer, got {seed!r}") from None
     _state.streams.clear()
-    from kernel_variants._paths import table_dir
-
     # Fixed now, with the table's: counters flushed at exit go beside the table this process used.
-    _state.directory = directory or table_dir()
+    _state.directory = table_dir()
 
 
 def set_rate(rate: float, seed: int | None = None) -> None:
@@ -223,13 +219,13 @@ def wrap(spec: OpSpec, vid: str, fn: Callable[..., Any], on_mismatch: OnMismatch
         if not _state.sample(spec.name, vid):
             return fn(*args, **kwargs)
         t = args[first] if first < len(args) else kwargs.get(spec.params[first])
+        call = spec.bind(*args, **{k: v for k, v in kwargs.items() if k != "out"})  # signature order
         if capturing(getattr(getattr(t, "device", None), "type", "cpu")) or (
-                torch.is_grad_enabled()
-                and spec.needs_grad(spec.bind(*args, **{k: v for k, v in kwargs.items() if k != "out"}))):
+                torch.is_grad_enabled() and spec.needs_grad(call)):
             # (a result built from copies would cut the caller's autograd graph)
             return fn(*args, **kwargs)
         count.shadowed += 1
-        return _shadow_call(spec, vid, fn, reference, args, kwargs, count, on_mismatch)
+        return _shadow_call(spec, vid, fn, reference, (args, kwargs, call), count, on_mismatch)
 
     shadowed.__name__ = shadowed.__qualname__ = f"{spec.name}_{vid.replace(':', '_')}_shadowed"
     shadowed.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -237,7 +233,10 @@ def wrap(spec: OpSpec, vid: str, fn: Callable[..., Any], on_mismatch: OnMismatch
 
 
 def _shadow_call(spec: OpSpec, vid: str, fn: Callable[..., Any], reference: Callable[..., Any],
-                 args: tuple[Any, ...], kwargs: dict[str, Any], count: ShadowCount, on_mismatch: OnMismatch) -> Any:
+                 given: tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]], count: ShadowCount,
+                 on_mismatch: OnMismatch) -> Any:
+    """``given``: the call as the variant got it (args, kwargs) and in signature order."""
+    args, kwargs, call = given
     out = kwargs.pop("out", None)  # judged without it; the result is copied into it below
     case = Case(spec, args, kwargs)
     try:
@@ -254,7 +253,7 @@ def _shadow_call(spec: OpSpec, vid: str, fn: Callable[..., Any], reference: Call
         count.mismatches += 1
         # Saved while the caller's tensors still hold the inputs (nothing below has run on them).
         try:
-            where = on_mismatch(spec, vid, spec.bind(*args, **kwargs), judged.why)
+            where = on_mismatch(spec, vid, call, judged.why)
         except Exception as exc:  # the caller still gets the reference's answer
             where = f"(not recorded: {type(exc).__name__}: {exc})".splitlines()[0]
         count.last_mismatch = where
@@ -289,8 +288,6 @@ def save_mismatch(doc: dict[str, Any]) -> str:
 
 
 def _folder() -> Path:
-    from kernel_variants._paths import table_dir
-
     return (_state.directory or table_dir()) / "shadow"
 
 

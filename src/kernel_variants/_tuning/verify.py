@@ -10,7 +10,7 @@ the call touches, so a variant that writes its inputs cannot spoil the next run'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +21,26 @@ from kernel_variants._registry.spec import OpSpec
 from kernel_variants._tolerances import TOLERANCES, mismatch
 
 
-def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+def allocation_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     """A whole allocation as one uint8 tensor (bit-for-bit comparisons, NaN payloads included)."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def clone_views(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, torch.UntypedStorage]]:
+    """``values`` with each tensor a view (its strides and offset kept) of a clone of the whole
+    allocation it views, each allocation cloned once (two tensors sharing one share its clone);
+    and those clones, by the original allocation's data pointer."""
+    clones: dict[int, torch.UntypedStorage] = {}
+    out: dict[str, Any] = {}
+    for name, v in values.items():
+        if isinstance(v, torch.Tensor):
+            src = v.untyped_storage()
+            clone = clones.get(src.data_ptr())
+            if clone is None:
+                clone = clones[src.data_ptr()] = src.clone()
+            v = torch.empty(0, dtype=v.dtype, device=v.device).set_(clone, v.storage_offset(), v.size(), v.stride())
+        out[name] = v
+    return out, clones
 
 
 @dataclass
@@ -45,31 +62,18 @@ class _Copy:
         return self.kwargs.get(name)
 
     def allocation(self, name: str) -> torch.Tensor:
-        return _bytes(self.storages[name], self.devices[name])
+        return allocation_bytes(self.storages[name], self.devices[name])
 
 
 def copy_case(case: Case) -> _Copy:
     """``case`` with each allocation its tensor arguments view cloned once (two arguments that
     share an allocation still share the copy)."""
-    clones: dict[int, torch.UntypedStorage] = {}
-    storages: dict[str, torch.UntypedStorage] = {}
-    devices: dict[str, torch.device] = {}
     names = case.spec.positional
-
-    def copy(name: str, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        src = value.untyped_storage()
-        ptr = src.data_ptr()
-        if ptr not in clones:
-            clones[ptr] = src.clone()
-        storages[name], devices[name] = clones[ptr], value.device
-        return torch.empty(0, dtype=value.dtype, device=value.device).set_(
-            clones[ptr], value.storage_offset(), value.size(), value.stride())
-
-    args = tuple(copy(names[i] if i < len(names) else f"#{i}", a) for i, a in enumerate(case.args))
-    kwargs = {k: copy(k, v) for k, v in case.kwargs.items()}
-    return _Copy(args, kwargs, storages, devices)
+    positional = [names[i] if i < len(names) else f"#{i}" for i in range(len(case.args))]
+    copied, _ = clone_views({**dict(zip(positional, case.args, strict=True)), **case.kwargs})
+    tensors = {n: v for n, v in copied.items() if isinstance(v, torch.Tensor)}
+    return _Copy(tuple(copied[n] for n in positional), {k: copied[k] for k in case.kwargs},
+                 {n: t.untyped_storage() for n, t in tensors.items()}, {n: t.device for n, t in tensors.items()})
 
 
 # Same-size integers, to compare a written view bit for bit (isclose calls -0.0 and 0.0 equal).
@@ -229,7 +233,7 @@ def _outs(spec: OpSpec, mine: _Copy,
             n = like.numel()
             whole = torch.full((n + 2 * _OUT_OFFSET,), fill, dtype=like.dtype, device=like.device)
             outs.append(whole[_OUT_OFFSET:_OUT_OFFSET + n].view(like.shape))
-            allocation = _bytes(whole.untyped_storage(), whole.device)
+            allocation = allocation_bytes(whole.untyped_storage(), whole.device)
             start = _OUT_OFFSET * whole.element_size()
             stop = start + n * whole.element_size()
             guards.append((allocation, start, stop, _around(allocation, start, stop)))

@@ -28,42 +28,29 @@ from kernel_variants._runtime import shadow as _shadow
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._runtime.errors import VariantFailed
 from kernel_variants._tolerances import mismatch
+from kernel_variants._tuning.verify import allocation_bytes, clone_views
 from kernel_variants.integrations._common import mark
 
 
 def _storage_copies(values: dict[str, Any]) -> tuple[dict[str, Any], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """``values`` with each tensor a view of a clone of its allocation (two tensors sharing one
-    share its clone), and per allocation (by the original's data pointer): (its bytes, the
-    clone's bytes)."""
-    clones: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    out: dict[str, Any] = {}
-    for name, v in values.items():
-        if not isinstance(v, torch.Tensor):
-            out[name] = v
-            continue
-        src = v.untyped_storage()
-        ptr = src.data_ptr()
-        if ptr not in clones:
-            clone = src.clone()
-            clones[ptr] = (_bytes(src, v.device), _bytes(clone, v.device))
-        storage = clones[ptr][1].untyped_storage()
-        out[name] = torch.empty(0, dtype=v.dtype, device=v.device).set_(
-            storage, v.storage_offset(), v.size(), v.stride())
-    return out, clones
-
-
-def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+    """``values`` on clones of their allocations (``clone_views``), and per allocation (by the
+    original's data pointer): (its bytes, the clone's bytes)."""
+    copied, clones = clone_views(values)
+    pairs = {}
+    for v in values.values():
+        if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in pairs:
+            ptr = v.untyped_storage().data_ptr()
+            pairs[ptr] = (allocation_bytes(v.untyped_storage(), v.device), allocation_bytes(clones[ptr], v.device))
+    return copied, pairs
 
 
 def _tensors(result: Any) -> list[Any]:
     return list(result) if isinstance(result, tuple | list) else [result]
 
 
-def judge_against_engine(names: list[str], real: dict[str, Any], engine: tuple[Any, dict[str, Any]],
-                         ours: tuple[Any, dict[str, Any]]) -> str | None:
-    """None when ``ours`` (a result, and the arguments it ran on, by name) agrees with
-    ``engine``'s on a call whose arguments were ``real``, else the first disagreement."""
+def judge_against_engine(engine: tuple[Any, dict[str, Any]], ours: tuple[Any, dict[str, Any]]) -> str | None:
+    """None when ``ours`` (a result, and the arguments it ran on, by name) agrees with the
+    ``engine``'s (the same, run on its own copies of the call), else the first disagreement."""
     (ra, a), (rb, b) = engine, ours
     ta, tb = _tensors(ra), _tensors(rb)
     if len(ta) != len(tb):
@@ -79,14 +66,14 @@ def judge_against_engine(names: list[str], real: dict[str, Any], engine: tuple[A
     # An input the engine returns as its output (vLLM's GPU decode writes the result over x) was
     # judged as the output just above; the adapter may leave it as it was.
     returned = {t.untyped_storage().data_ptr() for t in ta if isinstance(t, torch.Tensor)}
-    for name in names:
-        x, y = a.get(name), b.get(name)
+    for name, x in a.items():
+        y = b.get(name)
         if not isinstance(x, torch.Tensor) or ("state" not in name and x.untyped_storage().data_ptr() in returned):
             continue
         if "state" in name or not x.is_floating_point():
             # a state holds copies of input rows; index tensors are never written: bit for bit
-            whole_a = _bytes(x.untyped_storage(), x.device)
-            whole_b = _bytes(y.untyped_storage(), y.device)
+            whole_a = allocation_bytes(x.untyped_storage(), x.device)
+            whole_b = allocation_bytes(y.untyped_storage(), y.device)
             if not torch.equal(whole_a, whole_b):
                 n = int((whole_a != whole_b).sum())
                 return f"{name}: {n} of {whole_a.numel()} bytes of its allocation differ from the engine's"
@@ -171,9 +158,18 @@ def _call(fn: Callable[..., Any], sig: inspect.Signature, values: dict[str, Any]
     return fn(*b.args, **b.kwargs)
 
 
+def _as_oracle(original: Callable[..., Any], sig: inspect.Signature, values: dict[str, Any]) -> Any:
+    """The engine's own function on ``values``, every patched binding it reaches running the
+    engine's function too."""
+    _oracle.running = True
+    try:
+        return _call(original, sig, values)
+    finally:
+        _oracle.running = False
+
+
 def _judged_call(adapter: Callable[..., Any], original: Callable[..., Any], sig: inspect.Signature,
                  real: dict[str, Any]) -> Any:
-    names = list(real)
     a, clones_a = _storage_copies(real)
     b, clones_b = _storage_copies(real)
     log: list[Any] = []
@@ -185,17 +181,14 @@ def _judged_call(adapter: Callable[..., Any], original: Callable[..., Any], sig:
         rb, raised = None, exc
     finally:
         _shadow.set_served_log(None)
-    _oracle.running = True
     try:
-        ra = _call(original, sig, a)
+        ra = _as_oracle(original, sig, a)
     except Exception:  # the engine's own function cannot run it: nothing to judge against
         if raised is not None:
             raise raised from None
         return _adopt(real, clones_b, b, rb)
-    finally:
-        _oracle.running = False
     why = (f"raised {type(raised).__name__}: {raised}".splitlines()[0] if raised is not None
-           else judge_against_engine(names, real, (ra, a), (rb, b)))
+           else judge_against_engine((ra, a), (rb, b)))
     served = [(spec, vid) for spec, vid, _ in log]
     for spec, vid in dict.fromkeys(served):
         c = _shadow.count_of(spec.name, vid)
@@ -264,9 +257,4 @@ def replay_engine(engine: dict[str, Any]) -> str | None:
         rb = _call(adapter, sig, b)
     except Exception as exc:
         return f"raised {type(exc).__name__}: {exc}".splitlines()[0]
-    _oracle.running = True
-    try:
-        ra = _call(original, sig, a)
-    finally:
-        _oracle.running = False
-    return judge_against_engine(list(real), real, (ra, a), (rb, b))
+    return judge_against_engine((_as_oracle(original, sig, a), a), (rb, b))
