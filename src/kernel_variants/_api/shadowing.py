@@ -13,7 +13,7 @@ from kernel_variants._paths import table_dir
 from kernel_variants._runtime import shadow as _shadow
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._runtime.shadow import ShadowCount
-from kernel_variants._tuning.verify import case_of, load_call, verify
+from kernel_variants._tuning.verify import judge_saved, load_call
 
 
 def shadow(rate: float, *, seed: int | None = None) -> None:
@@ -89,7 +89,7 @@ def replay_mismatch(path: str | Path) -> tuple[str | None, str]:
     registry = dispatcher().registry
     spec = registry.spec(doc["op"])
     rv = registry.get(spec.name, doc["variant"])
-    why = verify(rv.variant.fn, case_of(spec, doc["args"]))
+    why = judge_saved(doc, rv, spec)
     ran = f"{doc['op']} variant {doc['variant']} against the reference"
     engine = doc.get("engine")
     if why is None and isinstance(engine, dict):

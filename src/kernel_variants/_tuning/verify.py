@@ -275,12 +275,17 @@ def case_of(spec: OpSpec, args: Sequence[Any]) -> Case:
 
 
 def replay(path: str, rv: Any, spec: OpSpec) -> str | None:
-    """``rv`` (a registered variant of ``spec``) judged again on the live call saved at ``path``, against
-    the reference: None when it is right there now, else what it gets wrong."""
+    """``rv`` (a registered variant of ``spec``) judged again on the live call saved at
+    ``path``, against the reference: None when it is right there now, else what it gets wrong."""
     try:
         doc = load_call(path)
     except (OSError, ValueError, RuntimeError) as exc:
         return f"cannot read the saved call ({type(exc).__name__}: {exc})"
+    return judge_saved(doc, rv, spec)
+
+
+def judge_saved(doc: dict[str, Any], rv: Any, spec: OpSpec) -> str | None:
+    """``rv`` judged on a saved call's inputs (``load_call``), against the reference."""
     if doc["op"] != rv.op:
         return f"the saved call is of {doc['op']}, not {rv.op}"
     return verify(rv.variant.fn, case_of(spec, doc["args"]))
