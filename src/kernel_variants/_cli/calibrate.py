@@ -22,6 +22,7 @@ the same table:
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -179,7 +180,7 @@ def _report(args, results: list[types.JobResult], source: str, budget: float | N
             doc = {**groups[0], "sweep": source}
         else:
             doc = {"source": source, "groups": groups}
-        doc.update(elapsed_s=elapsed, budget_s=budget, breakdown=_costs(results, elapsed),
+        doc.update(elapsed_s=elapsed, budget_s=budget, breakdown=_costs(results),
                    not_measured=[{k: e.get(k) for k in ("op", "dtype", "features", "shape", "why")}
                                  for e in skipped_keys])
         print_json(doc)
@@ -225,18 +226,15 @@ def _report(args, results: list[types.JobResult], source: str, budget: float | N
     return 0
 
 
-def _costs(results: list[types.JobResult], elapsed: float) -> dict:
-    """The jobs' breakdowns (``CalibrationResult.breakdown``) added up, as plain data."""
-    parts = [d.result.breakdown.as_dict(d.result.elapsed_s) for d in results]
-    out: dict = {"seconds": {}, "other_s": round(sum(p["other_s"] for p in parts), 3), "by_variant": {}}
-    for p in parts:
-        for kind, sec in p["seconds"].items():
-            out["seconds"][kind] = round(out["seconds"].get(kind, 0.0) + sec, 3)
-        for v, kinds in p["by_variant"].items():
-            mine = out["by_variant"].setdefault(v, {})
-            for kind, sec in kinds.items():
-                mine[kind] = round(mine.get(kind, 0.0) + sec, 3)
-    return out
+def _costs(results: list[types.JobResult]) -> dict:
+    """The jobs' breakdowns (``CalibrationResult.breakdown``) added up by their own ``merge``,
+    as plain data."""
+    if not results:
+        return {"seconds": {}, "other_s": 0.0, "by_variant": {}}
+    total = copy.deepcopy(results[0].result.breakdown)
+    for d in results[1:]:
+        total.merge(d.result.breakdown)
+    return total.as_dict(sum(d.result.elapsed_s for d in results))
 
 
 # Each kind of work, as the summary line names it and as --breakdown says it.
@@ -254,7 +252,7 @@ _KINDS = {"build": ("build", "building compiled variants"),
 def _print_costs(results: list[types.JobResult], elapsed: float, full: bool) -> None:
     """The summary's last line: the shares of the run's time, largest first, and what pruning
     left out; ``full`` (--breakdown): the seconds, per kind and per variant."""
-    costs = _costs(results, elapsed)
+    costs = _costs(results)
     kinds = {**costs["seconds"], "other": costs["other_s"]}
     pruned = [m for d in results for m in d.result.pruned()]
     near = sum(len(d.result.pruned_by_neighbours()) for d in results)
