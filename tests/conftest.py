@@ -130,3 +130,32 @@ def python_calls(monkeypatch):
 
     monkeypatch.setattr(_dispatcher.Memo, "get", counting)
     return count
+
+
+@pytest.fixture(scope="session")
+def call_core_built():
+    """The compiled call core, built (as ``kv build`` does) where it is not: the call-core test
+    files use it (``helpers.call_core.CORE_MARKS``)."""
+    from kernel_variants.kernels.cpu_native import _build
+
+    _build.build(_build.CORE)
+
+
+@pytest.fixture
+def path(monkeypatch):
+    """``path(on)``: put the ops on the core (or the Python path), in a fresh dispatcher."""
+    from kernel_variants._runtime import callcore as _callcore
+
+    def use(on: bool) -> None:
+        monkeypatch.setenv(_callcore.ENV, "1" if on else "0")
+        kernel_variants.reload()
+
+    return use
+
+
+@pytest.fixture
+def reference_variant():
+    """Run the ops on the reference variant: fast, and the same on every machine (the engine
+    drop-in test files use it)."""
+    with kernel_variants.force(causal_conv1d_fn="reference", causal_conv1d_update="reference"):
+        yield
