@@ -136,9 +136,10 @@ def python_calls(monkeypatch):
 def call_core_built():
     """The compiled call core, built (as ``kv build`` does) where it is not: the call-core test
     files use it (``helpers.call_core.CORE_MARKS``)."""
-    from kernel_variants.kernels.cpu_native import _build
+    from kernel_variants._native import build
+    from kernel_variants._runtime.core_build import CORE
 
-    _build.build(_build.CORE)
+    build.build(CORE)
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 The fast steps keep the views they hand the op (the pool, a prefill's x, a slot table's column)
 and re-point them at the next step's tensors, and restride a prefill's fresh output in place
-(``call_core.cpp``: ``Lent``, ``engine_layout``). A sequence mixes vLLM and sglang, decode and
+(``_runtime/csrc/layout.cpp``: ``Lent``, ``engine_layout``). A sequence mixes vLLM and sglang, decode and
 prefill, dtypes, widths of the channel axis, pool layouts, slot tables, pads, grad and inference
 mode, and holds on to some results and inputs across later steps. Each step against the same
 adapter with its fast step refused (the general path) on copies: the result (values, shape,

@@ -88,7 +88,7 @@ c_level = os.environ.get("KV_CALL_CORE") != "0"
 for name in ("causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm"):
     getattr(kv, name)  # makes (and registers) the op
     kernel = torch._C._dispatch_dump("kernel_variants::" + name).split("CompositeExplicitAutograd")[1]
-    assert ("call_core.cpp" in kernel) == c_level and ("custom_ops.py" in kernel) != c_level, kernel
+    assert ("graph.cpp" in kernel) == c_level and ("custom_ops.py" in kernel) != c_level, kernel
 
 """ + _ODD_VARIANT + """args = lambda p: (x, p, w, None, "silu", idx, None, -1)
 op = torch.ops.kernel_variants.causal_conv1d_update.default

@@ -136,9 +136,11 @@ def test_an_arm_cpu_is_named_by_its_implementer_part_and_revision():
 def test_the_fingerprint_names_the_build_cpu_native_runs():
     """The fingerprint's ISA level (without AMX, which cpu_native does not use) is the one the
     compiled kernel reports choosing, capped or not: read from the same flags by the same rule."""
-    from kernel_variants.kernels.cpu_native import _build, isa_path
+    from kernel_variants._native import build
+    from kernel_variants.kernels.cpu_native import isa_path
+    from kernel_variants.kernels.cpu_native._build import CONV
 
-    if _fingerprint.platform.machine() not in ("x86_64", "AMD64") or _build.toolchain_missing(_build.CONV):
+    if _fingerprint.platform.machine() not in ("x86_64", "AMD64") or build.toolchain_missing(CONV):
         pytest.skip("cpu_native's ISA builds are x86 builds, made with a compiler")
     mp = pytest.MonkeyPatch()
     try:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_variants._native import build
 from kernel_variants._tolerances import TOLERANCES, mismatch
 from kernel_variants.kernels import cpu_native
-from kernel_variants.kernels.cpu_native import _build
 from kernel_variants.ops.causal_conv1d import _reference
 
-pytestmark = pytest.mark.skipif(_build.toolchain_missing() is not None, reason="no C++ toolchain")
+pytestmark = pytest.mark.skipif(build.toolchain_missing() is not None, reason="no C++ toolchain")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

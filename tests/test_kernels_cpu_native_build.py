@@ -18,7 +18,10 @@ import pytest
 
 import kernel_variants as kv
 from kernel_variants._cli import main
-from kernel_variants.kernels.cpu_native import _build, _stamp
+from kernel_variants._native import build as _build
+from kernel_variants._native import stamp as _stamp
+from kernel_variants._runtime.core_build import CORE
+from kernel_variants.kernels.cpu_native._build import CONV, RMS, kernel
 
 
 @pytest.fixture
@@ -53,9 +56,9 @@ def test_each_torch_install_builds_in_a_folder_of_its_own(monkeypatch, tmp_path)
     # different torch headers, so one shared folder would be rebuilt each time they take turns.
     import torch
 
-    mine = _build._name_and_dir()
+    mine = _build._name_and_dir(CONV)
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
-    other = _build._name_and_dir()
+    other = _build._name_and_dir(CONV)
     assert mine[0] != other[0] and mine[1] != other[1]
     assert mine[1].parent == other[1].parent  # the same cache, a folder each
 
@@ -68,27 +71,27 @@ def test_a_new_build_removes_the_folders_it_supersedes_and_no_other(fresh_build_
     import fcntl
     import json
 
-    first = _build.build(_build.CONV)
-    assert json.loads((_build._name_and_dir()[1] / _build._ORIGIN).read_text()) == _build._origin(_build.CONV)
-    cache = _build._name_and_dir()[1].parent
+    first = _build.build(CONV)
+    assert json.loads((_build._name_and_dir(CONV)[1] / _build._ORIGIN).read_text()) == _build._origin(CONV)
+    cache = _build._name_and_dir(CONV)[1].parent
     busy = cache / "busy"
     unknown = cache / "unknown"
     other_torch = cache / "other-torch"
     for folder in (busy, unknown, other_torch):
         folder.mkdir()
-    (busy / _build._ORIGIN).write_text(json.dumps(_build._origin(_build.CONV)))
-    (other_torch / _build._ORIGIN).write_text(json.dumps({**_build._origin(_build.CONV), "torch": "/elsewhere"}))
+    (busy / _build._ORIGIN).write_text(json.dumps(_build._origin(CONV)))
+    (other_torch / _build._ORIGIN).write_text(json.dumps({**_build._origin(CONV), "torch": "/elsewhere"}))
     real_tag = _build._build_tag
     monkeypatch.setattr(_build, "_build_tag", lambda *a: real_tag(*a) + "0")  # the sources edited
     _build.load_extension.cache_clear()
     with open(busy / "kv-build.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        second = _build.build(_build.CONV)
+        second = _build.build(CONV)
     assert second != first and len(fresh_build_dir) == 2
     assert sorted(p.name for p in cache.iterdir()) == sorted([os.path.basename(second), "busy", "unknown",
                                                              "other-torch"])
     _build.load_extension.cache_clear()
-    _build.build(_build.CONV)  # loading what is built removes nothing
+    _build.build(CONV)  # loading what is built removes nothing
     assert len(list(cache.iterdir())) == 4
 
 
@@ -100,9 +103,9 @@ def test_a_new_build_removes_a_deleted_install_s_folder_unloaded_for_a_week(fres
     import json
     import time
 
-    _build.build(_build.CONV)
-    cache = _build._name_and_dir()[1].parent
-    mine = _build._origin(_build.CONV)
+    _build.build(CONV)
+    cache = _build._name_and_dir(CONV)[1].parent
+    mine = _build._origin(CONV)
     week_ago = time.time() - _build._ORPHAN_GRACE_S - 60
     folders = {"gone-torch-old": ({**mine, "torch": str(tmp_path / "deleted-venv")}, week_ago),
                "gone-sources-old": ({**mine, "sources": str(tmp_path / "deleted-clone")}, week_ago),
@@ -116,7 +119,7 @@ def test_a_new_build_removes_a_deleted_install_s_folder_unloaded_for_a_week(fres
     real_tag = _build._build_tag
     monkeypatch.setattr(_build, "_build_tag", lambda *a: real_tag(*a) + "0")  # the sources edited
     _build.load_extension.cache_clear()
-    second = _build.build(_build.CONV)
+    second = _build.build(CONV)
     assert sorted(p.name for p in cache.iterdir()) == sorted([os.path.basename(second), "gone-torch-recent",
                                                              "present-old", "not-a-record"])
 
@@ -157,10 +160,10 @@ def test_a_build_announces_itself_once_and_kv_build_reports_where(fresh_build_di
 def test_a_build_lock_left_by_a_killed_process_is_cleared(fresh_build_dir):
     """cpp_extension's lock file outlives a killed build, and the next process would wait on it
     forever."""
-    _, build_dir = _build._name_and_dir()
+    _, build_dir = _build._name_and_dir(CONV)
     build_dir.mkdir(parents=True)
     (build_dir / "lock").write_text("")
-    _build.load_extension()  # the fake load asserts that the lock is gone
+    _build.load_extension(CONV)  # the fake load asserts that the lock is gone
     assert fresh_build_dir == [str(build_dir)]
 
 
@@ -189,7 +192,8 @@ def test_four_processes_meeting_a_first_build_build_once_and_all_succeed(tmp_pat
         import time, types
         from pathlib import Path
         from torch.utils import cpp_extension
-        from kernel_variants.kernels.cpu_native import _build, _stamp
+        from kernel_variants._native import build as _build, stamp as _stamp
+        from kernel_variants.kernels.cpu_native._build import CONV
 
         def fake_load(name, sources, build_directory, **kw):
             so = Path(build_directory) / f"{{name}}.so"
@@ -202,7 +206,7 @@ def test_four_processes_meeting_a_first_build_build_once_and_all_succeed(tmp_pat
 
         cpp_extension.load = fake_load
         _stamp.import_so = lambda name, so: types.SimpleNamespace(__file__=str(so))
-        print(_build.build(_build.CONV))
+        print(_build.build(CONV))
     """)
     env = {**os.environ, "KV_BUILD_DIR": str(tmp_path / "build")}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -228,7 +232,8 @@ cpp_extension.load = refuse
 import kernel_variants as kv
 from kernel_variants._runtime import callcore
 from kernel_variants.kernels import cpu_native
-from kernel_variants.kernels.cpu_native import _build
+from kernel_variants._native import build as _build
+from kernel_variants.kernels.cpu_native._build import CONV, RMS
 from kernel_variants.ops.causal_conv1d import _reference
 from kernel_variants.ops.gemma_rms_norm import _spec
 
@@ -245,13 +250,13 @@ if which == "call_core":
     for _ in range(2):
         torch.testing.assert_close(kv.gemma_rms_norm(x, w), _spec.reference_fn(x, w), rtol=0, atol=0)
 elif which == "causal_conv1d":
-    _build.load_extension(_build.CONV)
+    _build.load_extension(CONV)
     seconds = time.perf_counter() - t0
     x, w, b = torch.randn(2, 16, 64, generator=g), torch.randn(64, 4, generator=g), torch.randn(64, generator=g)
     torch.testing.assert_close(cpu_native.causal_conv1d_fn(x, w, b, activation="silu"),
                                _reference.causal_conv1d_fn(x, w, b, activation="silu"), rtol=1e-5, atol=1e-5)
 else:
-    _build.load_extension(_build.RMS)
+    _build.load_extension(RMS)
     seconds = time.perf_counter() - t0
     x, w = torch.randn(3, 64, generator=g), torch.randn(64, generator=g)
     torch.testing.assert_close(cpu_native.gemma_rms_norm(x, w), _spec.reference_fn(x, w), rtol=1e-5, atol=1e-5)
@@ -262,7 +267,7 @@ print(json.dumps({"load_s": seconds, "control": _build.toolchain_missing()}))
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a shell script as the stand-in ninja")
-@pytest.mark.parametrize("ext", [_build.CORE, _build.CONV, _build.RMS], ids=lambda e: e.name)
+@pytest.mark.parametrize("ext", [CORE, CONV, RMS], ids=lambda e: e.name)
 def test_a_built_extension_loads_without_ninja_whichever_ninja_is_first_on_path(ext, tmp_path):
     """Two ninja releases (the system's, a virtualenv's) read each other's records as stale: a
     process whose PATH found the other one recompiled inside its first call, silently."""
@@ -307,20 +312,20 @@ def test_a_folder_whose_stamp_does_not_match_is_built_again_not_loaded(how, fres
     import shutil
 
     csrc = tmp_path / "csrc"
-    shutil.copytree(_build._CSRC, csrc)
-    monkeypatch.setattr(_build, "_CSRC", csrc)
+    shutil.copytree(RMS.csrc, csrc)
+    rms = kernel(RMS.name, csrc)
     monkeypatch.setattr(_build, "_build_tag", lambda *a: "pinned-0000000000000000")
-    first = _build.build(_build.RMS)
-    assert _build.is_built(_build.RMS) and len(fresh_build_dir) == 1
-    _stale_by(how, _build.RMS, csrc)
+    first = _build.build(rms)
+    assert _build.is_built(rms) and len(fresh_build_dir) == 1
+    _stale_by(how, rms, csrc)
     monkeypatch.setattr(_build, "_imported", {})  # a new process: nothing loaded yet
     _build.load_extension.cache_clear()
-    assert not _build.is_built(_build.RMS) and _build.load_built(_build.RMS) is None
+    assert not _build.is_built(rms) and _build.load_built(rms) is None
     capsys.readouterr()
-    assert _build.build(_build.RMS) == first and fresh_build_dir == [first, first]
+    assert _build.build(rms) == first and fresh_build_dir == [first, first]
     assert "building the cpu_native" in capsys.readouterr().err
     monkeypatch.setattr(_build, "_imported", {})
-    assert _build.is_built(_build.RMS), "the new build is stamped"
+    assert _build.is_built(rms), "the new build is stamped"
 
 
 def test_sources_edited_while_they_compile_leave_the_build_unstamped(fresh_build_dir, monkeypatch, tmp_path):
@@ -330,15 +335,15 @@ def test_sources_edited_while_they_compile_leave_the_build_unstamped(fresh_build
     from torch.utils import cpp_extension
 
     csrc = tmp_path / "csrc"
-    shutil.copytree(_build._CSRC, csrc)
-    monkeypatch.setattr(_build, "_CSRC", csrc)
+    shutil.copytree(RMS.csrc, csrc)
+    rms = kernel(RMS.name, csrc)
     compile_ = cpp_extension.load
 
     def edited_meanwhile(**kw):
-        (csrc / _build.RMS.sources[0]).write_text("// edited during the build\n")
+        (csrc / rms.sources[0]).write_text("// edited during the build\n")
         return compile_(**kw)
 
     monkeypatch.setattr(cpp_extension, "load", edited_meanwhile)
-    folder = _build.build(_build.RMS)
+    folder = _build.build(rms)
     assert not (Path(folder) / _stamp.STAMP).exists()
     assert (Path(folder) / _build._ORIGIN).exists(), "its record stays, for the next build to prune it"

@@ -123,6 +123,18 @@ def test_private_packages_import_downwards():
     assert wrong == []
 
 
+def test_native_builds_stand_below_everything():
+    """``_native`` builds and loads the C++ extensions of the runtime and of the kernels: it imports
+    nothing else of the package, and the runtime none of the kernels (whose package init imports
+    the plugin API, which imports the runtime: a circle at run time)."""
+    native = {m: sorted(d for d in GRAPH[m] if not d.startswith("kernel_variants._native"))
+              for m in MODULES if m.startswith("kernel_variants._native")}
+    assert native and {m: d for m, d in native.items() if d} == {}
+    runtime = {m: sorted(d for d in GRAPH[m] if d.startswith("kernel_variants.kernels"))
+               for m in MODULES if m.startswith("kernel_variants._runtime")}
+    assert {m: d for m, d in runtime.items() if d} == {}
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_module_size(module):
     lines = len(MODULES[module].read_text().splitlines())

@@ -104,8 +104,9 @@ def built_call_core(tool: str) -> str | None:
     import sys
 
     import kernel_variants as kv
+    from kernel_variants._native import build
     from kernel_variants._runtime import callcore
-    from kernel_variants.kernels.cpu_native import _build
+    from kernel_variants._runtime.core_build import CORE
 
     if callcore._off(os.environ.get(callcore.ENV, "")):
         return f"{callcore.ENV}=0"
@@ -113,7 +114,7 @@ def built_call_core(tool: str) -> str | None:
         return None
     why = None
     try:
-        _build.load_extension(_build.CORE)
+        build.load_extension(CORE)
     except RuntimeError as exc:
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"{tool}: the call core did not build ({why})", file=sys.stderr)

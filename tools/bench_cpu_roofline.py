@@ -97,17 +97,17 @@ def floor_extension():
     headers (and torch version) under the kernels' build cache; the package never loads it."""
     from torch.utils import cpp_extension
 
-    from kernel_variants._paths import build_dir
-    from kernel_variants.kernels.cpu_native import _build
+    from kernel_variants._native.build import build_root
+    from kernel_variants.kernels.cpu_native._build import CONV
 
-    csrc = Path(_build.__file__).resolve().parent / "csrc"
+    csrc = CONV.csrc
     h = hashlib.sha256(torch.__version__.encode())
     for f in [*(FLOOR_DIR / s for s in FLOOR_SOURCES), FLOOR_DIR / "floor_kernel.h", *sorted(csrc.glob("*.h"))]:
         h.update(f.name.encode() + f.read_bytes())
     tag = h.hexdigest()[:12]
-    where = build_dir() / "bench" / f"cpu_floor-{tag}"
+    where = build_root() / "bench" / f"cpu_floor-{tag}"
     where.mkdir(parents=True, exist_ok=True)
-    # The kernel's flags (kernels/cpu_native/_build.py) less OpenMP: the floor runs one thread.
+    # The kernel's flags (kernel_variants._native.build) less OpenMP: the floor runs one thread.
     return cpp_extension.load(name=f"kv_cpu_floor_{tag}", sources=[str(FLOOR_DIR / s) for s in FLOOR_SOURCES],
                               extra_cflags=["-O3", "-fno-trapping-math", "-fno-math-errno", "-Wno-psabi"],
                               extra_include_paths=[str(FLOOR_DIR), str(csrc)], build_directory=str(where),

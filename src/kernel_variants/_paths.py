@@ -1,24 +1,19 @@
-"""Where kernel_variants keeps files on this machine: one root, two environment overrides."""
+"""Where kernel_variants keeps files on this machine: one root, two environment overrides. The
+root and the build folder are defined by ``_native``, which stands below the rest of the package
+and so may import none of it."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from kernel_variants._native.build import build_root as build_dir
+from kernel_variants._native.build import user_cache
 
-def user_cache() -> Path:
-    """``$XDG_CACHE_HOME/kernel_variants``, or ``~/.cache/kernel_variants``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kernel_variants"
+__all__ = ["build_dir", "table_dir", "user_cache"]
 
 
 def table_dir() -> Path:
     """The calibration table: ``KV_CACHE_DIR``, else the user cache."""
     env = os.environ.get("KV_CACHE_DIR")
     return Path(env) if env else user_cache()
-
-
-def build_dir() -> Path:
-    """Compiled extensions: ``KV_BUILD_DIR``, else ``build`` in the user cache."""
-    env = os.environ.get("KV_BUILD_DIR")
-    return Path(env) if env else user_cache() / "build"

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 import kernel_variants as kv
+from kernel_variants._native import build
 from kernel_variants._runtime.dispatcher import dispatcher
-from kernel_variants.kernels.cpu_native import _build
 from kernel_variants.ops.causal_conv1d import ConvCapabilities, _reference
 from kernel_variants.plugin import Variant
 
 # Each call-core test file's marks: skipped without a C++ toolchain, the core built first
 # (the ``call_core_built`` fixture, in conftest.py).
-CORE_MARKS = [pytest.mark.skipif(_build.toolchain_missing() is not None,
-                                 reason=f"the call core cannot be built here: {_build.toolchain_missing()}"),
+CORE_MARKS = [pytest.mark.skipif(build.toolchain_missing() is not None,
+                                 reason=f"the call core cannot be built here: {build.toolchain_missing()}"),
               pytest.mark.usefixtures("call_core_built")]
 
 B, L, D, W, N, S = 3, 4, 8, 4, 6, 3

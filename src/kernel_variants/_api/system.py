@@ -126,12 +126,13 @@ def build() -> list[BuildResult]:
 def _call_core() -> BuildResult:
     """The dispatched ops' compiled call path, built like a variant (it runs no kernel: there is
     nothing to qualify)."""
-    from kernel_variants.kernels.cpu_native import _build
+    from kernel_variants._native import build
+    from kernel_variants._runtime.core_build import CORE
 
     record = BuildResult("call core", [spec.name for spec in op_specs()], "kernel_variants", False, None, None,
-                         _build.toolchain_missing())
+                         build.toolchain_missing())
     if record.reason is None:
-        _timed_build(record, lambda: _build.build(_build.CORE))
+        _timed_build(record, lambda: build.build(CORE))
     return record
 
 

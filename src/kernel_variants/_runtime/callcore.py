@@ -2,7 +2,7 @@
 
 A dispatched call's per-call work (the memo key from the tensors' metadata and the other
 arguments, the lookup, the index value checks, the write guard, the call of the variant) runs
-in C++ (``kernels/cpu_native/csrc/call_core.cpp``) when the core is built: ``kv build`` builds
+in C++ (``_runtime/csrc``, built as ``core_build.CORE``) when the core is built: ``kv build`` builds
 it with the C++ kernels; a call never does. Where it is not built (or does not load), the Python
 path (``call.call``) serves every call, and the first call says so once on stderr.
 ``KV_CALL_CORE=0`` turns the core off (read at the first call after each ``kv.reload()``).
@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kernel_variants._native import build
+from kernel_variants._runtime.core_build import CORE
 from kernel_variants._runtime.device_errors import _counters
 from kernel_variants._runtime.errors import variant_failed
 from kernel_variants._runtime.pins import _pins
@@ -66,7 +68,7 @@ class _Graph:
 
 GRAPH = _Graph()
 
-MAX_PARAMS = 32  # the most parameters an op may have for the core to serve it (kMaxParams in call_core.cpp)
+MAX_PARAMS = 32  # the most parameters an op may have for the core to serve it (kMaxParams in csrc/call_core.h)
 
 _lock = threading.Lock()
 _loaded: dict[str, tuple[ModuleType | None, str | None]] = {}  # .so path -> (module, why not)
@@ -82,18 +84,16 @@ def _off(raw: str) -> bool:
 
 def _library() -> tuple[ModuleType | None, str]:
     """(the core's extension module, or None; a short reason when None). Never builds, and asks
-    neither ninja nor the compiler: a complete build is imported as it is (``_build.load_built``)."""
-    from kernel_variants.kernels.cpu_native import _build
-
+    neither ninja nor the compiler: a complete build is imported as it is (``build.load_built``)."""
     try:
-        name, build_dir = _build._name_and_dir(_build.CORE)
+        name, build_dir = build._name_and_dir(CORE)
     except Exception as exc:  # torch or the sources unreadable: say so, serve in Python
         return None, f"cannot locate the build ({type(exc).__name__}: {exc})"
     path = str(build_dir / f"{name}.so")
     with _lock:
         if path not in _loaded:
             try:
-                module = _build.load_built(_build.CORE)
+                module = build.load_built(CORE)
                 if module is None:  # not kept: a kv build in another process makes it loadable
                     return None, "not built: run kv build"
                 _SERVED[module.CallCore] = (module, {"cpu"})  # a file without the type is not the core
@@ -210,9 +210,7 @@ def core_module() -> ModuleType | None:
 
 def graph_module() -> ModuleType | None:
     """The core's extension module for the ops' compiled-graph kernels (``custom_ops``), or None.
-    Called once, when ``custom_ops`` is imported (the first trace of a process), never while an
-    op is made: loading the module imports the ``cpu_native`` package, which imports ``plugin``,
-    which may be mid-import then."""
+    Called once, when ``custom_ops`` is imported (the first trace of a process)."""
     found = core_module()
     return found if found is not None and hasattr(found, "graph_kernel") else None
 

@@ -27,7 +27,7 @@ import torch
 from kernel_variants._capture import capturing
 from kernel_variants._runtime import device_errors as errors
 
-# The kinds the call core knows, as it numbers them (call_core.cpp's CheckKind).
+# The kinds the call core knows, as it numbers them (CheckKind in _runtime/csrc/call_core.h).
 SLOTS, OFFSETS, BOUNDED = 1, 2, 3
 _INT64 = (-(2**63), 2**63 - 1)
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from kernel_variants.kernels.cpu_native import _NATIVE_RMS, _build, _rows
+from kernel_variants._native import build
+from kernel_variants.kernels.cpu_native import _NATIVE_RMS, _rows
+from kernel_variants.kernels.cpu_native._build import RMS
 from kernel_variants.ops.rms_norm import NormCapabilities
 from kernel_variants.plugin import Variant, hookimpl
 
@@ -22,7 +24,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float, varia
              out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., D]; weight: [D] or None (x's dtype or fp32, any stride). Returns a new tensor of
     x's shape and dtype, or ``out`` written (x's shape and dtype; it may be x itself)."""
-    ext = _build.load_extension(_build.RMS)
+    ext = build.load_extension(RMS)
     direct = out is not None and out.shape == x.shape and out.is_contiguous()
     res = ext.rms_norm(_rows(x), weight, epsilon, variance_size, _rows(out) if direct else None)
     if out is None or direct:
@@ -36,7 +38,7 @@ def fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.
     """x, x_residual: [..., D]; weight: [D] or None. Returns (normed, x + x_residual), new
     tensors of x's shape, or the pair ``out`` written (it may be ``(x, x_residual)``: vLLM's
     in-place form; each element is read before it is written)."""
-    ext = _build.load_extension(_build.RMS)
+    ext = build.load_extension(RMS)
     direct = out is not None and all(o.shape == x.shape and o.is_contiguous() for o in out)
     given = (_rows(out[0]), _rows(out[1])) if direct else (None, None)
     o, s = ext.fused_add_rms_norm(_rows(x), _rows(x_residual), weight, epsilon, variance_size, *given)

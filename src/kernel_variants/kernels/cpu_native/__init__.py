@@ -8,7 +8,7 @@ through its strides, so a non-contiguous view is updated in place.
 
 The extension is compiled at first use (announced on stderr) or by ``kv build``, into a
 persistent per-machine cache (``KV_BUILD_DIR``, default ``~/.cache/kernel_variants/build``); a
-complete build is imported as it is, with no ninja or compiler needed (``_build.load_built``).
+complete build is imported as it is, with no ninja or compiler needed (``_native.build.load_built``).
 Listing and explaining never build; without a compiler the variant is unavailable with that
 reason, and a failed build makes it unavailable with the compiler's first error.
 """
@@ -19,7 +19,9 @@ import functools
 
 import torch
 
-from kernel_variants.kernels.cpu_native import _build
+from kernel_variants._native import build
+from kernel_variants._native.build import Extension
+from kernel_variants.kernels.cpu_native._build import CONV, RMS
 from kernel_variants.plugin import Capabilities, ConvCapabilities, Variant, hookimpl
 
 
@@ -42,7 +44,7 @@ def causal_conv1d_fn(
     if x.stride(-1) != 1:  # the kernel vectorises along D; weight, bias and state take any strides
         x = _dense(x)
     kernel_out, out = _kernel_out(out)
-    res = _build.load_extension().fwd(x, weight, bias, conv_states, cache_indices, has_initial_state,
+    res = build.load_extension(CONV).fwd(x, weight, bias, conv_states, cache_indices, has_initial_state,
                                       query_start_loc, activation is not None, pad_slot_id, kernel_out)
     return res if out is None or res is out else out.copy_(res)
 
@@ -65,7 +67,7 @@ def causal_conv1d_update(
     if x.stride(-1) != 1:
         x = _dense(x)
     kernel_out, out = _kernel_out(out)
-    res = _build.load_extension().update(x, conv_state, weight, bias, activation is not None,
+    res = build.load_extension(CONV).update(x, conv_state, weight, bias, activation is not None,
                                          conv_state_indices, num_accepted_tokens, pad_slot_id, kernel_out)
     return res if out is None or res is out else out.copy_(res)
 
@@ -82,14 +84,14 @@ def _kernel_out(out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Te
 def isa_path() -> str:
     """Which build of the conv kernel runs on this CPU: "avx512-bf16" (bf16 data), "avx512",
     "avx2" or "scalar" (builds the extension if needed)."""
-    return _build.load_extension().isa_path()
+    return build.load_extension(CONV).isa_path()
 
 
-def _code_path(ext: _build.Extension) -> str:
+def _code_path(ext: Extension) -> str:
     """``isa_path()``, for a variant of ``ext`` that is built (kv list --wide, kv info). Both
     extensions pick their build with the one ``kv_cpu::isa_level()`` (csrc/cpu_common.h), which
     the conv extension reports: the RMSNorm one answers through it, without building it."""
-    if ext is not _build.CONV and not _build.is_built(_build.CONV):
+    if ext is not CONV and not build.is_built(CONV):
         return "unknown until the conv kernels are built (kv build)"
     return isa_path()
 
@@ -98,17 +100,17 @@ _CAPS = dict(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, width=(
              takes_out=True, in_place=True)  # the C++ writes into out, out=x included (reads before writes)
 
 
-def _native(ext: _build.Extension) -> dict:
+def _native(ext: Extension) -> dict:
     """How a variant of ``ext`` probes, builds and says it is built (one build per extension)."""
     # Its speed depends on the compiler that built it and the ISA path it takes, besides torch.
-    return dict(probe=functools.partial(_build.toolchain_missing, ext), depends=("torch", "compiler", "isa"),
-                build=functools.partial(_build.build, ext), is_built=functools.partial(_build.is_built, ext),
+    return dict(probe=functools.partial(build.toolchain_missing, ext), depends=("torch", "compiler", "isa"),
+                build=functools.partial(build.build, ext), is_built=functools.partial(build.is_built, ext),
                 code_path=functools.partial(_code_path, ext),
-                sources=tuple(str(p) for p in _build.source_files(ext)))
+                sources=tuple(str(p) for p in build.source_files(ext)))
 
 
-_NATIVE = _native(_build.CONV)
-_NATIVE_RMS = _native(_build.RMS)
+_NATIVE = _native(CONV)
+_NATIVE_RMS = _native(RMS)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -133,7 +135,7 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., D]; weight: [D] (any stride). Returns a new tensor of x's shape and dtype, or
     ``out`` written (x's shape and dtype; it may be x itself)."""
-    ext = _build.load_extension(_build.RMS)
+    ext = build.load_extension(RMS)
     if out is not None and out.shape != x.shape:
         raise ValueError(f"out: expected x's shape {list(x.shape)}, got {list(out.shape)}")
     if out is not None and out.is_contiguous():  # the kernel writes rows of D: a contiguous out directly
@@ -147,7 +149,7 @@ def add_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [..., D]; weight: [D]. Returns (out, x + residual), new tensors of x's shape,
     or the pair ``out`` written (it may be ``(x, residual)``: sglang's in-place fused add)."""
-    ext = _build.load_extension(_build.RMS)
+    ext = build.load_extension(RMS)
     if out is not None and any(o.shape != x.shape for o in out):
         raise ValueError(f"out: expected two tensors of x's shape {list(x.shape)}, got "
                          f"{[list(o.shape) for o in out]}")

@@ -1,0 +1,15 @@
+"""The call core's extension (the ops' per-call path in C++, ``csrc``), defined with the runtime
+that loads it (``callcore``) and built by ``kv build`` through ``kernel_variants._native``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kernel_variants._native.build import Extension
+
+#: Plain CPython C-API on ATen's tensor metadata, no kernel in it: one job per source file,
+#: their shared declarations in one header.
+CORE = Extension("call_core", Path(__file__).resolve().parent / "csrc",
+                 sources=("module.cpp", "key.cpp", "checks.cpp", "bound.cpp", "unalias.cpp", "layout.cpp",
+                          "graph.cpp"),
+                 headers=("call_core.h",), what="C++ call core")
