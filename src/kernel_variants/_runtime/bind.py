@@ -159,7 +159,7 @@ def bind(op: str | Callable[..., Any], *example_args: Any, **example_kwargs: Any
     # object hands it, running it or raising with its messages.
     fast = None if capture else callcore.bound(
         spec, bound, vid, fn, subs, checks, rule, fixed, tuple(args[i] for i in fixed), tuple(args), grad,
-        () if guard is None else guard.declared[0])
+        () if guard is None else guard.declared.writes)
     for made in (bound, fast) if fast is not None else (bound,):
         made.__doc__ = f"{spec.name}, bound to variant {vid!r} for calls shaped like the example (kernel_variants.bind)."
         made.__qualname__ = made.__name__ = f"{spec.name}_bound"

@@ -30,8 +30,10 @@ import torch
 
 from kernel_variants._native import build
 from kernel_variants._runtime.core_build import CORE
+from kernel_variants._runtime.core_specs import BoundSpec, CoreSpec, Learned, per_parameter
 from kernel_variants._runtime.device_errors import _counters
 from kernel_variants._runtime.errors import variant_failed
+from kernel_variants._runtime.guards import WritePlan
 from kernel_variants._runtime.pins import _pins
 from kernel_variants._runtime.values import ValuePlan
 
@@ -177,7 +179,7 @@ def _make(spec: OpSpec, module: ModuleType) -> Any:
     def fail(vid: str, exc: BaseException) -> None:
         raise variant_failed(spec, vid, exc) from exc
 
-    return module.CallCore(kinds, mutated, npos, spec.params[npos:], _pins, _counters, fail, MISS, GRAPH)
+    return module.CallCore(CoreSpec(kinds, mutated, npos, spec.params[npos:], _pins, _counters, fail, MISS, GRAPH))
 
 
 def core_for(spec: OpSpec) -> Any:
@@ -242,7 +244,7 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
     signature has positional-only parameters, or the example has a tensor subclass (but a
     Parameter). ``example``: the example's arguments in signature order, whose tensors each
     call's must be like; ``grad``: whether the example needed a gradient; ``guards``: the write
-    guard's data (``write_plan(...).declared[0]``)."""
+    guard's data (``write_plan(...).declared.writes``)."""
     if core_for(spec) is None:
         return None
     module, _ = _library()
@@ -259,10 +261,10 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
     def fail(vid: str, exc: BaseException) -> None:
         raise variant_failed(spec, vid, exc) from exc
 
-    return module.BoundCore(
+    return module.BoundCore(BoundSpec(
         tuple(p.name for p in params), npos, tuple(_REQUIRED if p.default is p.empty else p.default for p in params),
-        _REQUIRED, kinds, mutated, example, grad, guards, tuple(fixed), expected, subs, data, gate, py_checks, rule,
-        _counters, fn, vid, spec.params[npos:], fail, python)
+        _REQUIRED, kinds, mutated, example, grad, guards, tuple(fixed), expected, per_parameter(len(kinds), subs), data,
+        gate, py_checks, rule, _counters, fn, vid, spec.params[npos:], fail, python))
 
 
 class Slot:
@@ -349,12 +351,13 @@ def learn(core: Any, spec: OpSpec, args: tuple[Any, ...], out: Any, hit: Hit, si
     guards: tuple[Any, ...] = ()
     if guard is not None and not python_only:
         declared = getattr(guard, "declared", None)
-        if isinstance(declared, tuple) and not declared[1]:
-            guards = declared[0]
+        if isinstance(declared, WritePlan) and not declared.out:
+            guards = declared.writes
         else:
             python_only = True
     with _learn_lock:
         if since == _generation:
-            core.learn(args, out, fn, vid, subs, data, gate, py_checks, guards, python_only, rule)
+            core.learn(Learned(args, out, fn, vid, per_parameter(len(args), subs), data, gate, py_checks, guards,
+                               python_only, rule))
 
 

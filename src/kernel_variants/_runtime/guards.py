@@ -5,7 +5,8 @@ depends only on metadata is worked out once (``write_plan``), a call then reads 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -17,6 +18,24 @@ from kernel_variants._runtime.errors import (
     overlap_error,
     self_overlap_error,
 )
+
+
+class Written(NamedTuple):
+    """A tensor the op writes (``args[index]``, ``span`` bytes from its first element to past its
+    last) and the arguments of its dtype compared with it (``near``)."""
+
+    index: int
+    span: int
+    near: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WritePlan:
+    """A write plan's work as data, which the call core reads by field: the written tensors, and
+    whether the call has an ``out`` (checked in Python only)."""
+
+    writes: tuple[Written, ...]
+    out: bool
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -80,8 +99,7 @@ def write_plan(spec: OpSpec, args: tuple[Any, ...], out: Any) -> Callable[..., b
     metadata (which tensors share the written tensor's dtype, how many bytes it spans) is
     worked out here, once; a call then reads data pointers (and a tensor's span only when it
     starts inside the written tensor's allocation, before it). ``None``: nothing to guard.
-    Its ``declared`` attribute is that work as data, (checks, has out), where checks are
-    (written index, its span, the indices compared with it): what the call core reads."""
+    Its ``declared`` attribute is that work as data (a :class:`WritePlan`): what the call core reads."""
     checks = []
     for mi in spec.mutated_indices:
         m = args[mi]
@@ -89,7 +107,7 @@ def write_plan(spec: OpSpec, args: tuple[Any, ...], out: Any) -> Callable[..., b
             continue
         near = tuple(i for i in spec.tensor_indices
                      if i != mi and args[i] is not None and args[i].dtype == m.dtype and args[i].numel() > 0)
-        checks.append((mi, _span(m), near))
+        checks.append(Written(mi, _span(m), near))
     if not checks and out is None:
         return None
     checks_t = tuple(checks)
@@ -114,5 +132,5 @@ def write_plan(spec: OpSpec, args: tuple[Any, ...], out: Any) -> Callable[..., b
                     raise overlap_error(spec, i, spec.params[mi])
         return False if out is None else _guard_out(spec, args, spec.out_tensors(out))
 
-    plan.declared = (checks_t, out is not None)  # type: ignore[attr-defined]
+    plan.declared = WritePlan(checks_t, out is not None)  # type: ignore[attr-defined]
     return plan

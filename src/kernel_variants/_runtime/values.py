@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -51,6 +51,7 @@ def _slot_values(name: str, slots: list[int], n_slots: int, pad_slot_id: int) ->
 class SlotIds:
     """``args[index]`` (named ``name``): slot ids ``[batch]`` into a pool of ``n_slots``."""
 
+    kind: ClassVar[int] = SLOTS
     index: int
     name: str
     n_slots: int
@@ -81,18 +82,13 @@ class SlotIds:
 
         return check
 
-    @property
-    def core_data(self) -> tuple[int, int, int, int | None]:
-        # A pad id outside int64 equals no index value: the core is told there is none.
-        pad = self.pad if _INT64[0] <= self.pad <= _INT64[1] else None
-        return SLOTS, self.index, self.n_slots, pad
-
 
 @dataclass(frozen=True)
 class Offsets:
     """``args[index]`` (named ``name``): start offsets ``[B+1]`` of a batch of ``total`` items;
     ``end`` names ``total`` in messages."""
 
+    kind: ClassVar[int] = OFFSETS
     index: int
     name: str
     total: int
@@ -116,15 +112,12 @@ class Offsets:
 
         return check
 
-    @property
-    def core_data(self) -> tuple[int, int, int, None]:
-        return OFFSETS, self.index, self.total, None
-
 
 @dataclass(frozen=True)
 class Bounded:
     """``args[index]`` (named ``name``): every value in ``lo..hi``; ``hi_name`` names ``hi``."""
 
+    kind: ClassVar[int] = BOUNDED
     index: int
     name: str
     lo: int
@@ -141,10 +134,6 @@ class Bounded:
 
         return check
 
-    @property
-    def core_data(self) -> tuple[int, int, int, int]:
-        return BOUNDED, self.index, self.lo, self.hi
-
 
 Declared = SlotIds | Offsets | Bounded
 
@@ -157,12 +146,12 @@ class ValuePlan:
     device: torch.device
     checks: tuple[Declared, ...]
 
-    def core_data(self) -> tuple[tuple[int, int, int, int | None], ...] | None:
-        """The checks as the call core reads them; None when a bound does not fit an int64."""
-        data = tuple(c.core_data for c in self.checks)
-        if not all(_INT64[0] <= v <= _INT64[1] for d in data for v in d[2:] if v is not None):
-            return None
-        return data
+    def core_data(self) -> tuple[Declared, ...] | None:
+        """The checks as the call core reads them (by ``kind`` and field name); None when a bound
+        does not fit an int64 (a pad id outside it equals no index value: the core reads none)."""
+        bounds = [v for c in self.checks for v in (
+            (c.n_slots,) if isinstance(c, SlotIds) else (c.total,) if isinstance(c, Offsets) else (c.lo, c.hi))]
+        return self.checks if all(_INT64[0] <= v <= _INT64[1] for v in bounds) else None
 
 
 def plan(x: torch.Tensor, checks: list[Declared]) -> Callable[[Sequence[Any]], None] | None:

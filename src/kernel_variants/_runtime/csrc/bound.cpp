@@ -187,25 +187,35 @@ bool owned_tuple(PyObject* t, std::vector<PyObject*>& out, PyObject* required) {
   return true;
 }
 
-// BoundCore(names, npos, defaults, required, kinds, mutated, example, grad, guards, fixed, expected,
-//           subs, checks, gate, py_checks, rule, counters, fn, vid, kwnames, fail, fallback)
-// example: the example's arguments in signature order; grad: whether it needed a gradient;
-// guards: its write guard's data (guards.write_plan's declared checks).
+// BoundCore(spec): spec a callcore.BoundSpec, read by field name. example: the example's
+// arguments in signature order; grad: whether it needed a gradient; guards: its write guard's
+// data (guards.Written); subs: per parameter, the normalised value or `keep`.
 PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  PyObject *names, *defaults, *required, *kinds, *mutated, *example, *guards, *fixed, *expected, *subs, *checks, *gate,
-      *py_checks, *rule, *counters, *fn, *vid, *kwnames, *fail, *fallback;
-  int npos, grad;
-  if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
-    PyErr_SetString(PyExc_TypeError, "BoundCore takes positional arguments only");
+  if ((kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) || PyTuple_GET_SIZE(args) != 1) {
+    PyErr_SetString(PyExc_TypeError, "BoundCore(spec): one callcore.BoundSpec");
     return nullptr;
   }
-  if (!PyArg_ParseTuple(args, "O!iO!OO!O!O!pO!O!O!O!OOOOO!OOO!OO", &PyTuple_Type, &names, &npos, &PyTuple_Type,
-                        &defaults, &required, &PyTuple_Type, &kinds, &PyTuple_Type, &mutated, &PyTuple_Type, &example,
-                        &grad, &PyTuple_Type, &guards, &PyTuple_Type, &fixed, &PyTuple_Type, &expected,
-                        &PyTuple_Type, &subs, &checks, &gate, &py_checks, &rule, &PyDict_Type, &counters, &fn, &vid,
-                        &PyTuple_Type, &kwnames, &fail, &fallback)) {
+  Fields f(PyTuple_GET_ITEM(args, 0));
+  PyObject *names = f("names"), *npos_o = f("npos"), *defaults = f("defaults"), *required = f("required"),
+           *kinds = f("kinds"), *mutated = f("mutated"), *example = f("example"), *grad_o = f("grad"),
+           *guards = f("guards"), *fixed = f("fixed"), *expected = f("expected"), *subs = f("subs"),
+           *checks = f("checks"), *gate = f("gate"), *py_checks = f("py_checks"), *rule = f("rule"),
+           *counters = f("counters"), *fn = f("fn"), *vid = f("vid"), *kwnames = f("kwnames"), *fail = f("fail"),
+           *fallback = f("fallback"), *keep = f("keep");
+  if (!f.ok()) return nullptr;
+  for (PyObject* t : {names, defaults, kinds, mutated, example, guards, fixed, expected, subs, kwnames}) {
+    if (!PyTuple_Check(t)) {
+      PyErr_SetString(PyExc_TypeError, "BoundCore: the spec's sequences are tuples");
+      return nullptr;
+    }
+  }
+  if (!PyDict_Check(counters)) {
+    PyErr_SetString(PyExc_TypeError, "BoundCore: counters is a dict");
     return nullptr;
   }
+  const long npos = PyLong_AsLong(npos_o);
+  const int grad = PyObject_IsTrue(grad_o);
+  if ((npos == -1 || grad < 0) && PyErr_Occurred()) return nullptr;
   Py_ssize_t total = PyTuple_GET_SIZE(names);
   Py_ssize_t n = total - 1;
   if (n < 1 || n > kMaxParams || PyTuple_GET_SIZE(defaults) != total || PyTuple_GET_SIZE(kinds) != n ||
@@ -218,7 +228,7 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   }
   auto st = std::make_unique<BoundState>();
   st->n = static_cast<int>(n);
-  st->npos = npos;
+  st->npos = static_cast<int>(npos);
   for (Py_ssize_t i = 0; i < n; ++i) {
     const int k = parse_kind(PyTuple_GET_ITEM(kinds, i), "BoundCore");
     if (k < 0) return nullptr;
@@ -269,17 +279,7 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     st->fixed.push_back(static_cast<int>(i));
     st->expected.push_back(Py_NewRef(PyTuple_GET_ITEM(expected, k)));
   }
-  st->subs.assign(n, nullptr);
-  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(subs); ++k) {
-    PyObject* pair = PyTuple_GET_ITEM(subs, k);
-    bool ok = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
-    int i = ok ? static_cast<int>(as_int64(PyTuple_GET_ITEM(pair, 0), &ok)) : -1;
-    if (!ok || i < 0 || i >= n) {
-      PyErr_SetString(PyExc_ValueError, "BoundCore: subs must be (parameter index, value) pairs");
-      return nullptr;
-    }
-    Py_XSETREF(st->subs[i], Py_NewRef(PyTuple_GET_ITEM(pair, 1)));
-  }
+  if (!parse_subs(st->n, subs, keep, st->subs, "BoundCore")) return nullptr;
   if (!parse_checks(st->n, st->kind, checks, st->checks, "BoundCore")) return nullptr;
   if (gate != Py_None) st->gate = Py_NewRef(gate);
   if (py_checks != Py_None) st->py_checks = Py_NewRef(py_checks);

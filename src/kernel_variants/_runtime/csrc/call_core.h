@@ -122,6 +122,7 @@ struct State {
   PyObject* counters = nullptr;  // the device-rule counters by device (a dict)
   PyObject* fail = nullptr;  // fail(vid, exc): raises VariantFailed from exc
   PyObject* miss = nullptr;
+  PyObject* keep = nullptr;  // in a learned entry's subs: the call's own value
   // Given as `out`: a call from a compiled graph's kernel, which takes no `out` and whose
   // outputs may not alias an input (unaliased below, in the same call).
   PyObject* graph = nullptr;
@@ -287,6 +288,26 @@ int64_t as_int64(PyObject* o, bool* ok);
 int parse_kind(PyObject* o, const char* who);
 bool parse_checks(int n, const std::vector<int8_t>& kind, PyObject* seq, std::vector<Check>& out, const char* who);
 bool parse_guards(int n, const std::vector<int8_t>& kind, PyObject* seq, std::vector<Guard>& out);
+bool parse_subs(int n, PyObject* seq, PyObject* keep, std::vector<PyObject*>& subs, const char* who);
+// o.name, a new reference (nullptr with the error set): what Python hands the core is read by name.
+THPObjectPtr field(PyObject* o, const char* name);
+// The fields of one object Python hands the core (callcore.CoreSpec, BoundSpec, Learned), read by
+// name once, each held until the reader goes; a missing one leaves its error set (ok() false).
+class Fields {
+ public:
+  explicit Fields(PyObject* o) : o_(o) {}
+  PyObject* operator()(const char* name) {
+    owned_.emplace_back(PyObject_GetAttrString(o_, name));
+    if (!owned_.back()) bad_ = true;
+    return owned_.back() ? owned_.back().get() : Py_None;
+  }
+  bool ok() const { return !bad_; }
+
+ private:
+  PyObject* o_;
+  std::vector<THPObjectPtr> owned_;
+  bool bad_ = false;
+};
 
 // unalias.cpp
 // A tensor argument's storage (data: its first byte; present: a tensor with storage there).

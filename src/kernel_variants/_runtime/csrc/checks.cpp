@@ -155,33 +155,62 @@ int parse_kind(PyObject* o, const char* who) {
   return static_cast<int>(k);
 }
 
-// `who`: the caller that raises a malformed tuple's error (learn, BoundCore).
+THPObjectPtr field(PyObject* o, const char* name) {
+  return THPObjectPtr(PyObject_GetAttrString(o, name));
+}
+
+namespace {
+
+// o.name as an int64; false with an error set (AttributeError, or a ValueError naming `who`).
+bool int_field(PyObject* o, const char* name, int64_t* v, bool* fits, const char* who) {
+  THPObjectPtr f = field(o, name);
+  if (!f) return false;
+  if (!PyLong_Check(f.get())) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be an int", who, name);
+    return false;
+  }
+  *v = as_int64(f.get(), fits);
+  return true;
+}
+
+}  // namespace
+
+// The index value checks (values.py's SlotIds, Offsets, Bounded: each its `kind` and fields), or
+// None. `who`: the caller that raises a malformed one's error (learn, BoundCore).
 bool parse_checks(int n, const std::vector<int8_t>& kind, PyObject* seq, std::vector<Check>& out, const char* who) {
   if (seq == Py_None) return true;
   if (!PyTuple_Check(seq)) {
-    PyErr_Format(PyExc_TypeError, "%s: checks must be a tuple of (kind, index, a, b) tuples or None", who);
+    PyErr_Format(PyExc_TypeError, "%s: checks must be a tuple of value checks or None", who);
     return false;
   }
   for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(seq); ++k) {
     PyObject* item = PyTuple_GET_ITEM(seq, k);
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
-      PyErr_Format(PyExc_TypeError, "%s: each check must be a (kind, index, a, b) tuple", who);
-      return false;
-    }
     Check c{};
-    bool ok_kind, ok_index, ok_a, ok_b = true;
-    c.kind = static_cast<int>(as_int64(PyTuple_GET_ITEM(item, 0), &ok_kind));
-    c.index = static_cast<int>(as_int64(PyTuple_GET_ITEM(item, 1), &ok_index));
-    c.a = as_int64(PyTuple_GET_ITEM(item, 2), &ok_a);
-    PyObject* b = PyTuple_GET_ITEM(item, 3);
-    c.has_pad = b != Py_None;
-    if (c.has_pad) c.b = as_int64(b, &ok_b);
-    if (c.kind == kSlots && c.has_pad && !ok_b) {  // a pad id no int64 equals: never a pad
-      c.has_pad = false;
-      ok_b = true;
+    int64_t kind_v, index;
+    bool ok_kind, ok_index, ok_a = true, ok_b = true;
+    if (!int_field(item, "kind", &kind_v, &ok_kind, who) || !int_field(item, "index", &index, &ok_index, who))
+      return false;
+    c.kind = static_cast<int>(kind_v);
+    c.index = static_cast<int>(index);
+    bool read = true;
+    switch (c.kind) {
+      case kSlots:
+        read = int_field(item, "n_slots", &c.a, &ok_a, who) && int_field(item, "pad", &c.b, &ok_b, who);
+        c.has_pad = ok_b;  // a pad id no int64 equals: never a pad
+        ok_b = true;
+        break;
+      case kOffsets:
+        read = int_field(item, "total", &c.a, &ok_a, who);
+        break;
+      case kBounded:
+        read = int_field(item, "lo", &c.a, &ok_a, who) && int_field(item, "hi", &c.b, &ok_b, who);
+        c.has_pad = true;
+        break;
+      default:
+        ok_kind = false;
     }
-    if (!ok_kind || !ok_index || !ok_a || !ok_b || c.index < 0 || c.index >= n || kind[c.index] == kValue ||
-        (c.kind == kBounded && !c.has_pad)) {
+    if (!read) return false;
+    if (!ok_kind || !ok_index || !ok_a || !ok_b || c.index < 0 || c.index >= n || kind[c.index] == kValue) {
       PyErr_Format(PyExc_ValueError, "%s: a check names no tensor parameter or has a bound out of int64", who);
       return false;
     }
@@ -190,26 +219,30 @@ bool parse_checks(int n, const std::vector<int8_t>& kind, PyObject* seq, std::ve
   return true;
 }
 
+// The write guard's data (guards.py's Written: index, span, near), a tuple of them.
 bool parse_guards(int n, const std::vector<int8_t>& kind, PyObject* seq, std::vector<Guard>& out) {
   if (!PyTuple_Check(seq)) {
-    PyErr_SetString(PyExc_TypeError, "guards must be a tuple of (mutated, span, near) tuples");
+    PyErr_SetString(PyExc_TypeError, "guards must be a tuple of guards.Written");
     return false;
   }
   for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(seq); ++k) {
     PyObject* item = PyTuple_GET_ITEM(seq, k);
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3 || !PyTuple_Check(PyTuple_GET_ITEM(item, 2))) {
-      PyErr_SetString(PyExc_TypeError, "each guard must be a (mutated, span, near) tuple");
+    Guard g;
+    int64_t index;
+    bool ok_m, ok_s;
+    if (!int_field(item, "index", &index, &ok_m, "guard") || !int_field(item, "span", &g.span, &ok_s, "guard"))
+      return false;
+    g.mutated = static_cast<int>(index);
+    THPObjectPtr near = field(item, "near");
+    if (!near) return false;
+    if (!PyTuple_Check(near.get())) {
+      PyErr_SetString(PyExc_TypeError, "a guard's near must be a tuple of parameter indices");
       return false;
     }
-    Guard g;
-    bool ok_m, ok_s;
-    g.mutated = static_cast<int>(as_int64(PyTuple_GET_ITEM(item, 0), &ok_m));
-    g.span = as_int64(PyTuple_GET_ITEM(item, 1), &ok_s);
     bool bad = !ok_m || !ok_s || g.mutated < 0 || g.mutated >= n || kind[g.mutated] == kValue;
-    PyObject* near = PyTuple_GET_ITEM(item, 2);
-    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(near) && !bad; ++j) {
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(near.get()) && !bad; ++j) {
       bool ok;
-      int i = static_cast<int>(as_int64(PyTuple_GET_ITEM(near, j), &ok));
+      int i = static_cast<int>(as_int64(PyTuple_GET_ITEM(near.get(), j), &ok));
       bad = !ok || i < 0 || i >= n || kind[i] == kValue;
       g.near.push_back(i);
     }
@@ -222,5 +255,19 @@ bool parse_guards(int n, const std::vector<int8_t>& kind, PyObject* seq, std::ve
   return true;
 }
 
+// Per parameter, the value the variant gets in place of the call's (`keep`: the call's own): a
+// tuple of n. Into subs (n entries, owned or nullptr).
+bool parse_subs(int n, PyObject* seq, PyObject* keep, std::vector<PyObject*>& subs, const char* who) {
+  if (!PyTuple_Check(seq) || PyTuple_GET_SIZE(seq) != n) {
+    PyErr_Format(PyExc_ValueError, "%s: subs must hold one value per parameter", who);
+    return false;
+  }
+  subs.assign(n, nullptr);
+  for (int i = 0; i < n; ++i) {
+    PyObject* v = PyTuple_GET_ITEM(seq, i);
+    if (v != keep) subs[i] = Py_NewRef(v);
+  }
+  return true;
+}
 
 }  // namespace kv_core

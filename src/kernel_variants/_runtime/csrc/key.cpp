@@ -284,21 +284,20 @@ bool unpack_call(State* st, PyObject* args_tuple, const char* who) {
   return true;
 }
 
-// learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only, rule) -> bool:
-// remember what the Python path decided for this call's key (False: not a call it serves).
-PyObject* core_learn(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+// learn(learned) -> bool: remember what the Python path decided for this call's key (False: not a
+// call it serves). learned: a callcore.Learned, read by field name.
+PyObject* core_learn(PyObject* self, PyObject* learned) {
   State* st = reinterpret_cast<CallCore*>(self)->st;
-  if (nargs != 11) {
-    PyErr_SetString(PyExc_TypeError,
-                    "learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only, rule)");
-    return nullptr;
-  }
-  if (!unpack_call(st, a[0], "learn")) return nullptr;
+  Fields f(learned);
+  PyObject *args = f("args"), *out = f("out"), *fn = f("fn"), *vid = f("vid"), *subs = f("subs"),
+           *checks = f("checks"), *gate = f("gate"), *py_checks = f("py_checks"), *guards = f("guards"),
+           *python_only = f("python_only"), *rule = f("rule");
+  if (!f.ok() || !unpack_call(st, args, "learn")) return nullptr;
   const at::Tensor* ts[kMaxParams];
   uint64_t hash;
   int built;
   try {
-    built = build_key(st, &PyTuple_GET_ITEM(a[0], 0), a[1], ts, &hash);
+    built = build_key(st, &PyTuple_GET_ITEM(args, 0), out, ts, &hash);
   } catch (const c10::Error&) {
     built = 0;
   }
@@ -307,28 +306,15 @@ PyObject* core_learn(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
   e->words.assign(st->words.begin(), st->words.begin() + static_cast<std::ptrdiff_t>(st->nwords));
   e->objs = st->objs;
   for (PyObject* o : e->objs) Py_INCREF(o);
-  e->python_only = PyObject_IsTrue(a[9]) == 1;
-  e->fn = Py_NewRef(a[2]);
-  e->vid = Py_NewRef(a[3]);
-  e->subs.assign(st->n, nullptr);
-  if (!PyTuple_Check(a[4])) {
-    PyErr_SetString(PyExc_TypeError, "learn: subs must be a tuple of (index, value) pairs");
+  e->python_only = PyObject_IsTrue(python_only) == 1;
+  e->fn = Py_NewRef(fn);
+  e->vid = Py_NewRef(vid);
+  if (!parse_subs(st->n, subs, st->keep, e->subs, "learn") || !parse_checks(st->n, st->kind, checks, e->checks, "learn") ||
+      !parse_guards(st->n, st->kind, guards, e->guards))
     return nullptr;
-  }
-  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(a[4]); ++k) {
-    PyObject* pair = PyTuple_GET_ITEM(a[4], k);
-    bool ok = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2;
-    int i = ok ? static_cast<int>(as_int64(PyTuple_GET_ITEM(pair, 0), &ok)) : -1;
-    if (!ok || i < 0 || i >= st->n) {
-      PyErr_SetString(PyExc_ValueError, "learn: subs must be (parameter index, value) pairs");
-      return nullptr;
-    }
-    Py_XSETREF(e->subs[i], Py_NewRef(PyTuple_GET_ITEM(pair, 1)));
-  }
-  if (!parse_checks(st->n, st->kind, a[5], e->checks, "learn") || !parse_guards(st->n, st->kind, a[8], e->guards)) return nullptr;
-  if (a[6] != Py_None) e->gate = Py_NewRef(a[6]);
-  if (a[7] != Py_None) e->py_checks = Py_NewRef(a[7]);
-  if (a[10] != Py_None) e->rule = Py_NewRef(a[10]);
+  if (gate != Py_None) e->gate = Py_NewRef(gate);
+  if (py_checks != Py_None) e->py_checks = Py_NewRef(py_checks);
+  if (rule != Py_None) e->rule = Py_NewRef(rule);
   if (st->size >= kMapLimit) clear_map(st);
   auto& bucket = st->map[hash];
   for (Entry*& old : bucket) {
@@ -421,18 +407,23 @@ Py_ssize_t core_len(PyObject* self) {
   return static_cast<Py_ssize_t>(reinterpret_cast<CallCore*>(self)->st->size);
 }
 
-// CallCore(kinds, mutated, npos, kwnames, pins_var, counters, fail, miss, graph=None)
+// CallCore(spec): spec a callcore.CoreSpec, read by field name:
 //   kinds: per parameter 0 (not a tensor), 1 (a tensor), 2 (a tensor or None)
 //   mutated: per parameter, whether the op writes it (its strides are part of the key)
 //   graph: passed as `out`, a compiled graph's call: no `out`, each output aliasing an argument cloned
 PyObject* core_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  PyObject *kinds, *mutated, *kwnames, *pins_var, *counters, *fail, *miss, *graph = Py_None;
-  int npos;
-  static const char* names[] = {"kinds", "mutated", "npos", "kwnames", "pins_var", "counters", "fail", "miss",
-                                "graph", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!iO!OO!OO|O", const_cast<char**>(names), &PyTuple_Type, &kinds,
-                                   &PyTuple_Type, &mutated, &npos, &PyTuple_Type, &kwnames, &pins_var, &PyDict_Type,
-                                   &counters, &fail, &miss, &graph)) {
+  PyObject* spec;
+  static const char* names[] = {"spec", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", const_cast<char**>(names), &spec)) return nullptr;
+  Fields f(spec);
+  PyObject *kinds = f("kinds"), *mutated = f("mutated"), *npos_o = f("npos"), *kwnames = f("kwnames"),
+           *pins_var = f("pins"), *counters = f("counters"), *fail = f("fail"), *miss = f("miss"), *graph = f("graph"),
+           *keep = f("keep");
+  if (!f.ok()) return nullptr;
+  const long npos = PyLong_AsLong(npos_o);
+  if (npos == -1 && PyErr_Occurred()) return nullptr;
+  if (!PyTuple_Check(kinds) || !PyTuple_Check(mutated) || !PyTuple_Check(kwnames) || !PyDict_Check(counters)) {
+    PyErr_SetString(PyExc_TypeError, "CallCore: kinds, mutated and kwnames are tuples, counters a dict");
     return nullptr;
   }
   Py_ssize_t n = PyTuple_GET_SIZE(kinds);
@@ -454,8 +445,9 @@ PyObject* core_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     if (m < 0) return nullptr;
     st->mutated.push_back(static_cast<uint8_t>(m && k != kValue));
   }
-  st->npos = npos;
+  st->npos = static_cast<int>(npos);
   st->kwnames = Py_NewRef(kwnames);
+  st->keep = Py_NewRef(keep);
   st->pins_var = Py_NewRef(pins_var);
   st->counters = Py_NewRef(counters);
   st->fail = Py_NewRef(fail);
@@ -477,6 +469,7 @@ void core_dealloc(PyObject* self) {
     Py_XDECREF(st->counters);
     Py_XDECREF(st->fail);
     Py_XDECREF(st->miss);
+    Py_XDECREF(st->keep);
     Py_XDECREF(st->graph);
     Py_XDECREF(st->last_pins);
     delete st;
@@ -507,8 +500,7 @@ int core_clear_refs(PyObject* self) {
   return 0;
 }
 PyMethodDef core_methods[] = {
-    {"learn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_learn)), METH_FASTCALL,
-     "learn(args, out, fn, vid, subs, checks, gate, py_checks, guard, python_only, rule) -> bool"},
+    {"learn", core_learn, METH_O, "learn(learned) -> bool: a callcore.Learned remembered for its call's key"},
     {"key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_key)), METH_FASTCALL,
      "key(args, out) -> (words, objects) or None"},
     {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_lookup)), METH_FASTCALL,
