@@ -137,7 +137,7 @@ def test_an_entry_called_without_the_op_s_arguments_raises_the_same_on_both_path
     raised = {}
     for on in (True, False):
         path(on)
-        entry = _callcore.slot_of(FN_SPEC).entry
+        entry = _callcore.entry_of(FN_SPEC).call
         kv.causal_conv1d_fn(**_fn_call())  # the core found and serving
         with pytest.raises((TypeError, IndexError)) as err:
             entry(*([None] * n))

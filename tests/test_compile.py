@@ -94,7 +94,7 @@ def test_eager_calls_never_go_through_the_custom_op(monkeypatch):
 
     for spec in (FN_SPEC, UPDATE_SPEC):
         _custom_ops().register(spec)  # as after a first compile: the traced function is there
-        monkeypatch.setattr(_callcore.slot_of(spec), "traced", refuse)
+        monkeypatch.setattr(_callcore.entry_of(spec), "traced", refuse)
     case = make_case("causal_conv1d_fn", batch=2, dim=8, seqlen=4)
     step(*_inputs(case.fresh()))
 
@@ -111,19 +111,19 @@ def test_export_records_the_custom_op(strict):
     args = (torch.randn(2, 8, generator=g), torch.randn(4, 3, 8, generator=g), torch.randn(8, 4, generator=g),
             torch.tensor([1, 3], dtype=torch.int32))
     _custom_ops().register(UPDATE_SPEC)
-    slot = _callcore.slot_of(UPDATE_SPEC)
-    real, ran = slot.traced, []
+    entry = _callcore.entry_of(UPDATE_SPEC)
+    real, ran = entry.traced, []
 
     def counting(*call_args):
         ran.append(True)
         return real(*call_args)
 
-    slot.traced = counting
+    entry.traced = counting
     try:
         with torch.no_grad():
             ep = torch.export.export(Model(), args, strict=strict)
     finally:
-        slot.traced = real
+        entry.traced = real
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert "kernel_variants.causal_conv1d_update.default" in targets, targets
     # Non-strict runs the entry for real: handed back by the call core, it takes the compile branch.

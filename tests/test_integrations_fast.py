@@ -150,7 +150,7 @@ def _fast_served(monkeypatch, adapter, make) -> bool:
 
 
 def test_the_layout_aliases_share_storage_and_version_with_the_engines_tensor():
-    from kernel_variants._runtime.core_functions import FUNCTIONS
+    from kernel_variants._runtime.callcore import FUNCTIONS
 
     pool = torch.zeros(N_SLOTS, D, W - 1)
     view = FUNCTIONS.channel_last(pool)

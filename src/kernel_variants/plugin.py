@@ -51,7 +51,7 @@ from kernel_variants._registry.keys import CallKey, Features
 from kernel_variants._registry.models import Capabilities, Variant
 from kernel_variants._registry.registry import DuplicateVariantError, RegisteredVariant
 from kernel_variants._registry.spec import OpSpec
-from kernel_variants._runtime.ops import make_op
+from kernel_variants._runtime.entry import make_op
 from kernel_variants._runtime.values import Bounded, Offsets, SlotIds
 from kernel_variants.ops.causal_conv1d import ConvCapabilities, ConvFeatures, bad_value_counter
 

@@ -130,7 +130,7 @@ def _cpu_standins(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
 
 
 def _entries_only(monkeypatch) -> None:
-    """The fast steps call the ops' cores from C, below their entries: with no core in their
-    slots they call the entries (which find the cores), so that a spy there sees each call."""
-    for slot in ("_FN_SLOT", "_UPDATE_SLOT"):
-        monkeypatch.setattr(_fast, slot, types.SimpleNamespace(core=None))
+    """The fast steps call the ops' cores from C, below their entries: handed no core they call
+    the entries (which call the cores), so that a spy there sees each call."""
+    for name in ("_FN_ENTRY", "_UPDATE_ENTRY"):
+        monkeypatch.setattr(_fast, name, types.SimpleNamespace(core=None))

@@ -136,7 +136,7 @@ def serves(core: Any, t: Any, host_checks: bool) -> bool:
     if host_checks:
         return False
     found = _SERVED.get(type(core))
-    if found is None:  # the slot's resolver: another thread re-armed it meanwhile
+    if found is None:  # not a core of a module loaded here
         return False
     module, served = found
     kind = t.device.type
@@ -183,17 +183,11 @@ def _make(spec: OpSpec, module: ModuleType) -> Any:
 
 
 def core_for(spec: OpSpec) -> Any:
-    """The core that serves ``spec``'s calls now, or None (the Python path); announces once
-    per process that the core is not there."""
-    global _announced
+    """The core that serves ``spec``'s calls now, or None (the Python path)."""
     if _off(os.environ.get(ENV, "")):
         return None
-    module, why = _library()
+    module, _ = _library()
     if module is None:
-        if not _announced:
-            _announced = True
-            print(f"kernel_variants: ops take the Python call path (the compiled call core: {why}; "
-                  f"{ENV}=0 silences this)", file=sys.stderr, flush=True)
         return None
     if len(spec.params) > MAX_PARAMS:
         return None
@@ -203,6 +197,19 @@ def core_for(spec: OpSpec) -> Any:
         if core is None:
             core = _cores[key] = _make(spec, module)
     return core
+
+
+def python_path_notice() -> None:
+    """Say once per process, on stderr, why the ops take the Python call path: a call found no
+    core (called by that call, so a process that never calls an op says nothing)."""
+    global _announced
+    if _announced or _off(os.environ.get(ENV, "")):
+        return
+    _announced = True
+    module, why = _library()
+    if module is None:
+        print(f"kernel_variants: ops take the Python call path (the compiled call core: {why}; "
+              f"{ENV}=0 silences this)", file=sys.stderr, flush=True)
 
 
 def core_module() -> ModuleType | None:
@@ -217,18 +224,18 @@ def graph_module() -> ModuleType | None:
     return found if found is not None and hasattr(found, "graph_kernel") else None
 
 
-def graph_kernel(module: ModuleType | None, name: str, slot: Slot, kernel: Callable[..., Any],
+def graph_kernel(module: ModuleType | None, name: str, entry: Entry, kernel: Callable[..., Any],
                  miss: Callable[..., Any], bad: Callable[[Any], BaseException], n_out: int) -> bool:
     """Register ``module``'s C++ kernel (:func:`graph_module`) for the op ``kernel_variants::<name>``
-    (``op.overload``): a compiled graph's call reaches ``slot``'s core from the dispatcher with
-    no Python frame. ``kernel``: the Python kernel, which serves while the slot holds no core;
+    (``op.overload``): a compiled graph's call reaches ``entry``'s core from the dispatcher with
+    no Python frame. ``kernel``: the Python kernel, which serves while the entry holds no core;
     ``miss``: its path for a call the core hands back; ``bad(result)``: the exception raised
     for a result that is not the op's ``n_out`` tensors. False (nothing registered) without a
     module, or for an op the core does not serve (over 32 parameters): the caller registers
     ``kernel`` itself."""
-    if module is None or len(slot.spec.params) > MAX_PARAMS:
+    if module is None or len(entry.spec.params) > MAX_PARAMS:
         return False
-    module.graph_kernel(name, slot, kernel, miss, bad, len(slot.spec.params), n_out)
+    module.graph_kernel(name, entry, kernel, miss, bad, len(entry.spec.params), n_out)
     return True
 
 
@@ -267,60 +274,86 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
         gate, py_checks, rule, _counters, fn, vid, spec.params[npos:], fail, python))
 
 
-class Slot:
-    """Where an op's entry finds its call core: ``core`` is a resolver until the op's first call
-    (which finds the core, or None for the Python path, and keeps it here), then that.
-    ``traced``: what a call traced by torch.compile invokes, set when the op's custom op is
-    registered (``custom_ops.register``); ``entry``: the op's entry (``ops.make_op``), which
-    Dynamo is then told to replace with ``traced``, and its path past a core's miss
-    (``after_miss``); ``c_entry``: the entry in C, ``stand_in`` what Dynamo traces in its place,
-    ``found``: called with the slot once its core is found (``ops.make_op`` sets all four)."""
+class Entry:
+    """An op's entry, as the runtime holds it: ``call``, the function the op's public function
+    calls (``entry.make_op``); ``core``, the CallCore it serves its calls through, or None (the
+    Python path): bound by :func:`rearm`, which each new dispatcher runs, and by :func:`arm` for
+    an op made after it; never by a call. ``traced``: what a call traced by torch.compile
+    invokes, set when the op's custom op is registered (``custom_ops.register``)."""
 
-    __slots__ = ("after_miss", "c_entry", "core", "entry", "found", "spec", "stand_in", "traced")
+    __slots__ = ("call", "core", "spec", "traced")
 
     def __init__(self, spec: OpSpec) -> None:
         self.spec = spec
-        self.core: Any = self._resolve
+        self.core: Any = None
         self.traced: Callable[..., Any] | None = None
-        self.entry: Callable[..., Any] | None = None
-        self.after_miss: Callable[..., Any] | None = None
-        self.stand_in: Callable[..., Any] | None = None
-        self.c_entry: Callable[..., Any] | None = None
-        self.found: Callable[[Slot], None] | None = None
-
-    def _resolve(self, *args: Any) -> Any:
-        core = self.core = core_for(self.spec)
-        if core is None:
-            return MISS
-        if self.found is not None:
-            self.found(self)
-        return core(*args)
+        self.call: Callable[..., Any] | None = None
 
 
-_slots: list[Slot] = []
-ON_REARM: list[Callable[[], None]] = []  # called by each rearm (core_functions: find them again)
+_entries: list[Entry] = []
+_armed = False  # whether a dispatcher has bound the entries (the first one is made by a first call)
 
 
-def arm(spec: OpSpec) -> Slot:
-    """The slot through which ``spec``'s entry finds its core, from its next call on."""
-    slot = Slot(spec)
-    _slots.append(slot)
-    return slot
+def arm(spec: OpSpec) -> Entry:
+    """The entry of a new op ``spec``, bound to its core now if the entries are bound already."""
+    entry = Entry(spec)
+    _entries.append(entry)
+    if _armed:
+        entry.core = core_for(spec)
+    return entry
 
 
-def slot_of(spec: OpSpec) -> Slot:
-    """The slot :func:`arm` made for ``spec`` (this op object, not another of its name)."""
-    return next(slot for slot in reversed(_slots) if slot.spec is spec)
+def entry_of(spec: OpSpec) -> Entry:
+    """The entry :func:`arm` made for ``spec`` (this op object, not another of its name)."""
+    return next(entry for entry in reversed(_entries) if entry.spec is spec)
 
 
 def rearm() -> None:
-    """A new dispatcher: every core forgets its entries, and each op finds its path again on
-    its next call (``KV_CALL_CORE`` is read then)."""
+    """A new dispatcher: every core forgets its entries, ``KV_CALL_CORE`` is read again, and
+    each op's entry and :data:`FUNCTIONS` are bound to what serves from now on."""
+    global _armed
     clear_all()
-    for slot in _slots:
-        slot.core = slot._resolve
-    for hook in ON_REARM:
-        hook()
+    _armed = True
+    for entry in _entries:
+        entry.core = core_for(entry.spec)
+    FUNCTIONS.bind(core_module())
+
+
+def _unaliased_py(res: Any, *args: Any) -> Any:
+    ptrs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+
+    def fresh(o: Any) -> Any:  # not a tensor: handed back, for torch to say what the schema expected
+        return o.clone() if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in ptrs else o
+
+    return tuple(fresh(o) for o in res) if isinstance(res, (tuple, list)) else fresh(res)
+
+
+class Functions:
+    """The core module's functions: ``FUNCTIONS.<name>`` is the core's function where the core
+    is on and built, else the Python its user provided (:meth:`provide`; the same results), as
+    bound by :func:`rearm`.
+
+    ``unaliased(result, *args)`` is the runtime's own: ``result`` (a tensor, or a tuple or list
+    of them: a tuple), each output that shares storage with a tensor argument replaced by a clone
+    (a ``torch.library`` op's output may not alias an input). The engine adapters provide theirs
+    (``integrations._fast``)."""
+
+    def __init__(self) -> None:
+        self._python: dict[str, Callable[..., Any]] = {}
+        self._module: ModuleType | None = None
+
+    def provide(self, name: str, python: Callable[..., Any]) -> None:
+        self._python[name] = python
+        setattr(self, name, getattr(self._module, name, None) or python)
+
+    def bind(self, module: ModuleType | None) -> None:
+        self._module = module
+        for name, python in self._python.items():
+            setattr(self, name, getattr(module, name, None) or python)
+
+
+FUNCTIONS = Functions()
+FUNCTIONS.provide("unaliased", _unaliased_py)
 
 
 def generation() -> int:
@@ -343,8 +376,6 @@ def learn(core: Any, spec: OpSpec, args: tuple[Any, ...], out: Any, hit: Hit, si
     reload or invalidation). A hit the core cannot run (an ``out=`` runner, a write guard or value
     check it cannot read) is kept as the Python path's, so the core hands such calls over without
     asking again. A device rule the core calls as the Python path does (``rule(args)``)."""
-    if not hasattr(core, "learn"):  # the slot's resolver: another thread re-armed it meanwhile
-        return
     vid, fn, invoke, subs, guard, checks, rule = hit.vid, hit.fn, hit.invoke, hit.subs, hit.guard, hit.checks, hit.rule
     python_only = invoke is not spec.invoke or out is not None
     data, gate, py_checks = _check_data(checks) if checks is not None and not python_only else (None, None, None)

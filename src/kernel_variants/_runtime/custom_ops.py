@@ -30,7 +30,7 @@ output checks) cost ~35 us per call where this kernel adds ~3 us over an eager c
 
 The public functions route here only while Dynamo traces them, or in a real run under
 ``torch.export`` or a compile session that the call core hands back; the graph calls the op,
-eager calls never do. ``OPS[name]`` (also the op's ``Slot.traced``, where its entry reads it)
+eager calls never do. ``OPS[name]`` (also the op's ``Entry.traced``, where its entry reads it)
 is what a traced call invokes: a small function that Dynamo inlines (what it tests is decided
 while tracing, under Dynamo's guards, never per call). It calls the op, except that a call that needs a gradient graph-breaks and runs eagerly, as the
 op has no autograd formula (``fullgraph=True`` refuses it, saying why), and a call passing None
@@ -64,7 +64,6 @@ from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime import callcore
 from kernel_variants._runtime.bind import _params_source, grad_source
 from kernel_variants._runtime.call import MADE, ON_MADE, call
-from kernel_variants._runtime.core_functions import FUNCTIONS
 from kernel_variants._runtime.errors import result_error
 
 NAMESPACE = "kernel_variants"
@@ -87,10 +86,10 @@ def register(spec: OpSpec) -> Callable[..., Any]:
     op = OPS.get(spec.name)
     if op is None:
         op = OPS[spec.name] = _register(spec)
-    slot = callcore.slot_of(spec)
-    if slot.traced is None:
-        slot.traced = op
-        _substitute(slot.entry, op)
+    entry = callcore.entry_of(spec)
+    if entry.traced is None:
+        entry.traced = op
+        _substitute(entry.call, op)
         _substitute(spec.signature, _PUBLIC[spec.name])
     return op
 
@@ -201,9 +200,9 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
     n_out = len(spec.outputs)
     # Generated from the spec's parameter names (the same source make_op generates from).
     bad = functools.partial(result_error, spec.name, n_out)
-    namespace: dict[str, Any] = {"_slot": callcore.slot_of(spec), "_miss": callcore.MISS, "_call": call,
+    namespace: dict[str, Any] = {"_entry": callcore.entry_of(spec), "_miss": callcore.MISS, "_call": call,
                                  "_graph": callcore.GRAPH, "_bad": bad, "_outputs": _outputs, "_Tensor": torch.Tensor,
-                                 "_spec": spec, "_c": FUNCTIONS, "_torch": torch, "_eager": _eager(spec),
+                                 "_spec": spec, "_c": callcore.FUNCTIONS, "_torch": torch, "_eager": _eager(spec),
                                  "_grad_enabled": torch.is_grad_enabled}
     tensors = ", ".join(spec.params[i] for i in spec.tensor_indices)
     if n_out == 1:
@@ -229,7 +228,7 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
     # input: the core clones such an output itself when called with ``_graph`` for ``out`` (one
     # call where there were two: after a large kernel each call's code and data are cache misses).
     src = (f"def kernel({names}):\n"
-           f"    core = _slot.core\n"
+           f"    core = _entry.core\n"
            f"    res = _miss if core is None else core({names}, _graph)\n"
            f"    if res is _miss:\n"
            f"        res = kernel_miss({names})\n"
@@ -237,7 +236,7 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
            f"        raise _bad(res)\n"
            f"    return res\n"
            f"def kernel_miss({names}):\n"
-           f"    return _c.unaliased(_call(_spec, ({names},), None, _slot.core), {tensors})\n"
+           f"    return _c.unaliased(_call(_spec, ({names},), None, _entry.core), {tensors})\n"
            f"def kernel_out({names}, {outs}):\n"
            f"    _call(_spec, ({names},), {out_arg})\n"
            f"def fake({names}):\n"
@@ -273,13 +272,13 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
     _PUBLIC[spec.name] = namespace["public"]
     for fn in (kernel, kernel_miss, fake, traced, kernel_out, fake_out, namespace["public"]):
         fn.__qualname__ = fn.__name__ = f"{spec.name}_{fn.__name__}"
-    slot = callcore.slot_of(spec)
+    entry = callcore.entry_of(spec)
     for _, overload in overloads:
         for name, k, f in ((spec.name, kernel, fake), (into, kernel_out, fake_out)):
             qualified = _qualified(name, overload)
             # The ops that return their outputs take the core's C++ kernel where it is built
             # (no Python frame between the graph and the core); the Python one otherwise.
-            if k is not kernel or not callcore.graph_kernel(_CORE, qualified, slot, kernel, kernel_miss, bad, n_out):
+            if k is not kernel or not callcore.graph_kernel(_CORE, qualified, entry, kernel, kernel_miss, bad, n_out):
                 LIB.impl(qualified, k, "CompositeExplicitAutograd")
             torch.library.register_fake(f"{NAMESPACE}::{qualified}", f, lib=LIB)
     return traced

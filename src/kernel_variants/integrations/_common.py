@@ -6,6 +6,7 @@ ops in the engines' layouts (views only; the vocabulary is in :mod:`._layout`), 
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import itertools
 import sys
 from collections.abc import Callable
@@ -16,7 +17,6 @@ import torch
 
 import kernel_variants
 from kernel_variants._capture import capturing
-from kernel_variants._runtime.imports import spec_then
 from kernel_variants.integrations._layout import first_rows, head_rows, same_dtype, skip_empty
 
 #: Attribute set on every adapter, so a second ``patch()`` can tell its own functions apart.
@@ -201,6 +201,40 @@ def decode_varlen(
     return out
 
 
+class _AfterExec(importlib.abc.Loader):
+    """A module's own loader, followed by ``then(module)`` once the module has run."""
+
+    def __init__(self, inner: Any, then: Callable[[ModuleType], None]) -> None:
+        self._inner = inner
+        self._then = then
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        self._then(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader...: the real loader's
+        return getattr(self._inner, name)
+
+
+def _spec_then(finder: object, then: Callable[[ModuleType], None], name: str, path: Any = None,
+              target: Any = None) -> Any:
+    """For a meta path finder's ``find_spec``: the spec ``sys.meta_path``'s other finders give
+    ``name``, its loader followed by ``then(module)``; None where they find none."""
+    for other in sys.meta_path:
+        find = getattr(other, "find_spec", None)
+        if other is finder or find is None:
+            continue
+        spec = find(name, path, target)
+        if spec is not None:
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _AfterExec(spec.loader, then)
+            return spec
+    return None
+
+
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
@@ -219,7 +253,7 @@ class _ImportHook(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if not _within(name, self._reach) or _within(name, self._skip):
             return None
-        return spec_then(self, self._then, name, path, target)
+        return _spec_then(self, self._then, name, path, target)
 
     def install(self) -> None:
         sys.meta_path.insert(0, self)

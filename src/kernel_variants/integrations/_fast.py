@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from kernel_variants._runtime.callcore import slot_of
-from kernel_variants._runtime.core_functions import FUNCTIONS as _C
+from kernel_variants._runtime.callcore import FUNCTIONS as _C
+from kernel_variants._runtime.callcore import entry_of
 from kernel_variants.integrations._layout import as_activation
 from kernel_variants.ops.causal_conv1d import FN_SPEC, UPDATE_SPEC
 
@@ -31,11 +31,10 @@ from kernel_variants.ops.causal_conv1d import FN_SPEC, UPDATE_SPEC
 # general path without reading them.
 _compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 _any_trace = torch.compiler.is_compiling
-# Where the ops' entries find their call cores: read per call, the core itself is called from C
-# (the entry frame and its compile check skipped: a step has asked already). Where it misses, the
-# Python entry serves (the ops' public functions may call their C entries by now).
-_FN_SLOT, _UPDATE_SLOT = slot_of(FN_SPEC), slot_of(UPDATE_SPEC)
-_FN, _UPDATE = _FN_SLOT.entry, _UPDATE_SLOT.entry
+# The ops' entries: the core bound to each is read per call and called from C (the entry frame
+# and its compile check skipped: a step has asked already); where it misses, the entry serves.
+_FN_ENTRY, _UPDATE_ENTRY = entry_of(FN_SPEC), entry_of(UPDATE_SPEC)
+_FN, _UPDATE = _FN_ENTRY.call, _UPDATE_ENTRY.call
 
 
 # The Python of the core's layout functions (call_core.cpp), for where the core is off or not
@@ -140,7 +139,7 @@ def decode_step(
             and x.ndim >= 1 and query_start_loc.ndim == 1 and x.shape[0] == query_start_loc.shape[0] - 1):
         return None
     act = activation if activation == "silu" else as_activation(activation)
-    return _C.decode_step(_UPDATE_SLOT.core, _UPDATE, x, pool, weight, bias, act, indices, sentinel, table)
+    return _C.decode_step(_UPDATE_ENTRY.core, _UPDATE, x, pool, weight, bias, act, indices, sentinel, table)
 
 
 def prefill_step(
@@ -159,5 +158,5 @@ def prefill_step(
     if _compiling():
         return None
     act = activation if activation == "silu" else as_activation(activation)
-    return _C.prefill_step(_FN_SLOT.core, _FN, x, weight, bias, pool, query_start_loc, indices, has_initial_state,
+    return _C.prefill_step(_FN_ENTRY.core, _FN, x, weight, bias, pool, query_start_loc, indices, has_initial_state,
                            act, sentinel, table, lengths)

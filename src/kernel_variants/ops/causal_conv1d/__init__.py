@@ -19,7 +19,7 @@ from kernel_variants._registry.hookspecs import hookimpl
 from kernel_variants._registry.keys import CallKey, Features
 from kernel_variants._registry.models import Capabilities, Range, Variant, format_range, in_range
 from kernel_variants._registry.spec import OpSpec
-from kernel_variants._runtime.ops import make_op
+from kernel_variants._runtime.entry import make_op
 from kernel_variants.ops.causal_conv1d import _cases, _checks, _reference, _sweeps
 
 FN, UPDATE = "causal_conv1d_fn", "causal_conv1d_update"

@@ -14,7 +14,7 @@ import torch
 from kernel_variants._registry.hookspecs import hookimpl
 from kernel_variants._registry.models import Capabilities, Variant
 from kernel_variants._registry.spec import OpSpec
-from kernel_variants._runtime.ops import make_op
+from kernel_variants._runtime.entry import make_op
 from kernel_variants.ops.gemma_rms_norm import _spec
 from kernel_variants.ops.gemma_rms_norm._spec import ADD, FN, RmsFeatures
 
