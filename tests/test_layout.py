@@ -6,14 +6,16 @@ The import graph is what running the code imports, not only the ``import`` state
 
 - importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first: an edge to each package
   above what is imported, except the importer's own packages (they ran before it);
-- the top package ``kernel_variants/__init__`` imports only ``_version`` when it runs; its other
-  names are made on first use (``__getattr__`` over ``_LAZY``, and its functions' own imports):
+- the top package ``kernel_variants/__init__`` imports only ``_version`` when it runs, and hands
+  the built-in plugins it declares (``_builtins``) to the registry (``_registry.declared``); its
+  other names are made on first use (``__getattr__`` over ``_LAZY``, and its functions' own imports):
   a module that uses such a name (``from kernel_variants import force``, ``kv.force``) has an
   edge to the module the name comes from, read from the ``__init__``'s source;
-- modules loaded by a name in a string (the built-in plugins the plugin manager imports, the
-  CLI's commands, the Triton device rule loaded from its file) are edges of the module that loads
-  them (``STRING_IMPORTS``); every other run-time import names something outside the package
-  (``LOADS_OUTSIDE``), which ``test_every_run_time_import_is_declared`` holds to.
+- modules loaded by a name in a string (the CLI's commands, the Triton device rule loaded from
+  its file) are edges of the module that names them (``STRING_IMPORTS``): where they are loaded,
+  or, for a loader that loads what it is given (``LOADS_GIVEN``: the plugin manager, the built-in
+  plugins), where the names are declared; every other run-time import names something outside
+  the package (``LOADS_OUTSIDE``), which ``test_every_run_time_import_is_declared`` holds to.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ PUBLIC = ("kernel_variants", "kernel_variants.plugin", "kernel_variants.types", 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # Leaves: import nothing of the package.
     ("kernel_variants._version", "kernel_variants._dtypes", "kernel_variants._tolerances",
-     "kernel_variants._codegen", "kernel_variants._capture", "kernel_variants._builtins"),
+     "kernel_variants._codegen", "kernel_variants._capture"),
     ("kernel_variants._validate",),  # dtype names
     # The C++ extensions built and loaded, for the runtime's call core and the kernels alike.
     ("kernel_variants._native",),
@@ -60,9 +62,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernel_variants._api",),
     ("kernel_variants.types",),
     ("kernel_variants._cli",),
-    # The namespace: the top package (its names made on first use), ``python -m``, and the old
-    # packages that only raise, naming their replacements.
-    ("kernel_variants", "kernel_variants.__main__", "kernel_variants.dispatch", "kernel_variants.registry"),
+    # The namespace: the top package (its names made on first use), the built-in plugins it
+    # declares (handed to the registry when it runs), ``python -m``, and the old packages that
+    # only raise, naming their replacements.
+    ("kernel_variants", "kernel_variants._builtins", "kernel_variants.__main__", "kernel_variants.dispatch",
+     "kernel_variants.registry"),
 )
 
 # Run-time imports of modules outside the package (engines, torch_npu, built shared objects) or
@@ -76,6 +80,12 @@ LOADS_OUTSIDE = {
     "kernel_variants.integrations._shadow": "the engine function a shadow spec names",
     "kernel_variants.integrations._vllm_ir": "vLLM's IR ops",
     "kernel_variants.integrations.vllm": "vLLM's ops module",
+}
+# Loaders of the names they are given, each with the module that declares those names: the string
+# imports are that module's edges (the loader, below them, names none of them).
+LOADS_GIVEN = {
+    # make_plugin_manager: the built-ins kernel_variants/__init__ hands over (_registry.declared).
+    "kernel_variants._registry.registry": "kernel_variants._builtins",
 }
 _LOADERS = ("import_module", "spec_from_file_location", "__import__")
 
@@ -165,12 +175,12 @@ TOP_NAMES = _top_names()
 
 
 def _string_imports() -> dict[str, set[str]]:
-    """The modules each module imports by a name held in a string."""
+    """The modules each module names in a string that a loader imports."""
     plugins = _literal(MODULES["kernel_variants._builtins"], "BUILTIN_PLUGINS")
     commands = _literal(MODULES["kernel_variants._cli"], "COMMANDS")
     return {
-        # make_plugin_manager: importlib.import_module(module) for each built-in plugin, in order.
-        "kernel_variants._registry.registry": {module for _, module in plugins},
+        # The built-in plugins, declared here; make_plugin_manager imports each (LOADS_GIVEN).
+        "kernel_variants._builtins": {module for _, module in plugins},
         # the parser: importlib.import_module(f"{__name__}.{module}") for each command it loads.
         "kernel_variants._cli": {f"kernel_variants._cli.{module}" for module, _ in commands.values()},
         # triton_module: the Triton rule loaded from its file, as a module of its own per mode.
@@ -275,21 +285,24 @@ def test_the_layout_is_read():
     assert "kernel_variants.kernels" not in aten, "its own package ran before it"
     assert TOP_NAMES["force"] == {"kernel_variants._runtime.dispatcher"}
     assert "kernel_variants._runtime.dispatcher" in TOP_NAMES["reload"]
-    assert "kernel_variants.kernels.cpu_native" in GRAPH["kernel_variants._registry.registry"]
+    assert "kernel_variants.kernels.cpu_native" in GRAPH["kernel_variants._builtins"]
+    assert {"kernel_variants._builtins", "kernel_variants._registry.declared"} <= GRAPH[TOP]
     assert "kernel_variants._cli.calibrate" in GRAPH["kernel_variants._cli"]
 
 
 def test_every_run_time_import_is_declared():
     """A module that imports by a name in a string (``importlib.import_module``, a spec from a
-    file) is one whose string imports are declared (``STRING_IMPORTS``) or one that loads only
-    what lies outside the package (``LOADS_OUTSIDE``)."""
+    file) is one whose string imports are declared (``STRING_IMPORTS``), one that loads what it
+    is given (``LOADS_GIVEN``, the names' module declaring them) or one that loads only what lies
+    outside the package (``LOADS_OUTSIDE``)."""
     loaders = set()
     for m, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and ast.unparse(node.func).rpartition(".")[2] in _LOADERS:
                 loaders.add(m)
-    assert sorted(loaders - set(STRING_IMPORTS) - set(LOADS_OUTSIDE)) == []
-    assert set(STRING_IMPORTS) <= loaders, "a declared loader imports nothing by name"
+    assert sorted(loaders - set(STRING_IMPORTS) - set(LOADS_OUTSIDE) - set(LOADS_GIVEN)) == []
+    assert set(STRING_IMPORTS) <= loaders | set(LOADS_GIVEN.values()), "a declared loader imports nothing by name"
+    assert set(LOADS_GIVEN.values()) <= set(STRING_IMPORTS), "a declaring module's names are read"
     missing = {m: sorted(d - set(MODULES)) for m, d in STRING_IMPORTS.items() if d - set(MODULES)}
     assert missing == {}, "a string names no module of the package"
 
@@ -298,35 +311,17 @@ def test_every_module_has_a_layer():
     assert [m for m in MODULES if _layer(m) is None] == []
 
 
-# Violations known today, each pending a change that is under way or to be decided: each marks
-# its test xfail(strict=True), so the change that fixes it must take its line out.
-_PLUGIN_LOADING = ("pending: the built-in plugins (kernel_variants._builtins) are imported by name by "
-                   "_registry.registry.make_plugin_manager, the lowest private layer, and they import the plugin "
-                   "API, the runtime and the registry: their loading belongs above kernels")
-_VLLM_IR_API = ("pending: integrations._vllm_ir calls kv.op_specs() (kernel_variants._api), and _api.shadowing "
-                "imports integrations._shadow: the drop-in should ask the runtime (dispatcher().registry)")
-PENDING_MODULES = {
-    "kernel_variants._registry.registry": _PLUGIN_LOADING,
-    "kernel_variants.integrations._vllm_ir": _VLLM_IR_API,
-}
-PENDING_PACKAGES = {
-    "kernel_variants._registry": _PLUGIN_LOADING,
-    "kernel_variants.integrations": _VLLM_IR_API,
-}
-PENDING_CIRCLES = {
-    ("strings", "modules"): _PLUGIN_LOADING,
-    ("strings", "packages"): _PLUGIN_LOADING,
-    ("statements", "packages"): _VLLM_IR_API,
-}
+def test_the_built_in_plugins_are_handed_over_from_the_top():
+    """The registry loads the built-ins it is given: only the top package names their declaration
+    (``_builtins``), and what the registry holds when the package has run is that declaration."""
+    from kernel_variants._builtins import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS
+    from kernel_variants._registry.declared import declared
+
+    assert [m for m in MODULES if "kernel_variants._builtins" in NAMED[m]] == [TOP]
+    assert declared() == (BUILTIN_PLUGINS, frozenset(ESSENTIAL_PLUGINS))
 
 
-def _pending(values, pending: Mapping[object, str]) -> list:
-    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.xfail(strict=True, reason=pending[v]))
-            if v in pending else v for v in values]
-
-
-@pytest.mark.parametrize(("graph", "level"), _pending(
-    [(g, lv) for g in ("statements", "strings") for lv in ("modules", "packages")], PENDING_CIRCLES))
+@pytest.mark.parametrize(("graph", "level"), [(g, lv) for g in ("statements", "strings") for lv in ("modules", "packages")])
 def test_no_import_circle(graph, level):
     """No circle between modules, nor between packages (``_unit``), whether the string imports
     count (``strings``) or only the statements."""
@@ -334,13 +329,13 @@ def test_no_import_circle(graph, level):
     assert _cycles(edges if level == "modules" else _units(edges)) == []
 
 
-@pytest.mark.parametrize("module", _pending(sorted(MODULES), PENDING_MODULES))
+@pytest.mark.parametrize("module", sorted(MODULES))
 def test_a_module_imports_no_higher_layer(module):
     """LAYERS, lowest first: a module imports nothing of a higher tier (string imports included)."""
     assert _upward({module: GRAPH[module]}) == {}
 
 
-@pytest.mark.parametrize("package", _pending(sorted(UNITS), PENDING_PACKAGES))
+@pytest.mark.parametrize("package", sorted(UNITS))
 def test_a_package_imports_no_higher_layer(package):
     """The same per package: none of its modules imports a package of a higher tier."""
     assert _upward({package: UNITS[package]}) == {}

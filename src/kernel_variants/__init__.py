@@ -89,6 +89,20 @@ def _one_thread_after_fork() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_one_thread_after_fork)
 
+
+def _declare_builtins() -> None:
+    """Hand the built-in plugins (``_builtins``, declared here at the top) to the registry, which
+    loads the plugins it is given and names none above it (``_registry/declared.py``). This
+    module runs before any other of the package, on every import path; both modules import
+    nothing."""
+    from kernel_variants._builtins import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS
+    from kernel_variants._registry.declared import declare
+
+    declare(BUILTIN_PLUGINS, ESSENTIAL_PLUGINS)
+
+
+_declare_builtins()
+
 _LAZY = {
     "causal_conv1d_fn": "kernel_variants.ops.causal_conv1d",
     "causal_conv1d_update": "kernel_variants.ops.causal_conv1d",

@@ -3,6 +3,10 @@
 Built-ins register through the same hooks as third parties. The op plugins come first and are
 essential: ``KV_DISABLE_PLUGINS`` cannot block them, since each brings its op's reference, the
 oracle every other variant is checked against.
+
+Declared here, at the top of the package, beside the namespace that offers the ops: the registry
+stands below every plugin and names none; ``kernel_variants/__init__`` hands this list to it
+(``_registry/declared.py``) and ``make_plugin_manager`` imports each module by its name here.
 """
 
 from __future__ import annotations

@@ -78,12 +78,16 @@ def _coverage() -> frozenset[tuple[str, str, torch.dtype, str, bool]]:
     """Every kind of call (op, device, dtype, weight kind, variance_size) that a variant other
     than the reference, available here, covers. Shape limits are left to the dispatcher (a call
     outside them runs the reference inside the provider: correct, only slower)."""
+    from kernel_variants._runtime.dispatcher import dispatcher
     from kernel_variants.ops.rms_norm import NormFeatures
 
+    # The runtime's registry, as kv.op_specs() and kv.variants() read it (the callers' API stands
+    # above the integrations: _api.shadowing imports integrations._shadow).
+    registry = dispatcher().registry
     covered = set()
     for op in OPS:
-        spec = next(s for s in kv.op_specs() if s.name == op)
-        usable = [rv for rv in kv.variants(op) if rv.id != "reference" and rv.unavailable_reason() is None]
+        spec = next(s for s in registry.ops() if s.name == op)
+        usable = [rv for rv in registry.variants(op) if rv.id != "reference" and rv.unavailable_reason() is None]
         for rv in usable:
             caps = rv.variant.capabilities
             for device, dtype, kind, vs in itertools.product(caps.devices, _DTYPES.items(), ("x", "float32", "none"),
