@@ -182,7 +182,7 @@ def test_rows_of_a_replaced_variant_id_move_to_its_tactic_with_one_warning(refer
         warnings.simplefilter("error")
         other = CalibrationTable(table.directory)
         other.renames = d.registry.renames()
-        found = other.lookup(decision.key, quick.fingerprint_id, ["tac:quick", "reference"], versions)
+        found = other.figures(decision.key, quick.fingerprint_id, ["tac:quick", "reference"], versions).here
     assert found.winner == "tac:quick" and found.timings == {"tac:quick": 5.0, "reference": 50.0}
 
 

@@ -31,12 +31,12 @@ key = spec.key_of(x, w, torch.randn(96), conv_states=torch.zeros(4, 3, 96), acti
 fpid = fingerprint_id(fingerprint("cpu"))
 ids = [rv.id for rv in d.registry.variants(spec.name) if rv.why_not(key) is None]
 versions = d.versions()
-t0 = time.perf_counter(); d.table.lookup(key, fpid, ids, versions); first = time.perf_counter() - t0
+t0 = time.perf_counter(); d.table.figures(key, fpid, ids, versions); first = time.perf_counter() - t0
 lookups = []
 for b, dim, seq in ((3, 100, 41), (5, 700, 333), (1, 5000, 7), (9, 123, 4567)):
     k = key._replace(shape=(b, dim, seq))
-    t0 = time.perf_counter(); found = d.table.lookup(k, fpid, ids, versions); lookups.append(time.perf_counter() - t0)
-    assert found is not None and found[2] == "nearest", found
+    t0 = time.perf_counter(); found = d.table.figures(k, fpid, ids, versions); lookups.append(time.perf_counter() - t0)
+    assert found is not None and found.here is None and found.nearest is not None, found
 print(json.dumps({"first_ms": first * 1e3, "nearest_ms": min(lookups) * 1e3, "nearest_max_ms": max(lookups) * 1e3}))
 """
 

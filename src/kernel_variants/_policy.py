@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.registry import RegisteredVariant
-from kernel_variants._registry.spec import Shape
+from kernel_variants._registry.spec import OpSpec, Shape
 
 if TYPE_CHECKING:
     from kernel_variants._table.rows import Verdict
@@ -50,20 +50,28 @@ class Admission(NamedTuple):
 ADMITTED = Admission(None)
 
 
+def is_reference(rv: RegisteredVariant, spec: OpSpec) -> bool:
+    """Whether ``rv`` runs the op's reference (the oracle: never qualified, always admitted)."""
+    return rv.variant.fn is spec.reference.fn
+
+
 def admit(verdict: Verdict | None, *, policy: Policy, reference: bool, may_run: bool,
           shape: Shape = (), axes: tuple[str, ...] = ()) -> Admission:
     """The eligibility rule, for every route to a choice: a variant may be chosen for a class of
     calls on this device only when it passed that class's cases here. The reference always
-    may, and ``KV_QUALIFY=off`` admits anything that can run. Without a verdict it is
-    qualified first when ``may_run`` (not while a graph is captured or traced, nor for a
-    preview), else passed over. ``strict``: a passing variant is checked first at a shape
-    beyond every one it was checked at."""
-    if policy == "off" or reference:
+    may, and ``KV_QUALIFY=off`` admits anything that can run, except what a shadowed live call
+    found wrong (a wrong answer seen on real traffic is not a check the user chose to skip).
+    Without a verdict it is qualified first when ``may_run`` (not while a graph is captured or
+    traced, nor for a preview), else passed over. ``strict``: a passing variant is checked
+    first at a shape beyond every one it was checked at."""
+    if reference:
+        return ADMITTED
+    if verdict is not None and not verdict.passed and (policy != "off" or verdict.where == "shadow"):
+        return Admission(verdict.summary())
+    if policy == "off":
         return ADMITTED
     if verdict is None:
         return Admission(None, qualify=True) if may_run else Admission(NOT_YET)
-    if not verdict.passed:
-        return Admission(verdict.summary())
     if policy == "strict" and may_run and beyond(verdict, shape, axes):
         return Admission(None, check=True)
     return ADMITTED
@@ -78,9 +86,10 @@ def beyond(verdict: Verdict, shape: Shape, axes: tuple[str, ...]) -> str | None:
 
 
 class Found(NamedTuple):
-    """What the table has for a call: each candidate's µs (pruned ones with their first-round
-    figure), the recorded winner, "table" (this shape) or "nearest", the shape the figures are
-    from, the candidates rejected there, and those pruned there with their bound."""
+    """What the table has for a call at one shape: each candidate's µs (pruned ones with their
+    first-round figure), the recorded winner, "table" (the call's shape) or "nearest", the
+    shape the figures are from, the candidates rejected there, and those pruned there with
+    their bound."""
 
     timings: dict[str, float]
     winner: str | None
@@ -88,6 +97,14 @@ class Found(NamedTuple):
     at: Shape
     rejected: set[str]
     pruned: dict[str, float]
+
+
+class Figures(NamedTuple):
+    """What the table has for a call among some candidates: the figures at its own shape, and
+    at the nearest calibrated shape of its group where one of them was measured (either None)."""
+
+    here: Found | None
+    nearest: Found | None
 
 
 def combined_noise(*noises: float | None) -> float:
@@ -191,7 +208,9 @@ def select(
     calibrated one); ``winner`` is the table's recorded winner there, which keeps its place
     unless it cannot run this call; ``rejected`` failed verification there and are never
     chosen over a measured variant. Without timings, the highest priority wins. ``barred``
-    maps variants that may not be chosen (not qualified on this device) to why.
+    maps variants that may not be chosen (not qualified on this device, excluded) to why; a
+    forced variant is never barred for want of qualification, so the caller bars it only for
+    what stops it running (an exclusion, a failed build).
     """
     rows: list[TraceRow] = []
     ok: list[RegisteredVariant] = []
@@ -200,7 +219,7 @@ def select(
             rows.append(TraceRow(rv.id, False, f"not the forced variant {forced!r}"))
             continue
         why = rv.why_not(key)
-        if why is None and forced is None and barred:
+        if why is None and barred:
             why = barred.get(rv.id)
         if why is not None:
             rows.append(TraceRow(rv.id, False, why))
@@ -258,11 +277,13 @@ def select(
     return Decision(key, ranked[0], "priority", tuple(rows), note="no measurements for this key")
 
 
-def choose(entries: Sequence[RegisteredVariant], key: CallKey, found: Found | None,
+def choose(entries: Sequence[RegisteredVariant], key: CallKey, figures: Figures | None,
            barred: Mapping[str, str], agreed: str | None = None) -> Decision:
-    """The decision for ``key`` among ``entries`` from the table's figures (``found``; None:
-    priorities decide), with ``barred`` variants passed over. ``agreed``: the variant rank 0
+    """The decision for ``key`` among ``entries`` from the table's figures (None: priorities
+    decide), with ``barred`` variants passed over. The figures at the call's own shape decide
+    when there are any; else the nearest calibrated shape's. ``agreed``: the variant rank 0
     chose for this key under distributed tuning; every rank runs it when it may run here."""
+    found = None if figures is None else figures.here or figures.nearest
     if found is None:
         decision = select(entries, key, barred=barred)
     else:

@@ -52,22 +52,20 @@ def make_plugin_manager(
     extra_plugins: Sequence[tuple[str, object]] = (),
     strict: bool | None = None,
 ) -> pluggy.PluginManager:
-    """A fresh plugin manager: the declared built-ins (``declared``), ``extra_plugins``, entry points.
+    """A fresh plugin manager: built-ins, then ``extra_plugins``, then installed entry points.
 
     ``blocked`` defaults to ``KV_DISABLE_PLUGINS``; the built-in op plugins (which bring each
     op's reference) cannot be blocked. A plugin that cannot be imported or implements
     a hook that does not exist (a misspelled ``kv_register_variant``, say) is left out and listed
     in ``pm.broken`` with the reason; with ``strict`` (default: ``KV_STRICT_PLUGINS``) it raises.
     """
-    from kernel_variants._registry.declared import declared
-
-    plugins, essential = declared()  # handed over by kernel_variants/__init__: the registry names none
+    from kernel_variants._builtins import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS
 
     strict = strict_from_env() if strict is None else strict
     pm = _PluginManager()
     pm.add_hookspecs(HookSpecs)
     for name in blocked_from_env() if blocked is None else blocked:
-        if name not in essential:  # the built-in ops and their references are the oracle
+        if name not in ESSENTIAL_PLUGINS:  # the built-in ops and their references are the oracle
             pm.set_blocked(name)
 
     def add(name: str, load) -> None:
@@ -84,7 +82,7 @@ def make_plugin_manager(
             pm.broken[name] = _describe(exc)
 
     if builtins:
-        for name, mod in plugins:
+        for name, mod in BUILTIN_PLUGINS:
             add(name, lambda mod=mod: importlib.import_module(mod))
     for name, plugin in extra_plugins:
         add(name, lambda plugin=plugin: plugin)
@@ -251,6 +249,8 @@ class Registry:
         self._op_plugin: dict[str, str] = {}
         self._by_key: dict[tuple[str, str], RegisteredVariant] = {}
         self.broken: dict[str, str] = dict(getattr(pm, "broken", {}))
+        self._excluded: dict[tuple[str, str], str] = {}  # (op, variant id) -> why it is out of routing
+        self._exclusion_lock = threading.Lock()
         for impl in pm.hook.kv_register_ops.get_hookimpls():
             ops: dict[str, OpSpec] = {}
             if self._run(impl, OpSpec, lambda spec, ops=ops, p=impl.plugin_name: self._stage_op(spec, p, ops), strict):
@@ -369,6 +369,29 @@ class Registry:
             raise KeyError(
                 f"no variant {variant_id!r} registered for op {op!r} (registered: {known})"
             ) from None
+
+    def exclude(self, op: str, variant_id: str, reason: str) -> bool:
+        """Take a variant (and its tactics) out of routing, with ``reason``, until :meth:`include`:
+        no decision chooses it, forced or not, and says why. False when it is out already."""
+        self.get(op, variant_id)
+        with self._exclusion_lock:
+            if (op, variant_id) in self._excluded:
+                return False
+            self._excluded[(op, variant_id)] = reason
+            return True
+
+    def include(self, op: str, variant_id: str, reason: str | None = None) -> bool:
+        """Lift an :meth:`exclude`, only the one made with ``reason`` when given (something else
+        may have taken the variant out since); True when it was lifted."""
+        with self._exclusion_lock:
+            if reason is not None and self._excluded.get((op, variant_id), reason) != reason:
+                return False
+            return self._excluded.pop((op, variant_id), None) is not None
+
+    def excluded(self, op: str) -> dict[str, str]:
+        """The candidates of ``op`` out of routing (a tactic with its variant), with why."""
+        out = {rv.id: self._excluded.get((op, (rv.parent or rv).id)) for rv in self.variants(op)}
+        return {v: why for v, why in out.items() if why is not None}
 
     def plugins(self) -> list[str]:
         return [name for name, _ in self._pm.list_name_plugin()]

@@ -23,24 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from kernel_variants._capture import capturing
-from kernel_variants._policy import (
-    NOT_YET,
-    Decision,
-    Found,
-    NoVariantError,
-    beyond,
-    choose,
-    policy_from,
-    select,
-    with_note,
-)
+from kernel_variants._decide import Build, Facts, Look, Qualify, Tune, decide
+from kernel_variants._policy import Decision, Figures, NoVariantError, is_reference, policy_from
 from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.registry import RegisteredVariant, Registry, make_plugin_manager
 from kernel_variants._registry.spec import OpSpec
 from kernel_variants._runtime import callcore, shadow
 from kernel_variants._runtime.pins import _pins, check_tactics, parse_force
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
-from kernel_variants._table.rows import DEFAULT_MARGIN, DEFAULT_PRUNE, key_parts, key_text
+from kernel_variants._table.rows import DEFAULT_MARGIN, DEFAULT_PRUNE, Verdict, key_parts, key_text
 from kernel_variants._table.store import CalibrationWarning, Recorder
 from kernel_variants._table.table import CalibrationTable
 from kernel_variants._tuning.qualify import Qualifier
@@ -135,90 +126,78 @@ class Dispatcher:
         return dict(_pins.get()).get(op) or self._env_pins.get(op)
 
     def decide(self, key: CallKey, forced: str | None = None, *, tune: bool | None = None,
-               qualify: bool = True, exclude: Iterable[str] = ()) -> Decision:
-        """The decision for ``key``; ``tune`` (default: KV_TUNE) may measure an unseen key first.
+               qualify: bool = True, exclude: Iterable[str] = (), build: bool = False) -> Decision:
+        """The decision for ``key``, by ``_decide.decide``; ``tune`` (default: KV_TUNE) may measure
+        an unseen key first, ``build`` builds the choice (a call runs it).
 
-        Only a variant qualified on this device for the key's class may be chosen, by any route
-        (the table, the nearest shape, priority, tuning, rank 0's choice): one that has no
-        verdict yet is qualified when it would be chosen (``qualify``, except while a graph is
-        captured or traced: there it is passed over); ``qualify=False`` previews the choice, as
-        ``explain`` does. ``exclude``: ids another rank may not choose (rank 0 decides for all).
-        A forced variant runs as forced; the decision says if it is unqualified."""
+        Only a variant qualified on this device for the key's class may be chosen, by any route;
+        one without a verdict yet is qualified when it would be chosen (``qualify``; never while
+        a graph is captured or traced: there it is passed over). ``qualify=False`` previews the
+        choice, as ``explain`` does. ``exclude``: ids another rank may not choose (rank 0 decides
+        for all). A forced variant runs as forced; the decision says if it is unqualified."""
         tune = self.tune if tune is None else tune
         if (tune and self.tune_ranks and not capturing(key.device) and key_text(key) not in self.agreed
                 and self.registry.variants(key.op)):
             from kernel_variants._tuning.distributed import tune_together, tuning_world
 
             if tuning_world() > 1:
-                return tune_together(self, key, forced)  # a collective: every rank decides this key now
-        entries = self.registry.variants(key.op)
-        if forced is not None:
-            return self._forced(entries, key, forced)
-        agreed = self.agreed.get(key_text(key))
-        runnable = [rv.id for rv in entries if rv.why_not(key) is None]
-        if not runnable:
-            return select(entries, key)
-        may_run = qualify and not capturing(key.device)  # (capturing() says so under compile too)
-        barred = dict.fromkeys(exclude, "not qualified on every rank (rank 0 chose among the others)")
-        # Failed verdicts bar their variants before anything is looked up, so the trace says why;
-        # a variant with none yet is qualified below, only if it would be chosen.
-        barred.update(self.qualifier.failed([rv for rv in entries if rv.id in runnable], key))
-        tuned = provisional = False
+                return tune_together(self, key, forced, build=build)  # a collective: every rank decides now
+        facts = self.facts(key, forced, tune=tune, qualify=qualify, build=build,
+                           exclude=dict.fromkeys(exclude, "not qualified on every rank (rank 0 chose among the others)"))
+        return self.settle(facts, decide)
+
+    def facts(self, key: CallKey, forced: str | None = None, *, tune: bool = False, qualify: bool = True,
+              build: bool = False, exclude: Mapping[str, str] | None = None) -> Facts:
+        """What is known of ``key`` before deciding: the candidates, their verdicts, the pin,
+        the exclusions (the registry's and ``exclude``) and rank 0's choice."""
+        entries = tuple(self.registry.variants(key.op))
+        capture = capturing(key.device)  # (it says so under compile too)
+        return Facts(key, entries, self.qualifier.announced_policy(), self._verdicts(entries, key), forced=forced,
+                     may_run=qualify and not capture, preview=not qualify, build=build, tune=tune and not capture,
+                     agreed=self.agreed.get(key_text(key)),
+                     excluded={**self.registry.excluded(key.op), **(exclude or {})})
+
+    def _verdicts(self, entries: Iterable[RegisteredVariant], key: CallKey) -> dict[str, Verdict | None]:
+        return {rv.id: self.qualifier.stored(rv, key) for rv in entries if rv.why_not(key) is None}
+
+    def settle(self, facts: Facts, rule: Callable[[Facts], Any]) -> Any:
+        """Ask ``rule`` (``_decide.decide`` or ``admissions``) until it answers with something
+        other than a request, carrying out each request and adding what it learnt to the facts."""
+        key = facts.key
         while True:
-            allowed = [v for v in runnable if v not in barred]
-            found = self.found(key, allowed) if allowed else None
-            # (a key the ranks agreed on is never measured here: rank 0 did, or chose not to)
-            if (tune and not tuned and agreed is None and (found is None or found.source != "table")
-                    and not capturing(key.device)):
-                tuned = True
-                self._tune(key)
-                found = self.found(key, allowed) if allowed else None
-            decision = choose(entries, key, found, barred, agreed)
-            chosen = decision.chosen
-            if chosen is None:
-                return dataclasses.replace(decision, provisional=provisional)
-            why = self.qualifier.barred(chosen, key, may_run=may_run, announce=True)
-            if why is None:
-                return dataclasses.replace(self._noted(decision, key), provisional=provisional)
-            if why == NOT_YET and not qualify:  # a preview: the call would qualify it, then run it
-                return with_note(decision, NOT_YET)
-            if why == NOT_YET:  # passed over under capture: this decision must not outlive it
-                provisional = True
-            barred[chosen.id] = why
+            asked = rule(facts)
+            if isinstance(asked, Look):
+                facts = dataclasses.replace(facts, figures={**facts.figures, asked.among: self.figures(key, asked.among)})
+            elif isinstance(asked, Qualify):
+                rv = self.registry.get(key.op, asked.variant)
+                v = (self.qualifier.check(rv, key, key.shape) if asked.at_shape
+                     else self.qualifier.qualify(rv, key, announce=True))
+                facts = dataclasses.replace(facts, verdicts={**facts.verdicts, rv.id: v},
+                                            asked=facts.asked | {rv.id})
+            elif isinstance(asked, Tune):
+                self._tune(key, facts.excluded)
+                facts = dataclasses.replace(facts, tuned=True, figures={},
+                                            verdicts=self._verdicts(facts.entries, key))
+            elif isinstance(asked, Build):
+                why = self.registry.get(key.op, asked.variant).ensure_built()
+                facts = dataclasses.replace(facts, built={**facts.built, asked.variant: why})
+            else:
+                return asked
 
-    def _forced(self, entries: list[RegisteredVariant], key: CallKey, forced: str) -> Decision:
-        decision = select(entries, key, forced=forced)
-        chosen = decision.chosen
-        if chosen is None or self.qualifier.policy == "off" or chosen.variant.fn is key.spec.reference.fn:
-            return decision
-        v = self.qualifier.stored(chosen, key)
-        if v is None:
-            return with_note(decision, "forced, unqualified: not checked on this device for this class")
-        return decision if v.passed else with_note(decision, f"forced, although it {v.summary()}")
-
-    def _noted(self, decision: Decision, key: CallKey) -> Decision:
-        """``decision``, saying so where its variant runs a shape beyond every one it was checked at."""
-        chosen = decision.chosen
-        if chosen is None or chosen.variant.fn is key.spec.reference.fn:
-            return decision
-        v = self.qualifier.stored(chosen, key)
-        over = beyond(v, key.shape, key.spec.axes) if v is not None else None
-        if over is None:
-            return decision
-        return with_note(decision, f"checked at smaller sizes only ({over}; KV_QUALIFY=strict checks it "
-                                    "at this shape first)")
-
-    def found(self, key: CallKey, runnable: list[str]) -> Found | None:
-        """What this device's table has for ``key`` among ``runnable``."""
+    def figures(self, key: CallKey, candidates: Iterable[str]) -> Figures | None:
+        """What this device's table has for ``key`` among ``candidates``."""
         fpid = fingerprint_id(fingerprint(key.where))  # this GPU, not the first one
-        return self.table.lookup(key, fpid, runnable, self.versions())
+        return self.table.figures(key, fpid, candidates, self.versions())
 
-    def _tune(self, key: CallKey) -> None:
-        """KV_TUNE=1: measure an unseen key on first sight, as PyTorch TunableOp's online tuning."""
+    def _tune(self, key: CallKey, excluded: Mapping[str, str] | None = None) -> None:
+        """KV_TUNE=1: measure an unseen key on first sight, as PyTorch TunableOp's online tuning
+        (the variants out of routing, ``excluded``, are not measured: nor built)."""
         from kernel_variants._tuning.calibrate import run_calibration
         from kernel_variants._tuning.timing import TimingConfig
 
-        run_calibration(self.registry.variants(key.op), self.table, key.spec, [key.shape], dtype=key.dtype,
+        excluded = self.registry.excluded(key.op) if excluded is None else excluded
+        entries = [rv for rv in self.registry.variants(key.op) if rv.id not in excluded]
+        run_calibration(entries, self.table, key.spec, [key.shape], dtype=key.dtype,
                         device=key.where, features=key.features, timing=TimingConfig(), variants=None,
                         rotate=0, margin=DEFAULT_MARGIN, progress=None, prune=DEFAULT_PRUNE,
                         qualifier=self.qualifier)
@@ -228,11 +207,9 @@ class Dispatcher:
                 finish: Callable[[RegisteredVariant, Hit], Hit] | None = None) -> Hit:
         """Decide for a validated call and remember the decision under its signature ``sig``;
         ``finish(chosen, hit)`` may adapt the hit to the call (its ``out=``) before it is kept."""
-        decision = self.decide(key, self.pinned(key.op))
         # A variant compiled here is built before its first call (announced on stderr); one whose
         # build fails is unavailable from then on, and the call goes to the next choice.
-        while decision.chosen is not None and decision.chosen.ensure_built() is not None:
-            decision = self.decide(key, self.pinned(key.op))
+        decision = self.decide(key, self.pinned(key.op), build=True)
         if decision.chosen is None:
             raise NoVariantError(f"no variant can run this call\n{decision}")
         text = key_text(key)
@@ -245,7 +222,7 @@ class Dispatcher:
         # Normalised arguments depend only on values that are part of the signature.
         subs = tuple((i, spec.normalize[n](args[i])) for i, n in enumerate(spec.params) if n in spec.normalize)
         fn = decision.chosen.variant.fn
-        if shadow.active() and fn is not spec.reference.fn:
+        if shadow.active() and not is_reference(decision.chosen, spec):
             fn = shadow.wrap(spec, decision.chosen.id, fn, self.shadow_failed)
         hit = Hit(decision.chosen.id, fn, spec.invoke, subs, guard=None, checks=None, rule=None)
         if finish is not None:

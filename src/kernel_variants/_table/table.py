@@ -19,7 +19,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from kernel_variants._paths import table_dir
-from kernel_variants._policy import Found, winner_of
+from kernel_variants._policy import Figures, Found, winner_of
 from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.spec import Shape
 from kernel_variants._table.fingerprint import is_legacy
@@ -217,24 +217,28 @@ class CalibrationTable:
             self.store.delete(key)
         return new_key, new_raw
 
-    def lookup(self, key: CallKey, fingerprint_id: str, candidates: Iterable[str],
-               versions: dict[tuple[str, str], str]) -> Found | None:
-        """The figures for ``key`` among ``candidates``: at its own shape, else the nearest
-        calibrated shape (log space) of the same group where a candidate was measured. None when
-        no candidate has a figure."""
+    def figures(self, key: CallKey, fingerprint_id: str, candidates: Iterable[str],
+                versions: dict[tuple[str, str], str]) -> Figures | None:
+        """The figures for ``key`` among ``candidates`` at its own shape and at the nearest
+        calibrated shape (log space) of its group where a candidate was measured; which one
+        counts is the decision's rule (``_policy.choose``). None when no candidate has a figure."""
         group = self._fast_index(versions, fingerprint_id).groups.get(Group.of(key).slug())
         if group is None:
             return None
         allowed = set(candidates)
-        source, at = "table", key.shape
-        found = {v: t for v, t in group.times.get(at, {}).items() if v in allowed}
-        if not found:
-            source, at = "nearest", group.nearest(key.shape, allowed)
-            if at is None:
+        at = group.nearest(key.shape, allowed)
+        if at is None:
+            return None
+
+        def found(source: str, shape: Shape) -> Found | None:
+            times = {v: t for v, t in group.times.get(shape, {}).items() if v in allowed}
+            if not times:
                 return None
-            found = {v: t for v, t in group.times[at].items() if v in allowed}
-        pruned = {v: b for v, b in group.pruned.get(at, {}).items() if v in allowed}
-        return Found(found, group.winners.get(at), source, at, group.rejected.get(at, set()) & allowed, pruned)
+            pruned = {v: b for v, b in group.pruned.get(shape, {}).items() if v in allowed}
+            return Found(times, group.winners.get(shape), source, shape,
+                         group.rejected.get(shape, set()) & allowed, pruned)
+
+        return Figures(found("table", key.shape), found("nearest", at))
 
     def measurements(self, versions: dict[tuple[str, str], str], fingerprint_id: str):
         """Every current measurement and winner of this device: ((group, shape) -> {id: m}, winners)."""

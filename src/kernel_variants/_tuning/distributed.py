@@ -16,6 +16,7 @@ returns the keys on which ranks' decisions differ.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernel_variants._decide import admissions, wants_tuning
 from kernel_variants._dtypes import as_dtype, dtype_name
 from kernel_variants._policy import Decision
 from kernel_variants._registry.keys import CallKey, Features
@@ -241,7 +243,7 @@ def tuning_world() -> int:
 _warned_divergence = False
 
 
-def tune_together(d: Dispatcher, key: CallKey, forced: str | None) -> Decision:
+def tune_together(d: Dispatcher, key: CallKey, forced: str | None, *, build: bool = False) -> Decision:
     """Decide ``key`` on every rank of the default group at once (a collective: each rank calls
     it when its memo first misses ``key``, which in an SPMD job is the same call on every rank).
 
@@ -254,12 +256,11 @@ def tune_together(d: Dispatcher, key: CallKey, forced: str | None) -> Decision:
 
     global _warned_divergence
     text = key_text(key)
-    entries = d.registry.variants(key.op)
-    runnable = [rv for rv in entries if rv.why_not(key) is None]
-    found = d.found(key, [rv.id for rv in runnable]) if runnable else None
-    need = bool(runnable) and (found is None or found.source != "table")
-    # Rank 0 chooses among the variants qualified on every rank: each qualifies its own first.
-    barred = sorted(rv.id for rv in runnable if d.qualifier.barred(rv, key, may_run=True) is not None)
+    facts = dataclasses.replace(d.facts(key), tune=True)
+    runnable = [rv.id for rv in facts.runnable() if rv.id not in facts.excluded]
+    need = bool(runnable) and wants_tuning(facts, d.figures(key, runnable))
+    # Rank 0 chooses among the variants admitted on every rank: each qualifies its own first.
+    barred = sorted(d.settle(facts, admissions))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (text, need, barred))
     if any(t != text for t, _, _ in everyone):
@@ -269,7 +270,7 @@ def tune_together(d: Dispatcher, key: CallKey, forced: str | None) -> Decision:
             warnings.warn(f"KV_TUNE: ranks reached different calls at the same point ({text} here; {others}); "
                           "they decide on their own, untuned (kernel_variants.check_agreement() lists where they "
                           "differ)", CalibrationWarning, stacklevel=4)
-        return d.decide(key, forced, tune=False)
+        return d.decide(key, forced, tune=False, build=build)
     measured = any(n for _, n, _ in everyone)
     anywhere = {v for _, _, b in everyone for v in b}
     fpid = fingerprint_id(fingerprint(key.where))
@@ -299,7 +300,7 @@ def tune_together(d: Dispatcher, key: CallKey, forced: str | None) -> Decision:
         d.agreed[text] = chosen
     if measured:
         d.invalidate()  # on every rank alike, so that memos (and the collectives they lead to) stay in step
-    return d.decide(key, forced, tune=False)
+    return d.decide(key, forced, tune=False, build=build)
 
 
 @dataclass(frozen=True)

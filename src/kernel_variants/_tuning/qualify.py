@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kernel_variants._policy import Policy, admit
+from kernel_variants._policy import Admission, Policy, admit, is_reference
 from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.registry import RegisteredVariant
 from kernel_variants._registry.spec import Shape
@@ -170,35 +170,38 @@ class Qualifier:
             return now.model_copy(update={"cases": now.cases + 1, "largest": _widest(now.largest, at)})
         return now.model_copy(update={"largest": _widest(now.largest, earlier.largest)})
 
-    def barred(self, rv: RegisteredVariant, key: CallKey, *, may_run: bool, announce: bool = False) -> str | None:
-        """Why ``rv`` may not be chosen for ``key`` (None: it may), by ``_policy.admit``.
-        ``may_run``: qualify it now if it has no verdict (never while a graph is captured or
-        traced, nor for ``explain``); ``announce``: say so on stderr (a call's first use)."""
-        reference = rv.variant.fn is key.spec.reference.fn
+    def announced_policy(self) -> Policy:
+        """The policy, said once on stderr when it is ``off``."""
         if self.policy == "off" and not self._said_off:
             self._said_off = True
             print("kernel_variants: KV_QUALIFY=off: variants are chosen without being checked on this "
                   "device", file=sys.stderr)
-        v = None if self.policy == "off" or reference else self.stored(rv, key)
-        rule = dict(policy=self.policy, reference=reference, may_run=may_run, shape=key.shape, axes=key.spec.axes)
-        answer = admit(v, **rule)
+        return self.policy
+
+    def _admit(self, rv: RegisteredVariant, key: CallKey, v: Verdict | None, *, may_run: bool,
+               policy: Policy | None = None) -> Admission:
+        return admit(v, policy=policy or self.announced_policy(), reference=is_reference(rv, key.spec),
+                     may_run=may_run, shape=key.shape, axes=key.spec.axes)
+
+    def barred(self, rv: RegisteredVariant, key: CallKey, *, may_run: bool, announce: bool = False) -> str | None:
+        """Why ``rv`` may not be chosen for ``key`` (None: it may), by ``_policy.admit``.
+        ``may_run``: qualify it now if it has no verdict (never while a graph is captured or
+        traced, nor for ``explain``); ``announce``: say so on stderr (a call's first use)."""
+        answer = self._admit(rv, key, self.stored(rv, key), may_run=may_run)
         if answer.qualify:
-            v = self.qualify(rv, key, announce=announce)
-            answer = admit(v, **rule)
-        if answer.check:
-            v = self.check(rv, key, key.shape)
-            answer = admit(v, **{**rule, "policy": "require"})  # checked at this shape now
+            answer = self._admit(rv, key, self.qualify(rv, key, announce=announce), may_run=may_run)
+        if answer.check:  # checked at this shape now
+            answer = self._admit(rv, key, self.check(rv, key, key.shape), may_run=False, policy="require")
         return answer.barred
 
     def failed(self, entries: list[RegisteredVariant], key: CallKey) -> dict[str, str]:
-        """Those of ``entries`` whose verdict for ``key``'s class is a failure, with why. Under
-        ``KV_QUALIFY=off`` only failures a shadowed live call found: a wrong answer seen on real
-        traffic is not a check the user chose to skip."""
+        """Those of ``entries`` whose verdict for ``key``'s class bars them (``_policy.admit``), with why."""
         out = {}
         for rv in entries:
             v = self.stored(rv, key)
-            if v is not None and not v.passed and (self.policy != "off" or v.where == "shadow"):
-                out[rv.id] = v.summary()
+            why = None if v is None else self._admit(rv, key, v, may_run=False).barred
+            if why is not None:
+                out[rv.id] = why
         return out
 
     def check(self, rv: RegisteredVariant, key: CallKey, shape: Shape, why: str | None = None, *,

@@ -126,23 +126,18 @@ def _forget_decisions() -> None:
     dispatcher().invalidate()
 
 
-# The registry has no public way to take a variant out of the routing for a while: the one
-# state that does it is the reason a failed build leaves (RegisteredVariant._reason, read by
-# why_not() and ensure_built(), which then never builds). These two helpers are the only
-# places that touch it; a public registry call should replace them.
 def _leave_out(rv: RegisteredVariant, reason: str) -> _LeftOut | None:
+    from kernel_variants._runtime.dispatcher import dispatcher
+
     if rv.unavailable_reason() is not None:  # probed, and already out for its own reason
         return None
-    with rv._lock:
-        rv._reason = reason
-    return _LeftOut(rv, reason)
+    return _LeftOut(rv, reason) if dispatcher().registry.exclude(rv.op, rv.id, reason) else None
 
 
 def _give_back(entry: _LeftOut) -> None:
-    rv = entry.variant
-    with rv._lock:
-        if rv._reason == entry.reason:
-            rv._reason = None
+    from kernel_variants._runtime.dispatcher import dispatcher
+
+    dispatcher().registry.include(entry.variant.op, entry.variant.id, entry.reason)
 
 
 def _unbuilt(ops: tuple[str, ...]) -> list[RegisteredVariant]:
