@@ -52,20 +52,22 @@ def make_plugin_manager(
     extra_plugins: Sequence[tuple[str, object]] = (),
     strict: bool | None = None,
 ) -> pluggy.PluginManager:
-    """A fresh plugin manager: built-ins, then ``extra_plugins``, then installed entry points.
+    """A fresh plugin manager: the declared built-ins (``declared``), ``extra_plugins``, entry points.
 
     ``blocked`` defaults to ``KV_DISABLE_PLUGINS``; the built-in op plugins (which bring each
     op's reference) cannot be blocked. A plugin that cannot be imported or implements
     a hook that does not exist (a misspelled ``kv_register_variant``, say) is left out and listed
     in ``pm.broken`` with the reason; with ``strict`` (default: ``KV_STRICT_PLUGINS``) it raises.
     """
-    from kernel_variants._builtins import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS
+    from kernel_variants._registry.declared import declared
+
+    plugins, essential = declared()  # handed over by kernel_variants/__init__: the registry names none
 
     strict = strict_from_env() if strict is None else strict
     pm = _PluginManager()
     pm.add_hookspecs(HookSpecs)
     for name in blocked_from_env() if blocked is None else blocked:
-        if name not in ESSENTIAL_PLUGINS:  # the built-in ops and their references are the oracle
+        if name not in essential:  # the built-in ops and their references are the oracle
             pm.set_blocked(name)
 
     def add(name: str, load) -> None:
@@ -82,7 +84,7 @@ def make_plugin_manager(
             pm.broken[name] = _describe(exc)
 
     if builtins:
-        for name, mod in BUILTIN_PLUGINS:
+        for name, mod in plugins:
             add(name, lambda mod=mod: importlib.import_module(mod))
     for name, plugin in extra_plugins:
         add(name, lambda plugin=plugin: plugin)
