@@ -121,9 +121,8 @@ def test_a_step_s_views_are_reused_only_where_nothing_holds_them(path):
     import gc
     import weakref
 
-    from kernel_variants._runtime.callcore import FUNCTIONS
-
     import kernel_variants.integrations._fast  # noqa: F401  (provides the steps)
+    from kernel_variants._runtime.callcore import FUNCTIONS
 
     path(True)
     seen, held, refs, seen_types = [], [], [], []
@@ -271,9 +270,8 @@ def test_kept_views_survive_dispatch_keys_that_come_and_go(path):
     """Views of tensors with several dispatch key sets (inference or not, a conjugate bit) in
     turn, three at once from a prefill step: every place is taken, the oldest view is let go
     for a new key set, and each step's writes land in its own pool."""
-    from kernel_variants._runtime.callcore import FUNCTIONS
-
     import kernel_variants.integrations._fast  # noqa: F401  (provides the steps)
+    from kernel_variants._runtime.callcore import FUNCTIONS
 
     path(True)
 

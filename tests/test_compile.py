@@ -75,9 +75,9 @@ def test_the_graph_holds_the_custom_ops_and_tracing_decides_nothing(monkeypatch)
     decisions = []
     real = Dispatcher.decide
 
-    def counting(self, key, forced=None):
+    def counting(self, key, forced=None, **how):
         decisions.append(key.op)
-        return real(self, key, forced)
+        return real(self, key, forced, **how)
 
     monkeypatch.setattr(Dispatcher, "decide", counting)
     case = make_case("causal_conv1d_fn", batch=2, dim=8, seqlen=4)

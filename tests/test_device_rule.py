@@ -532,6 +532,7 @@ def test_a_rule_that_returns_other_than_the_op_s_arguments_raises_the_same_every
     rule's TypeError, one message, before the variant runs: from the first call (the Python
     path), the repeated one (the core, where it is on) and ``kv.bind``'s object alike."""
     monkeypatch.setenv(_callcore.ENV, "1" if core else "0")
+    _callcore.rearm()  # KV_CALL_CORE is read where the cores are bound (a new dispatcher binds them)
     _, op, kwargs = next(f for f in FORMS if f[0] == "update idx")
     spec = dispatcher().registry.spec(op)
     planned = spec.device_rule

@@ -54,8 +54,8 @@ def test_a_key_carries_its_devices_ordinal_and_the_table_is_read_for_that_device
     asked = []
     real = _dispatcher.fingerprint
     monkeypatch.setattr(_dispatcher, "fingerprint", lambda device: asked.append(device) or real(device))
-    dispatcher().found(key, ["reference"])
-    dispatcher().found(key._replace(index=0), ["reference"])
+    dispatcher().figures(key, ["reference"])
+    dispatcher().figures(key._replace(index=0), ["reference"])
     assert asked == ["cuda:1", "cuda:0"]
 
 

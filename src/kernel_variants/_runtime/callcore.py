@@ -5,7 +5,8 @@ arguments, the lookup, the index value checks, the write guard, the call of the 
 in C++ (``_runtime/csrc``, built as ``core_build.CORE``) when the core is built: ``kv build`` builds
 it with the C++ kernels; a call never does. Where it is not built (or does not load), the Python
 path (``call.call``) serves every call, and the first call says so once on stderr.
-``KV_CALL_CORE=0`` turns the core off (read at the first call after each ``kv.reload()``).
+``KV_CALL_CORE=0`` turns the core off (read when the process's dispatcher is made, by its first
+call, and at each ``kv.reload()``).
 
 The core decides nothing. A call it has no entry for, or one it does not serve (``out=``, a
 tensor of a subclass or on a device other than the CPU and CUDA, a torch function mode, a graph

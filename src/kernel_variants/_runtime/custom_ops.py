@@ -21,10 +21,9 @@ output checks) cost ~35 us per call where this kernel adds ~3 us over an eager c
   ``force()`` (a context variable, which a traced graph could not guard on) and ``KV_FORCE`` take
   effect in an already compiled graph without recompiling it. Where the call core is built when
   this module is imported (a process's first trace), the kernel of each overload that returns
-  its outputs is the core's C++ one (``graph_kernel`` in ``call_core.cpp``): it takes the
+  its outputs is the core's C++ one (``GraphKernel`` in ``_runtime/csrc/graph.cpp``): it takes the
   arguments from the dispatcher's stack and calls the core with no Python frame between; the
-  Python kernel below serves what it hands over (the core not yet found or off, a call the core
-  does not serve), and is the kernel where the core was not built then. Both give the same
+  Python kernel below serves what it hands over (no core bound, a call the core does not serve), and is the kernel where the core was not built then. Both give the same
   results and errors (a variant's result that is not the op's outputs: ``result_error``'s
   TypeError from either).
 

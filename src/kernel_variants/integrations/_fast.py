@@ -37,7 +37,7 @@ _FN_ENTRY, _UPDATE_ENTRY = entry_of(FN_SPEC), entry_of(UPDATE_SPEC)
 _FN, _UPDATE = _FN_ENTRY.call, _UPDATE_ENTRY.call
 
 
-# The Python of the core's layout functions (call_core.cpp), for where the core is off or not
+# The Python of the core's layout functions (_runtime/csrc/layout.cpp), for where the core is off or not
 # built: the same results, views made the ordinary way.
 
 _REFUSED = object()

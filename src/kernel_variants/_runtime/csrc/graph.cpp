@@ -2,8 +2,8 @@
 // Registered by custom_ops as the CompositeExplicitAutograd kernel of `kernel_variants::<op>`
 // (each overload that returns its outputs) where the core is built: a graph's call reaches the
 // core from the dispatcher's stack with no Python frame on the way. A Python kernel there costs
-// the frame, its globals and the slot's attribute, each a cache miss after a large kernel, on
-// top of what a plain op's Python kernel costs; this kernel reads the slot's core and calls it
+// the frame, its globals and the entry's attribute, each a cache miss after a large kernel, on
+// top of what a plain op's Python kernel costs; this kernel reads the entry's core and calls it
 // as the Python kernel would, and hands anything else (the core not yet resolved, off, a miss)
 // to that Python kernel's code, so both give the same results and errors (a variant's result
 // that is not the op's outputs: both raise errors.result_error's TypeError).
@@ -33,13 +33,13 @@ PyObject* to_python(const c10::IValue& v) {
 
 class GraphKernel final : public c10::OperatorKernel {
  public:
-  // slot: the op's callcore.Slot (its `core` read per call); kernel: the Python kernel, called
-  // where the slot holds no CallCore; miss: its Python path, called on the core's miss. Held
+  // entry: the op's callcore.Entry (its `core` read per call); kernel: the Python kernel, called
+  // where the entry holds no CallCore; miss: its Python path, called on the core's miss. Held
   // for the life of the process, as the registration is.
   // core_name: the interned "core" (an attribute read by a str made per call costs more).
   // bad(result): the exception for a result that is not the op's n_out tensors.
-  GraphKernel(PyObject* slot, PyObject* kernel, PyObject* miss, PyObject* bad, PyObject* core_name, int n, int n_out)
-      : slot_(Py_NewRef(slot)), kernel_(Py_NewRef(kernel)), miss_(Py_NewRef(miss)), bad_(Py_NewRef(bad)),
+  GraphKernel(PyObject* entry, PyObject* kernel, PyObject* miss, PyObject* bad, PyObject* core_name, int n, int n_out)
+      : entry_(Py_NewRef(entry)), kernel_(Py_NewRef(kernel)), miss_(Py_NewRef(miss)), bad_(Py_NewRef(bad)),
         core_name_(Py_NewRef(core_name)), n_(n), n_out_(n_out) {}
 
   void operator()(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) {
@@ -78,7 +78,7 @@ class GraphKernel final : public c10::OperatorKernel {
   }
 
   PyObject* call(PyObject** args) {
-    THPObjectPtr core(PyObject_GetAttr(slot_, core_name_));
+    THPObjectPtr core(PyObject_GetAttr(entry_, core_name_));
     if (!core) return nullptr;
     State* st = Py_IS_TYPE(core.get(), &CallCoreType) ? reinterpret_cast<CallCore*>(core.get())->st : nullptr;
     // Another op's core (never put there, but args holds n_ + 1 slots): the Python kernel serves.
@@ -112,7 +112,7 @@ class GraphKernel final : public c10::OperatorKernel {
     throw python_error_now();
   }
 
-  PyObject* slot_;
+  PyObject* entry_;
   PyObject* kernel_;
   PyObject* miss_;
   PyObject* bad_;
@@ -123,14 +123,14 @@ class GraphKernel final : public c10::OperatorKernel {
 
 }  // namespace
 
-// graph_kernel(name, slot, kernel, miss, bad, n, n_out): registers GraphKernel as the
+// graph_kernel(name, entry, kernel, miss, bad, n, n_out): registers GraphKernel as the
 // CompositeExplicitAutograd kernel of `kernel_variants::<name>` (an overload as
 // "op.overload"). The registration is never undone: the Library is kept for the process, as
 // the op's Python one is (undone at exit, it would run after the op's definition is gone).
 PyObject* graph_kernel(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 7 || !PyUnicode_Check(a[0])) {
-    PyErr_SetString(PyExc_TypeError, "graph_kernel(name, slot, kernel, miss, bad, n, n_out): expected 7 arguments");
+    PyErr_SetString(PyExc_TypeError, "graph_kernel(name, entry, kernel, miss, bad, n, n_out): expected 7 arguments");
     return nullptr;
   }
   const long n = PyLong_AsLong(a[5]);
