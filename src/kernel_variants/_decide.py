@@ -86,9 +86,15 @@ class Facts:
     asked: frozenset[str] = frozenset()  # qualified or checked for this call already
     built: Mapping[str, str | None] = field(default_factory=dict)  # build outcomes: why it failed, or None
     figures: Mapping[frozenset[str], Figures | None] = field(default_factory=dict)  # each Look's answer
+    # Each entry's why_not(key) (what it cannot run: capabilities, availability), asked once.
+    unfit: Mapping[str, str | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.unfit) != len(self.entries):
+            object.__setattr__(self, "unfit", {rv.id: rv.why_not(self.key) for rv in self.entries})
 
     def runnable(self) -> list[RegisteredVariant]:
-        return [rv for rv in self.entries if rv.why_not(self.key) is None]
+        return [rv for rv in self.entries if self.unfit[rv.id] is None]
 
     def admission(self, rv: RegisteredVariant, *, may_run: bool):
         return admit(self.verdicts.get(rv.id), policy=self.policy, reference=is_reference(rv, self.key.spec),
@@ -113,7 +119,7 @@ def decide(f: Facts) -> Decision | Request:
         return _forced(f)
     runnable = f.runnable()
     if not runnable:
-        return select(f.entries, f.key)
+        return select(f.entries, f.key, unfit=f.unfit)
     barred = f.unusable()
     for rv in runnable:  # failures bar before anything is looked up, so the trace says why
         why = f.admission(rv, may_run=False).barred
@@ -129,7 +135,7 @@ def decide(f: Facts) -> Decision | Request:
             figures = f.figures[allowed]
         if wants_tuning(f, figures):
             return Tune()
-        decision = choose(f.entries, f.key, figures, barred, f.agreed)
+        decision = choose(f.entries, f.key, figures, barred, f.agreed, unfit=f.unfit)
         chosen = decision.chosen
         if chosen is None:
             return dataclasses.replace(decision, provisional=provisional)
@@ -169,7 +175,7 @@ def admissions(f: Facts) -> dict[str, str] | Qualify:
 
 
 def _forced(f: Facts) -> Decision | Request:
-    decision = select(f.entries, f.key, forced=f.forced, barred=f.unusable())
+    decision = select(f.entries, f.key, forced=f.forced, barred=f.unusable(), unfit=f.unfit)
     chosen = decision.chosen
     if chosen is None:
         return decision

@@ -201,6 +201,7 @@ def select(
     winner: str | None = None,
     rejected: set[str] | frozenset[str] = frozenset(),
     barred: Mapping[str, str] | None = None,
+    unfit: Mapping[str, str | None] | None = None,
 ) -> Decision:
     """Pick the variant for ``key`` among ``entries``.
 
@@ -210,7 +211,8 @@ def select(
     chosen over a measured variant. Without timings, the highest priority wins. ``barred``
     maps variants that may not be chosen (not qualified on this device, excluded) to why; a
     forced variant is never barred for want of qualification, so the caller bars it only for
-    what stops it running (an exclusion, a failed build).
+    what stops it running (an exclusion, a failed build). ``unfit``: each entry's
+    ``why_not(key)``, where the caller has it already.
     """
     rows: list[TraceRow] = []
     ok: list[RegisteredVariant] = []
@@ -218,7 +220,7 @@ def select(
         if forced is not None and rv.id != forced:
             rows.append(TraceRow(rv.id, False, f"not the forced variant {forced!r}"))
             continue
-        why = rv.why_not(key)
+        why = unfit[rv.id] if unfit is not None else rv.why_not(key)
         if why is None and barred:
             why = barred.get(rv.id)
         if why is not None:
@@ -278,24 +280,27 @@ def select(
 
 
 def choose(entries: Sequence[RegisteredVariant], key: CallKey, figures: Figures | None,
-           barred: Mapping[str, str], agreed: str | None = None) -> Decision:
+           barred: Mapping[str, str], agreed: str | None = None,
+           unfit: Mapping[str, str | None] | None = None) -> Decision:
     """The decision for ``key`` among ``entries`` from the table's figures (None: priorities
     decide), with ``barred`` variants passed over. The figures at the call's own shape decide
     when there are any; else the nearest calibrated shape's. ``agreed``: the variant rank 0
-    chose for this key under distributed tuning; every rank runs it when it may run here."""
+    chose for this key under distributed tuning; every rank runs it when it may run here.
+    ``unfit``: as :func:`select` takes it."""
     found = None if figures is None else figures.here or figures.nearest
     if found is None:
-        decision = select(entries, key, barred=barred)
+        decision = select(entries, key, barred=barred, unfit=unfit)
     else:
         decision = select(entries, key, timings=found.timings, winner=found.winner, timings_source=found.source,
-                          measured_key=found.at, rejected=found.rejected, barred=barred)
+                          measured_key=found.at, rejected=found.rejected, barred=barred, unfit=unfit)
         if found.pruned:
             # A pruned variant is measured-slower, not unmeasured: say how much slower, at least.
             rows = tuple(TraceRow(r.variant, r.accepted, f"pruned: >= {found.pruned[r.variant]:.1f}x the best "
                                   f"there (after its first round, or by its neighbours: kv table says which)", r.time_us)
                          if r.variant in found.pruned and not r.accepted else r for r in decision.trace)
             decision = dataclasses.replace(decision, trace=rows)
-    if agreed is None or agreed in barred or not any(rv.id == agreed and rv.why_not(key) is None for rv in entries):
+    if agreed is None or agreed in barred or not any(
+            rv.id == agreed and (unfit[rv.id] if unfit is not None else rv.why_not(key)) is None for rv in entries):
         return decision
     if decision.chosen is None or decision.chosen.id != agreed:
         mine = decision.chosen.id if decision.chosen is not None else "nothing"

@@ -151,14 +151,16 @@ class Dispatcher:
         """What is known of ``key`` before deciding: the candidates, their verdicts, the pin,
         the exclusions (the registry's and ``exclude``) and rank 0's choice."""
         entries = tuple(self.registry.variants(key.op))
+        unfit = {rv.id: rv.why_not(key) for rv in entries}
         capture = capturing(key.device)  # (it says so under compile too)
-        return Facts(key, entries, self.qualifier.announced_policy(), self._verdicts(entries, key), forced=forced,
-                     may_run=qualify and not capture, preview=not qualify, build=build, tune=tune and not capture,
-                     agreed=self.agreed.get(key_text(key)),
-                     excluded={**self.registry.excluded(key.op), **(exclude or {})})
+        return Facts(key, entries, self.qualifier.announced_policy(), self._verdicts(entries, key, unfit),
+                     forced=forced, may_run=qualify and not capture, preview=not qualify, build=build,
+                     tune=tune and not capture, agreed=self.agreed.get(key_text(key)),
+                     excluded={**self.registry.excluded(key.op), **(exclude or {})}, unfit=unfit)
 
-    def _verdicts(self, entries: Iterable[RegisteredVariant], key: CallKey) -> dict[str, Verdict | None]:
-        return {rv.id: self.qualifier.stored(rv, key) for rv in entries if rv.why_not(key) is None}
+    def _verdicts(self, entries: Iterable[RegisteredVariant], key: CallKey,
+                  unfit: Mapping[str, str | None]) -> dict[str, Verdict | None]:
+        return {rv.id: self.qualifier.stored(rv, key) for rv in entries if unfit[rv.id] is None}
 
     def settle(self, facts: Facts, rule: Callable[[Facts], Any]) -> Any:
         """Ask ``rule`` (``_decide.decide`` or ``admissions``) until it answers with something
@@ -177,7 +179,7 @@ class Dispatcher:
             elif isinstance(asked, Tune):
                 self._tune(key, facts.excluded)
                 facts = dataclasses.replace(facts, tuned=True, figures={},
-                                            verdicts=self._verdicts(facts.entries, key))
+                                            verdicts=self._verdicts(facts.entries, key, facts.unfit))
             elif isinstance(asked, Build):
                 why = self.registry.get(key.op, asked.variant).ensure_built()
                 facts = dataclasses.replace(facts, built={**facts.built, asked.variant: why})
