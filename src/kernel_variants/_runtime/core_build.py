@@ -8,8 +8,7 @@ from pathlib import Path
 from kernel_variants._native.build import Extension
 
 #: Plain CPython C-API on ATen's tensor metadata, no kernel in it: one job per source file,
-#: their shared declarations in one header.
-CORE = Extension("call_core", Path(__file__).resolve().parent / "csrc",
-                 sources=("module.cpp", "key.cpp", "checks.cpp", "bound.cpp", "unalias.cpp", "layout.cpp",
-                          "graph.cpp"),
-                 headers=("call_core.h",), what="C++ call core")
+#: their shared declarations in one header, compiled as one unit (call_core.cpp includes them).
+CORE = Extension("call_core", Path(__file__).resolve().parent / "csrc", sources=("call_core.cpp",),
+                 headers=("call_core.h", "module.cpp", "key.cpp", "checks.cpp", "bound.cpp", "unalias.cpp",
+                          "layout.cpp", "graph.cpp"), what="C++ call core")

@@ -10,6 +10,12 @@
 
 #include "call_core.h"
 
+// Only the graph kernel registers with the dispatcher: its headers stay out of the other files
+// (each costs every file that includes it seconds of compile time).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <torch/library.h>
+
 namespace kv_core {
 
 namespace {
