@@ -43,19 +43,8 @@ struct BoundState {
   PyObject* fallback = nullptr;
 
   ~BoundState() {
-    for (PyObject* o : names) Py_XDECREF(o);
-    for (PyObject* o : defaults) Py_XDECREF(o);
-    for (PyObject* o : expected) Py_XDECREF(o);
-    for (PyObject* o : subs) Py_XDECREF(o);
-    Py_XDECREF(gate);
-    Py_XDECREF(py_checks);
-    Py_XDECREF(rule);
-    Py_XDECREF(counters);
-    Py_XDECREF(fn);
-    Py_XDECREF(vid);
-    Py_XDECREF(kwnames);
-    Py_XDECREF(fail);
-    Py_XDECREF(fallback);
+    for (const auto* owned : {&names, &defaults, &expected, &subs}) drop_refs(*owned);
+    drop_refs({gate, py_checks, rule, counters, fn, vid, kwnames, fail, fallback});
   }
 };
 
@@ -281,15 +270,11 @@ PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   }
   if (!parse_subs(st->n, subs, keep, st->subs, "BoundCore")) return nullptr;
   if (!parse_checks(st->n, st->kind, checks, st->checks, "BoundCore")) return nullptr;
-  if (gate != Py_None) st->gate = Py_NewRef(gate);
-  if (py_checks != Py_None) st->py_checks = Py_NewRef(py_checks);
-  if (rule != Py_None) st->rule = Py_NewRef(rule);
-  st->counters = Py_NewRef(counters);
-  st->fn = Py_NewRef(fn);
-  st->vid = Py_NewRef(vid);
-  st->kwnames = Py_NewRef(kwnames);
-  st->fail = Py_NewRef(fail);
-  st->fallback = Py_NewRef(fallback);
+  for (auto [member, value] : {std::pair{&st->gate, gate}, {&st->py_checks, py_checks}, {&st->rule, rule}}) {
+    if (value != Py_None) *member = Py_NewRef(value);  // None: nothing to run
+  }
+  keep_refs({{&st->counters, counters}, {&st->fn, fn}, {&st->vid, vid}, {&st->kwnames, kwnames}, {&st->fail, fail},
+             {&st->fallback, fallback}});
   return new_core<BoundCore>(type, bound_vectorcall, std::move(st));  // dict: nullptr
 }
 

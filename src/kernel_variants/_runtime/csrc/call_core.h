@@ -73,6 +73,19 @@ struct Guard {
   std::vector<int> near;  // the arguments compared with it (its dtype, non-empty)
 };
 
+// What an owner keeps of the objects Python handed it, and gives back when it goes: new
+// references taken (`keep_refs`), references dropped (`drop_refs`, nullptr skipped). One list
+// per owner, so that a field added to an owner is added in one place each way.
+inline void keep_refs(std::initializer_list<std::pair<PyObject**, PyObject*>> fields) {
+  for (auto [member, value] : fields) *member = Py_NewRef(value);
+}
+inline void drop_refs(std::initializer_list<PyObject*> objs) {
+  for (PyObject* o : objs) Py_XDECREF(o);
+}
+inline void drop_refs(const std::vector<PyObject*>& objs) {
+  for (PyObject* o : objs) Py_XDECREF(o);
+}
+
 // One memoised decision: its key, and what a call with that key runs around the variant.
 // Counted by hand (every count changes under the GIL): the map holds one, a call in progress
 // another, so a map cleared by Python code the call runs does not free what it still reads.
@@ -95,13 +108,9 @@ struct Entry {
   Entry(const Entry&) = delete;
   Entry& operator=(const Entry&) = delete;
   ~Entry() {  // dropped with the GIL held: every path that releases an entry holds it
-    for (PyObject* o : objs) Py_DECREF(o);
-    for (PyObject* o : subs) Py_XDECREF(o);
-    Py_XDECREF(fn);
-    Py_XDECREF(vid);
-    Py_XDECREF(gate);
-    Py_XDECREF(py_checks);
-    Py_XDECREF(rule);
+    drop_refs(objs);
+    drop_refs(subs);
+    drop_refs({fn, vid, gate, py_checks, rule});
   }
 };
 

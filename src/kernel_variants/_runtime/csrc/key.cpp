@@ -376,23 +376,16 @@ int inspected_key(State* st, PyObject* const* a, Py_ssize_t nargs, const char* w
 }
 
 // key(args, out) -> (words, ((object, its type), ...)) or None: the key the core builds for
-// this call (tests compare its classes with the Python memo key's).
-PyObject* core_key(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+// this call (tests compare its classes with the Python memo key's). lookup(args, out) -> the
+// variant id memoised for this call's key, or None.
+template <bool kLookup>
+PyObject* core_inspect(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
   State* st = reinterpret_cast<CallCore*>(self)->st;
   uint64_t hash;
-  int got = inspected_key(st, a, nargs, "key", &hash);
+  int got = inspected_key(st, a, nargs, kLookup ? "lookup" : "key", &hash);
   if (got < 0) return nullptr;
   if (got == 0) Py_RETURN_NONE;
-  return key_tuple(st);
-}
-
-// lookup(args, out) -> the variant id memoised for this call's key, or None.
-PyObject* core_lookup(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
-  State* st = reinterpret_cast<CallCore*>(self)->st;
-  uint64_t hash;
-  int got = inspected_key(st, a, nargs, "lookup", &hash);
-  if (got < 0) return nullptr;
-  if (got == 0) Py_RETURN_NONE;
+  if (!kLookup) return key_tuple(st);
   Entry* e = find(st, hash);
   if (e == nullptr || e->python_only) Py_RETURN_NONE;
   return Py_NewRef(e->vid);
@@ -446,12 +439,8 @@ PyObject* core_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     st->mutated.push_back(static_cast<uint8_t>(m && k != kValue));
   }
   st->npos = static_cast<int>(npos);
-  st->kwnames = Py_NewRef(kwnames);
-  st->keep = Py_NewRef(keep);
-  st->pins_var = Py_NewRef(pins_var);
-  st->counters = Py_NewRef(counters);
-  st->fail = Py_NewRef(fail);
-  st->miss = Py_NewRef(miss);
+  keep_refs({{&st->kwnames, kwnames}, {&st->keep, keep}, {&st->pins_var, pins_var}, {&st->counters, counters},
+             {&st->fail, fail}, {&st->miss, miss}});
   // None (no graph calls): `out` None is an ordinary call, never a graph call.
   st->graph = graph == Py_None ? nullptr : Py_NewRef(graph);
   return new_core<CallCore>(type, core_vectorcall, std::move(st));
@@ -464,14 +453,7 @@ void core_dealloc(PyObject* self) {
     State* st = core->st;
     core->st = nullptr;
     clear_map(st);
-    Py_XDECREF(st->kwnames);
-    Py_XDECREF(st->pins_var);
-    Py_XDECREF(st->counters);
-    Py_XDECREF(st->fail);
-    Py_XDECREF(st->miss);
-    Py_XDECREF(st->keep);
-    Py_XDECREF(st->graph);
-    Py_XDECREF(st->last_pins);
+    drop_refs({st->kwnames, st->pins_var, st->counters, st->fail, st->miss, st->keep, st->graph, st->last_pins});
     delete st;
   }
   Py_TYPE(self)->tp_free(self);
@@ -501,9 +483,9 @@ int core_clear_refs(PyObject* self) {
 }
 PyMethodDef core_methods[] = {
     {"learn", core_learn, METH_O, "learn(learned) -> bool: a callcore.Learned remembered for its call's key"},
-    {"key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_key)), METH_FASTCALL,
+    {"key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_inspect<false>)), METH_FASTCALL,
      "key(args, out) -> (words, objects) or None"},
-    {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_lookup)), METH_FASTCALL,
+    {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_inspect<true>)), METH_FASTCALL,
      "lookup(args, out) -> the variant id memoised for the call's key, or None"},
     {"clear", core_clear, METH_NOARGS, "forget every entry"},
     {nullptr, nullptr, 0, nullptr},

@@ -59,48 +59,24 @@ def add_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
     return _ADD(x, weight, residual, eps, out)
 
 
-_ANY = dict(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"}, autograd=True)
-_IN_PLACE = dict(takes_out=True, in_place=True)  # the reference computes apart, then writes out
-_ORACLE = "the contract in plain torch, fp32; the oracle for every other variant"
+def _op_spec(name: str, signature, check, reference, **more) -> OpSpec:
+    """One op of the family: what the two share (the key's axes, no flags, the base
+    capabilities, the cases, a reference that covers every call) and what is its own (``more``)."""
+    caps = Capabilities(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"}, autograd=True,
+                        takes_out=True, in_place=True)  # the reference computes apart, then writes out
+    oracle = Variant(id="reference", op=name, version="1", fn=reference, priority=-100, isolate=False,
+                     capabilities=caps, description="the contract in plain torch, fp32; the oracle for every other variant")
+    return OpSpec(name=name, signature=signature, check=check, reference=oracle, make_case=_spec.spec_case(name),
+                  sweeps=_spec.sweeps(name), axes=("T", "D"), features=RmsFeatures, capabilities=Capabilities,
+                  conformance=_spec.conformance, normalize={"eps": float}, **more)
 
-def _reference_variant(op: str, fn) -> Variant:
-    return Variant(id="reference", op=op, version="1", fn=fn, priority=-100, isolate=False,
-                   capabilities=Capabilities(**_ANY, **_IN_PLACE), description=_ORACLE)
 
-
-# What the two ops share: the key's axes, no flags, the base capabilities, the cases.
-_FAMILY = dict(axes=("T", "D"), features=RmsFeatures, capabilities=Capabilities, conformance=_spec.conformance,
-               normalize={"eps": float})
-
-FN_SPEC = OpSpec(
-    name=FN,
-    signature=gemma_rms_norm,
-    check=_spec.check_fn,
-    reference=_reference_variant(FN, _spec.reference_fn),
-    make_case=_spec.spec_case(FN),
-    sweeps=_spec.sweeps(FN),
-    default_sweep="rms-smoke",
-    out_aliases={"out": "x"},
-    aliases=("rms",),
-    description="Gemma RMSNorm (scale 1 + weight)",
-    **_FAMILY,
-)
-
-ADD_SPEC = OpSpec(
-    name=ADD,
-    signature=add_gemma_rms_norm,
-    check=_spec.check_add,
-    reference=_reference_variant(ADD, _spec.reference_add),
-    make_case=_spec.spec_case(ADD),
-    sweeps=_spec.sweeps(ADD),
-    default_sweep="add-rms-smoke",
-    outputs=("out", "residual_sum"),
-    # sglang's fused add-rmsnorm runs in place: the norm over x, the sum over residual.
-    out_aliases={"out": "x", "residual_sum": "residual"},
-    aliases=("add_rms",),
-    description="residual add, then Gemma RMSNorm; returns (out, residual_sum)",
-    **_FAMILY,
-)
+FN_SPEC = _op_spec(FN, gemma_rms_norm, _spec.check_fn, _spec.reference_fn, default_sweep="rms-smoke",
+                   out_aliases={"out": "x"}, aliases=("rms",), description="Gemma RMSNorm (scale 1 + weight)")
+# sglang's fused add-rmsnorm runs in place: the norm over x, the sum over residual.
+ADD_SPEC = _op_spec(ADD, add_gemma_rms_norm, _spec.check_add, _spec.reference_add, default_sweep="add-rms-smoke",
+                    outputs=("out", "residual_sum"), out_aliases={"out": "x", "residual_sum": "residual"},
+                    aliases=("add_rms",), description="residual add, then Gemma RMSNorm; returns (out, residual_sum)")
 
 SPECS = {FN: FN_SPEC, ADD: ADD_SPEC}
 _spec.SPECS.update(SPECS)
