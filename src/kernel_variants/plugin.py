@@ -27,10 +27,10 @@ their shape axes).
 A new op is an :class:`OpSpec` registered by ``kv_register_ops`` (called for every plugin
 before any variants): the op's public function, written with its signature and docstring,
 returns ``make_op(spec)``'s entry called with its arguments. ``examples/kv-my-conv`` in the repository does both, and the built-in
-``kernel_variants.ops.gemma_rms_norm`` is a complete op in one package. Where the compiled call
-core serves the op, its first call rebinds the module global through which the public function
-calls the entry to the core's C entry (same arguments, results and errors; one Python frame
-fewer per call); a public function that reaches its entry any other way keeps it.
+``kernel_variants.ops.gemma_rms_norm`` is a complete op in one package. The entry ``make_op``
+returns is what the public function calls for the life of the process, never rebound; it reads
+the compiled call core bound to it on each call, and where that core serves the call the variant
+runs from C++ (same arguments, results and errors as the Python path).
 
 Make a plugin discoverable by declaring an entry point in its package's ``pyproject.toml``::
 

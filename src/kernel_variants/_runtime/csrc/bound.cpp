@@ -176,12 +176,12 @@ bool owned_tuple(PyObject* t, std::vector<PyObject*>& out, PyObject* required) {
   return true;
 }
 
-// BoundCore(spec): spec a callcore.BoundSpec, read by field name. example: the example's
+// BoundCore(spec): spec a core_specs.BoundSpec, read by field name. example: the example's
 // arguments in signature order; grad: whether it needed a gradient; guards: its write guard's
 // data (guards.Written); subs: per parameter, the normalised value or `keep`.
 PyObject* bound_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if ((kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) || PyTuple_GET_SIZE(args) != 1) {
-    PyErr_SetString(PyExc_TypeError, "BoundCore(spec): one callcore.BoundSpec");
+    PyErr_SetString(PyExc_TypeError, "BoundCore(spec): one core_specs.BoundSpec");
     return nullptr;
   }
   Fields f(PyTuple_GET_ITEM(args, 0));

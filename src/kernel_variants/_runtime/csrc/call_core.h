@@ -20,6 +20,8 @@
 // A variant's own exception goes to a Python function that raises VariantFailed from it.
 //
 // The map only ever holds entries the Python memo holds too: the Python side clears both
+// together (the dispatcher's memo cleared, a new dispatcher, calibration: callcore.clear_all),
+// so the core never decides.
 //
 // The files, one job each, share this header's declarations (namespace kv_core):
 //   key.cpp      the CallCore type: the key of a call, its lookup, learn, running the variant
@@ -297,8 +299,8 @@ bool parse_guards(int n, const std::vector<int8_t>& kind, PyObject* seq, std::ve
 bool parse_subs(int n, PyObject* seq, PyObject* keep, std::vector<PyObject*>& subs, const char* who);
 // o.name, a new reference (nullptr with the error set): what Python hands the core is read by name.
 THPObjectPtr field(PyObject* o, const char* name);
-// The fields of one object Python hands the core (callcore.CoreSpec, BoundSpec, Learned), read by
-// name once, each held until the reader goes; a missing one leaves its error set (ok() false).
+// The fields of one object Python hands the core (core_specs.CoreSpec, BoundSpec, Learned), read
+// by name once, each held until the reader goes; a missing one leaves its error set (ok() false).
 class Fields {
  public:
   explicit Fields(PyObject* o) : o_(o) {}
@@ -324,8 +326,7 @@ struct Base {
 // A core's graph call: its result, each output sharing a storage in `bases` (by position) cloned.
 PyObject* unalias_graph(PyObject* res, const State* st, const Base* bases);
 PyObject* unaliased(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-// not alias an input; a compiled graph's kernel runs this after the dispatched call (no built-in
-// variant's output aliases an input, a plugin's might).
+
 // Whether a tensor is a Python tensor: the exact type first, as None and the op's other values
 // would otherwise each take isinstance's slow path (a bound __instancecheck__ per call).
 inline bool is_tensor(PyObject* o) {

@@ -1,10 +1,11 @@
+// The graph kernel: the op's compiled-graph kernel in C++, calling the entry's call core.
 //
 // Registered by custom_ops as the CompositeExplicitAutograd kernel of `kernel_variants::<op>`
 // (each overload that returns its outputs) where the core is built: a graph's call reaches the
 // core from the dispatcher's stack with no Python frame on the way. A Python kernel there costs
 // the frame, its globals and the entry's attribute, each a cache miss after a large kernel, on
 // top of what a plain op's Python kernel costs; this kernel reads the entry's core and calls it
-// as the Python kernel would, and hands anything else (the core not yet resolved, off, a miss)
+// as the Python kernel would, and hands anything else (no core bound to the entry, off, a miss)
 // to that Python kernel's code, so both give the same results and errors (a variant's result
 // that is not the op's outputs: both raise errors.result_error's TypeError).
 

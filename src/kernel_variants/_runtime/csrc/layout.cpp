@@ -279,8 +279,8 @@ int none_empty(const at::Tensor& t) {
 // The op called with `args` (its parameters in signature order, then out; nargsf as a
 // vectorcall's, PY_VECTORCALL_ARGUMENTS_OFFSET where args[-1] is lent): its CallCore served in C
 // where `core` is one of this module's for that many arguments, a call it hands back going to
-// `missed`; any other call to `entry`, the op's Python entry (the core's resolver before the
-// op's first call, the Python path with the core off).
+// `missed`; any other call to `entry`, the op's Python entry (`core` None: no core built, or
+// KV_CALL_CORE=0; the entry then takes the Python path).
 PyObject* call_op(PyObject* core, PyObject* entry, PyObject* missed, PyObject* const* args, size_t nargsf) {
   if (Py_IS_TYPE(core, &CallCoreType)) {
     State* st = reinterpret_cast<CallCore*>(core)->st;
@@ -294,7 +294,7 @@ PyObject* call_op(PyObject* core, PyObject* entry, PyObject* missed, PyObject* c
   return PyObject_Vectorcall(entry, args, nargsf, nullptr);
 }
 
-// The op's call core for an adapter's views: the slot's core where it keys x's device (the
+// The op's call core for an adapter's views: the entry's core where it keys x's device (the
 // CPU; CUDA where a capture check is installed), None otherwise (the op's entry then: asking a
 // core that serves no such tensor first would build the key twice).
 PyObject* step_core(PyObject* core, const at::Tensor& x) {

@@ -60,6 +60,8 @@ PyObject* unalias_checked(PyObject* res, const Inputs& in) {
 
 // unaliased(result, *args): `result` (a tensor, or a tuple or list of tensors), each output that
 // shares storage with a tensor among `args` replaced by a clone. A torch.library op's output may
+// not alias an input; a compiled graph's kernel runs this after the dispatched call (no built-in
+// variant's output aliases an input, a plugin's might).
 PyObject* unaliased(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs < 1) {
     PyErr_SetString(PyExc_TypeError, "unaliased(result, *args): expected the result");
