@@ -159,3 +159,22 @@ def test_a_device_rule_count_on_the_cpu_is_reported_first_on_both_paths(referenc
         monkeypatch.setitem(_device_errors._counters, torch.device("cpu"), counter)
         errors.append(_error(FN, _fn_call()))
     assert errors[0] == errors[1] and "2 x slot index" in errors[0][1]
+
+
+def test_learn_raises_what_a_field_s_truth_test_raises(reference_only, path):
+    """A ``python_only`` whose truth test raises: learn raises it (never True with an error set)
+    and files nothing."""
+    from kernel_variants._runtime.core_specs import Learned, per_parameter
+
+    class Unsure:
+        def __bool__(self):
+            raise RuntimeError("no truth here")
+
+    path(True)
+    core = _callcore.core_for(FN_SPEC)
+    args = FN_SPEC.bind(**_fn_call())
+    learned = Learned(args, None, lambda *a, **k: None, "reference", per_parameter(len(args), ()), None, None,
+                      None, (), Unsure(), None)
+    with pytest.raises(RuntimeError, match="no truth here"):
+        core.learn(learned)
+    assert len(core) == 0

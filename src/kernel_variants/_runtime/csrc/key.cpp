@@ -285,7 +285,7 @@ bool unpack_call(State* st, PyObject* args_tuple, const char* who) {
 }
 
 // learn(learned) -> bool: remember what the Python path decided for this call's key (False: not a
-// call it serves). learned: a callcore.Learned, read by field name.
+// call it serves). learned: a core_specs.Learned, read by field name.
 PyObject* core_learn(PyObject* self, PyObject* learned) {
   State* st = reinterpret_cast<CallCore*>(self)->st;
   Fields f(learned);
@@ -306,7 +306,9 @@ PyObject* core_learn(PyObject* self, PyObject* learned) {
   e->words.assign(st->words.begin(), st->words.begin() + static_cast<std::ptrdiff_t>(st->nwords));
   e->objs = st->objs;
   for (PyObject* o : e->objs) Py_INCREF(o);
-  e->python_only = PyObject_IsTrue(python_only) == 1;
+  const int only = PyObject_IsTrue(python_only);
+  if (only < 0) return nullptr;  // its __bool__ raised: e (and the references it holds) dropped
+  e->python_only = only == 1;
   e->fn = Py_NewRef(fn);
   e->vid = Py_NewRef(vid);
   if (!parse_subs(st->n, subs, st->keep, e->subs, "learn") || !parse_checks(st->n, st->kind, checks, e->checks, "learn") ||
@@ -400,7 +402,7 @@ Py_ssize_t core_len(PyObject* self) {
   return static_cast<Py_ssize_t>(reinterpret_cast<CallCore*>(self)->st->size);
 }
 
-// CallCore(spec): spec a callcore.CoreSpec, read by field name:
+// CallCore(spec): spec a core_specs.CoreSpec, read by field name:
 //   kinds: per parameter 0 (not a tensor), 1 (a tensor), 2 (a tensor or None)
 //   mutated: per parameter, whether the op writes it (its strides are part of the key)
 //   graph: passed as `out`, a compiled graph's call: no `out`, each output aliasing an argument cloned
@@ -482,7 +484,7 @@ int core_clear_refs(PyObject* self) {
   return 0;
 }
 PyMethodDef core_methods[] = {
-    {"learn", core_learn, METH_O, "learn(learned) -> bool: a callcore.Learned remembered for its call's key"},
+    {"learn", core_learn, METH_O, "learn(learned) -> bool: a core_specs.Learned remembered for its call's key"},
     {"key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_inspect<false>)), METH_FASTCALL,
      "key(args, out) -> (words, objects) or None"},
     {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(core_inspect<true>)), METH_FASTCALL,
