@@ -508,6 +508,7 @@ def test_a_failing_device_rule_is_not_blamed_on_the_variant(accelerator, monkeyp
     """The rule is the op's: its error comes out as raised, from the dispatched call and from
     ``kv.bind`` alike, whichever object serves the bound call (the C one or the Python one)."""
     monkeypatch.setenv(_callcore.ENV, "1" if core else "0")
+    _callcore.rearm()  # KV_CALL_CORE is read where the cores are bound (a new dispatcher binds them)
     _, op, kwargs = next(f for f in FORMS if f[0] == name)
 
     def broken(*args, **kw):

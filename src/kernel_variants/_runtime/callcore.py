@@ -5,8 +5,8 @@ arguments, the lookup, the index value checks, the write guard, the call of the 
 in C++ (``_runtime/csrc``, built as ``core_build.CORE``) when the core is built: ``kv build`` builds
 it with the C++ kernels; a call never does. Where it is not built (or does not load), the Python
 path (``call.call``) serves every call, and the first call says so once on stderr.
-``KV_CALL_CORE=0`` turns the core off (read when the process's dispatcher is made, by its first
-call, and at each ``kv.reload()``).
+``KV_CALL_CORE=0`` turns the core off (read when the ops are made, and again when the process's
+dispatcher is made and at each ``kv.reload()``: every call form follows that reading).
 
 The core decides nothing. A call it has no entry for, or one it does not serve (``out=``, a
 tensor of a subclass or on a device other than the CPU and CUDA, a torch function mode, a graph
@@ -85,6 +85,19 @@ def _off(raw: str) -> bool:
     return raw.strip().lower() in ("0", "false", "no", "off")
 
 
+_wanted: bool | None = None  # KV_CALL_CORE as last read: by rearm, else at first need
+
+
+def _core_wanted() -> bool:
+    """Whether ``KV_CALL_CORE`` lets the ops take the core: read once, and again by each
+    :func:`rearm`, so that every call form (the entry, ``kv.bind``, the graph kernels, the engine
+    steps) and ``status()`` agree on one reading."""
+    global _wanted
+    if _wanted is None:
+        _wanted = not _off(os.environ.get(ENV, ""))
+    return _wanted
+
+
 def _library() -> tuple[ModuleType | None, str]:
     """(the core's extension module, or None; a short reason when None). Never builds, and asks
     neither ninja nor the compiler: a complete build is imported as it is (``build.load_built``)."""
@@ -148,7 +161,7 @@ def serves(core: Any, t: Any, host_checks: bool) -> bool:
 
 def status() -> tuple[bool, str]:
     """(whether the ops take the compiled core, the call path in words) for this environment."""
-    if _off(os.environ.get(ENV, "")):
+    if not _core_wanted():
         return False, f"Python ({ENV}=0)"
     module, why = _library()
     if module is None:
@@ -185,7 +198,7 @@ def _make(spec: OpSpec, module: ModuleType) -> Any:
 
 def core_for(spec: OpSpec) -> Any:
     """The core that serves ``spec``'s calls now, or None (the Python path)."""
-    if _off(os.environ.get(ENV, "")):
+    if not _core_wanted():
         return None
     module, _ = _library()
     if module is None:
@@ -204,7 +217,7 @@ def python_path_notice() -> None:
     """Say once per process, on stderr, why the ops take the Python call path: a call found no
     core (called by that call, so a process that never calls an op says nothing)."""
     global _announced
-    if _announced or _off(os.environ.get(ENV, "")):
+    if _announced or not _core_wanted():
         return
     _announced = True
     module, why = _library()
@@ -215,7 +228,7 @@ def python_path_notice() -> None:
 
 def core_module() -> ModuleType | None:
     """The core's extension module, loaded now where it is built and the core is on; else None."""
-    return None if _off(os.environ.get(ENV, "")) else _library()[0]
+    return _library()[0] if _core_wanted() else None
 
 
 def graph_module() -> ModuleType | None:
@@ -278,8 +291,8 @@ def bound(spec: OpSpec, python: Callable[..., Any], vid: str, fn: Callable[..., 
 class Entry:
     """An op's entry, as the runtime holds it: ``call``, the function the op's public function
     calls (``entry.make_op``); ``core``, the CallCore it serves its calls through, or None (the
-    Python path): bound by :func:`rearm`, which each new dispatcher runs, and by :func:`arm` for
-    an op made after it; never by a call. ``traced``: what a call traced by torch.compile
+    Python path): bound when the op is made (:func:`arm`) and again by each new dispatcher
+    (:func:`rearm`); never by a call. ``traced``: what a call traced by torch.compile
     invokes, set when the op's custom op is registered (``custom_ops.register``)."""
 
     __slots__ = ("call", "core", "spec", "traced")
@@ -292,15 +305,13 @@ class Entry:
 
 
 _entries: list[Entry] = []
-_armed = False  # whether a dispatcher has bound the entries (the first one is made by a first call)
 
 
 def arm(spec: OpSpec) -> Entry:
-    """The entry of a new op ``spec``, bound to its core now if the entries are bound already."""
+    """The entry of a new op ``spec``, bound to its core now."""
     entry = Entry(spec)
+    entry.core = core_for(spec)
     _entries.append(entry)
-    if _armed:
-        entry.core = core_for(spec)
     return entry
 
 
@@ -312,9 +323,9 @@ def entry_of(spec: OpSpec) -> Entry:
 def rearm() -> None:
     """A new dispatcher: every core forgets its entries, ``KV_CALL_CORE`` is read again, and
     each op's entry and :data:`FUNCTIONS` are bound to what serves from now on."""
-    global _armed
+    global _wanted
     clear_all()
-    _armed = True
+    _wanted = None
     for entry in _entries:
         entry.core = core_for(entry.spec)
     FUNCTIONS.bind(core_module())
