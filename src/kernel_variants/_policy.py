@@ -38,6 +38,13 @@ def policy_from(raw: str) -> Policy:
     return value  # type: ignore[return-value]
 
 
+def qualifies(policy: Policy) -> bool:
+    """Whether ``policy`` qualifies variants and keeps what their checks find as verdicts: every
+    policy but ``off`` (under which a check that fails rejects a variant where it ran, and no
+    more)."""
+    return policy != "off"
+
+
 class Admission(NamedTuple):
     """:func:`admit`'s answer: ``barred`` (why not, or None: it may be chosen) unless the
     caller must first ``qualify`` it (no verdict yet) or ``check`` it at the call's shape."""
@@ -66,9 +73,9 @@ def admit(verdict: Verdict | None, *, policy: Policy, reference: bool, may_run: 
     first at a shape beyond every one it was checked at."""
     if reference:
         return ADMITTED
-    if verdict is not None and not verdict.passed and (policy != "off" or verdict.where == "shadow"):
+    if verdict is not None and not verdict.passed and (qualifies(policy) or verdict.where == "shadow"):
         return Admission(verdict.summary())
-    if policy == "off":
+    if not qualifies(policy):
         return ADMITTED
     if verdict is None:
         return Admission(None, qualify=True) if may_run else Admission(NOT_YET)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernel_variants._policy import is_reference
 from kernel_variants._registry.keys import CallKey
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._table.fingerprint import fingerprint, fingerprint_id
@@ -50,7 +51,7 @@ def qualify(
         for spec in specs:
             f = spec.features(**features)
             for rv in d.registry.variants(spec.name):
-                if (variants is not None and rv.id not in variants) or rv.variant.fn is spec.reference.fn:
+                if (variants is not None and rv.id not in variants) or is_reference(rv, spec):
                     continue
                 caps = rv.variant.capabilities
                 shape = caps.fit(spec.axes, (1,) * len(spec.axes))

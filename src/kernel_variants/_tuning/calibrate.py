@@ -3,6 +3,7 @@ match, store per-variant figures and re-decide the shape's winner."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -11,7 +12,9 @@ from typing import Any
 
 import torch
 
+from kernel_variants._decide import Facts, Qualify, admissions
 from kernel_variants._dtypes import as_dtype, dtype_name
+from kernel_variants._policy import NOT_YET, is_reference, qualifies
 from kernel_variants._registry.case import Case
 from kernel_variants._registry.keys import CallKey, Features
 from kernel_variants._registry.registry import RegisteredVariant
@@ -125,7 +128,7 @@ def measure_shape(
         lost = held.get(rv.id)
         if lost is None:
             continue
-        barred = None if rv.variant.fn is spec.reference.fn else qualifier.barred(rv, run.key, may_run=True)
+        barred = _barred(qualifier, rv, run.key)
         if barred is not None:  # a failed class is rejected here, as in a check
             run.emit(Measurement(status="rejected", reason=barred, measured_at=time.time(), **run.base(rv)))
         elif lost.rival in figures and lost.bound(figures[lost.rival]) > prune:
@@ -186,17 +189,17 @@ class _ShapeRun:
         """Those of ``rvs`` that are right at this shape (the others are emitted as rejected)."""
         passed = []
         for rv in rvs:
-            if rv.variant.fn is self.spec.reference.fn:  # the oracle itself: its result is the expected one
+            if is_reference(rv, self.spec):  # the oracle itself: its result is the expected one
                 self.expected()
                 bad, self.first[rv.id] = None, self.first["\0reference"]
             else:
                 with self.costs.timer("qualification", rv.id):
-                    bad = self.qualifier.barred(rv, self.key, may_run=True)  # its class's edge cases first
+                    bad = _barred(self.qualifier, rv, self.key)  # its class's edge cases first
                 if bad is None:
                     expected = self.expected()
                     with self.costs.timer("checks", rv.id):
                         bad = verify(_timed(rv.variant.fn, self.dev, self.first, rv.id), self.check_case, expected)
-                    if self.qualifier.policy != "off":  # off: rejected at this shape, no verdict kept
+                    if qualifies(self.qualifier.policy):  # off: rejected at this shape, no verdict kept
                         verdict = self.qualifier.check(rv, self.key, self.shape, bad, ran=True)
                         bad = None if verdict.passed else verdict.summary()
             if bad is None:
@@ -277,6 +280,22 @@ def _timed(fn: Callable[..., Any], device: torch.device, sink: dict[str, float],
     return call
 
 
+def _barred(qualifier: Qualifier, rv: RegisteredVariant, key: CallKey, *, may_run: bool = True) -> str | None:
+    """Why ``rv`` may not be measured for ``key``'s class (None: it may): what
+    ``_decide.admissions`` says of it, as for a call. With ``may_run`` what it asks for is done
+    first, as ``Dispatcher.settle`` does: a variant without a verdict is qualified (and under
+    ``KV_QUALIFY=strict`` one beyond every shape it was checked at is checked at ``key``'s).
+    Without, only a verdict bars: one not qualified yet is not. ``rv`` is taken to run ``key``
+    (the caller chose it among those that do, or asks of its class, not of this shape)."""
+    facts = Facts(key, (rv,), qualifier.announced_policy(), {rv.id: qualifier.stored(rv, key)},
+                  may_run=may_run, unfit={rv.id: None})
+    while isinstance(asked := admissions(facts), Qualify):
+        verdict = qualifier.check(rv, key, key.shape) if asked.at_shape else qualifier.qualify(rv, key)
+        facts = dataclasses.replace(facts, verdicts={rv.id: verdict}, asked=facts.asked | {rv.id})
+    why = asked.get(rv.id)
+    return None if why == NOT_YET else why
+
+
 def _without_failed(table: CalibrationTable, entries: Sequence[RegisteredVariant], spec: OpSpec,
                     result: CalibrationResult, features: Features, device: str, qualifier: Qualifier,
                     versions: dict[tuple[str, str], str], margin: float) -> None:
@@ -284,7 +303,7 @@ def _without_failed(table: CalibrationTable, entries: Sequence[RegisteredVariant
     shapes it won earlier in the run are decided again without it."""
     dev = torch.device(device)
     key = CallKey(spec, dev.type, result.dtype, features, result.measurements[0].shape, index=dev.index)
-    failed = qualifier.failed(list(entries), key)
+    failed = {rv.id: why for rv in entries if (why := _barred(qualifier, rv, key, may_run=False)) is not None}
     if not any(w is not None and w.variant in failed for w in result.winners.values()):
         return
     allowed = {k: v for k, v in versions.items() if k[1] not in failed}

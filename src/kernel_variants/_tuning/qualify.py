@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kernel_variants._policy import Admission, Policy, admit, is_reference
+from kernel_variants._policy import Policy, qualifies
 from kernel_variants._registry.keys import CallKey
 from kernel_variants._registry.registry import RegisteredVariant
 from kernel_variants._registry.spec import Shape
@@ -50,8 +50,9 @@ def verdict_from(outcome: Mapping[str, Any], *, key: CallKey, rv: RegisteredVari
 
 
 class Qualifier:
-    """The verdicts of one table, and the one rule of who may be chosen: a variant may run a
-    call when it passed its class's cases on this device (the reference always may).
+    """The verdicts of one table: kept, read, and made by running what ``_policy.admit`` asks
+    for (a qualification, a check at a shape). Who may be chosen given them is not said here:
+    the dispatcher and calibration ask ``_decide`` with the verdicts as facts.
 
     ``on_failure`` runs when a variant's verdict becomes a failure (the dispatcher forgets its
     memoised decisions then: one may have chosen that variant)."""
@@ -172,37 +173,11 @@ class Qualifier:
 
     def announced_policy(self) -> Policy:
         """The policy, said once on stderr when it is ``off``."""
-        if self.policy == "off" and not self._said_off:
+        if not qualifies(self.policy) and not self._said_off:
             self._said_off = True
             print("kernel_variants: KV_QUALIFY=off: variants are chosen without being checked on this "
                   "device", file=sys.stderr)
         return self.policy
-
-    def _admit(self, rv: RegisteredVariant, key: CallKey, v: Verdict | None, *, may_run: bool,
-               policy: Policy | None = None) -> Admission:
-        return admit(v, policy=policy or self.announced_policy(), reference=is_reference(rv, key.spec),
-                     may_run=may_run, shape=key.shape, axes=key.spec.axes)
-
-    def barred(self, rv: RegisteredVariant, key: CallKey, *, may_run: bool, announce: bool = False) -> str | None:
-        """Why ``rv`` may not be chosen for ``key`` (None: it may), by ``_policy.admit``.
-        ``may_run``: qualify it now if it has no verdict (never while a graph is captured or
-        traced, nor for ``explain``); ``announce``: say so on stderr (a call's first use)."""
-        answer = self._admit(rv, key, self.stored(rv, key), may_run=may_run)
-        if answer.qualify:
-            answer = self._admit(rv, key, self.qualify(rv, key, announce=announce), may_run=may_run)
-        if answer.check:  # checked at this shape now
-            answer = self._admit(rv, key, self.check(rv, key, key.shape), may_run=False, policy="require")
-        return answer.barred
-
-    def failed(self, entries: list[RegisteredVariant], key: CallKey) -> dict[str, str]:
-        """Those of ``entries`` whose verdict for ``key``'s class bars them (``_policy.admit``), with why."""
-        out = {}
-        for rv in entries:
-            v = self.stored(rv, key)
-            why = None if v is None else self._admit(rv, key, v, may_run=False).barred
-            if why is not None:
-                out[rv.id] = why
-        return out
 
     def check(self, rv: RegisteredVariant, key: CallKey, shape: Shape, why: str | None = None, *,
               ran: bool = False) -> Verdict:

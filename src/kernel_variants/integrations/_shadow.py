@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kernel_variants._capture import capturing
+from kernel_variants._policy import is_reference
 from kernel_variants._runtime import shadow as _shadow
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._runtime.errors import VariantFailed
@@ -211,7 +212,7 @@ def _mismatch(adapter: Callable[..., Any], original: Callable[..., Any], real: d
     oracle = f"the engine's {engine['function']}"
     blamed, saved = [], ""
     for spec, vid, call in log:
-        if vid == "reference" or spec.reference.fn is d.registry.get(spec.name, vid).variant.fn:
+        if vid == "reference" or is_reference(d.registry.get(spec.name, vid), spec):
             continue
         try:
             saved = d.shadow_failed(spec, vid, call, why, oracle=oracle, extra={"engine": engine})
