@@ -173,8 +173,8 @@ def settle(f: Facts, answers: dict) -> tuple[object, list]:
         if isinstance(out, Look):
             f = dataclasses.replace(f, figures={**f.figures, out.among: answers.get("figures")})
         elif isinstance(out, Qualify):
-            f = dataclasses.replace(f, verdicts={**f.verdicts, out.variant: answers[out.variant]},
-                                    asked=f.asked | {out.variant})
+            done = {"checked": f.checked | {out.variant}} if out.at_shape else {"asked": f.asked | {out.variant}}
+            f = dataclasses.replace(f, verdicts={**f.verdicts, out.variant: answers[out.variant]}, **done)
         elif isinstance(out, Tune):
             f = dataclasses.replace(f, tuned=True, figures={})
             answers = {**answers, "figures": answers.get("tuned")}
@@ -205,6 +205,16 @@ def test_decide_under_capture_passes_over_the_unqualified_provisionally():
 def test_decide_a_preview_says_the_call_would_qualify():
     d, _ = settle(facts(verdicts={}, may_run=False, preview=True), {})
     assert d.chosen.id == "fast" and NOT_YET in d.note and not d.provisional
+
+
+def test_decide_strict_qualifies_then_checks_at_the_shape_in_one_call():
+    """A variant without a verdict under KV_QUALIFY=strict is qualified, then checked at the
+    call's shape when that is beyond its cases, before it runs: each once."""
+    f = dataclasses.replace(facts(verdicts={}), policy="strict")
+    d, asked = settle(f, {"fast": verdict("fast", largest=(1, 1, 1))})
+    assert asked.count(Qualify("fast")) == 1 and asked.count(Qualify("fast", at_shape=True)) == 1
+    assert asked.index(Qualify("fast")) < asked.index(Qualify("fast", at_shape=True))
+    assert d.chosen.id == "fast"
 
 
 def test_decide_strict_checks_at_the_shape_first():

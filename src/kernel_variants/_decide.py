@@ -83,7 +83,8 @@ class Facts:
     tuned: bool = False
     agreed: str | None = None  # rank 0's choice for the key under distributed tuning
     excluded: Mapping[str, str] = field(default_factory=dict)  # out of routing, with why
-    asked: frozenset[str] = frozenset()  # qualified or checked for this call already
+    asked: frozenset[str] = frozenset()  # qualified for this call already
+    checked: frozenset[str] = frozenset()  # checked at the call's shape for this call already
     built: Mapping[str, str | None] = field(default_factory=dict)  # build outcomes: why it failed, or None
     figures: Mapping[frozenset[str], Figures | None] = field(default_factory=dict)  # each Look's answer
     # Each entry's why_not(key) (what it cannot run: capabilities, availability), asked once.
@@ -97,8 +98,12 @@ class Facts:
         return [rv for rv in self.entries if self.unfit[rv.id] is None]
 
     def admission(self, rv: RegisteredVariant, *, may_run: bool):
-        return admit(self.verdicts.get(rv.id), policy=self.policy, reference=is_reference(rv, self.key.spec),
-                     may_run=may_run and rv.id not in self.asked, shape=self.key.shape, axes=self.key.spec.axes)
+        verdict = self.verdicts.get(rv.id)
+        # Each step once per call: a qualification is followed by strict's check at the call's
+        # shape where that applies, but neither is asked for again.
+        again = rv.id not in self.checked and not (verdict is None and rv.id in self.asked)
+        return admit(verdict, policy=self.policy, reference=is_reference(rv, self.key.spec),
+                     may_run=may_run and again, shape=self.key.shape, axes=self.key.spec.axes)
 
     def unusable(self) -> dict[str, str]:
         """Candidates out for reasons beyond qualification: excluded, or their build failed."""

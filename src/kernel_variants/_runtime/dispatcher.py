@@ -174,8 +174,8 @@ class Dispatcher:
                 rv = self.registry.get(key.op, asked.variant)
                 v = (self.qualifier.check(rv, key, key.shape) if asked.at_shape
                      else self.qualifier.qualify(rv, key, announce=True))
-                facts = dataclasses.replace(facts, verdicts={**facts.verdicts, rv.id: v},
-                                            asked=facts.asked | {rv.id})
+                done = {"checked": facts.checked | {rv.id}} if asked.at_shape else {"asked": facts.asked | {rv.id}}
+                facts = dataclasses.replace(facts, verdicts={**facts.verdicts, rv.id: v}, **done)
             elif isinstance(asked, Tune):
                 self._tune(key, facts.excluded)
                 facts = dataclasses.replace(facts, tuned=True, figures={},
