@@ -8,7 +8,16 @@ import time
 import pytest
 import torch
 
-from kernel_variants._decide import Build, Facts, Look, Qualify, Tune, admissions, decide
+from kernel_variants._decide import (
+    Build,
+    Facts,
+    Look,
+    Qualify,
+    Tune,
+    admissions,
+    decide,
+    wants_tuning,
+)
 from kernel_variants._policy import (
     ADMITTED,
     NOT_YET,
@@ -16,8 +25,13 @@ from kernel_variants._policy import (
     Found,
     admit,
     choose,
+    combined_noise,
+    is_reference,
+    policy_from,
+    qualifies,
     select,
     winner_of,
+    with_note,
 )
 from kernel_variants._registry.registry import RegisteredVariant
 from kernel_variants._runtime.bind import call_key
@@ -267,3 +281,85 @@ def test_admissions_qualifies_each_then_lists_those_barred():
     assert admissions(f) == Qualify("fast")
     f = dataclasses.replace(f, verdicts={**f.verdicts, "fast": verdict("fast")}, asked=frozenset({"fast"}))
     assert admissions(f) == {"x": "rank 0 only", "slow": "failed qualification: empty: wrong"}
+
+
+# policy_from, qualifies
+
+
+@pytest.mark.parametrize("raw, policy", [("require", "require"), ("strict", "strict"), ("off", "off"),
+                                         ("STRICT", "strict"), (" Off\n", "off"), ("", "require"),
+                                         ("   ", "require")])
+def test_policy_from_reads_kv_qualify_in_any_case_empty_meaning_require(raw, policy):
+    assert policy_from(raw) == policy
+
+
+def test_policy_from_names_the_choices_and_the_bad_value():
+    with pytest.raises(ValueError) as info:
+        policy_from("lenient")
+    assert str(info.value) == "KV_QUALIFY: expected one of require, strict, off, got 'lenient'"
+
+
+def test_qualifies_under_every_policy_but_off():
+    assert [qualifies(p) for p in ("require", "strict", "off")] == [True, True, False]
+
+
+# is_reference
+
+
+def test_is_reference_goes_by_the_function_not_the_id():
+    assert is_reference(REF, KEY.spec)
+    assert not is_reference(FAST, KEY.spec)
+    alias = RegisteredVariant(Variant(id="alias", op="causal_conv1d_fn", version="1", fn=KEY.spec.reference.fn,
+                                      capabilities=ConvCapabilities(devices={"cpu"}, dtypes={"float32"})), "test", "1+0")
+    assert is_reference(alias, KEY.spec), "another name for the reference's function is the reference"
+
+
+# with_note
+
+
+def test_with_note_sets_a_first_note_and_appends_later_ones():
+    d = select(ENTRIES, KEY)
+    assert d.note == "no measurements for this key"
+    noted = with_note(d, "forced, unqualified")
+    assert noted.note == "no measurements for this key; forced, unqualified"
+    assert (noted.chosen, noted.source, noted.trace) == (d.chosen, d.source, d.trace)
+    assert d.note == "no measurements for this key", "the decision it was given is left as it was"
+    bare = dataclasses.replace(d, note="")
+    assert with_note(bare, "rank 0's choice").note == "rank 0's choice"
+
+
+# wants_tuning
+
+
+def test_wants_tuning_only_when_asked_and_only_once():
+    assert wants_tuning(facts(tune=True), None)
+    assert not wants_tuning(facts(), None), "KV_TUNE off (or under capture)"
+    assert not wants_tuning(facts(tune=True, tuned=True), None), "measured once for this call already"
+
+
+def test_wants_tuning_never_for_a_key_the_ranks_agreed_on():
+    assert not wants_tuning(facts(tune=True, agreed="slow"), None)
+    assert not wants_tuning(facts(tune=True, agreed="slow"), Figures(None, found({"slow": 1.0}, source="nearest")))
+
+
+def test_wants_tuning_only_without_figures_at_the_calls_own_shape():
+    f = facts(tune=True)
+    nearest = found({"fast": 1.0}, source="nearest", at=(9, 9, 9))
+    assert wants_tuning(f, Figures(None, None))
+    assert wants_tuning(f, Figures(None, nearest)), "a neighbour's figures are not this shape's"
+    assert not wants_tuning(f, Figures(found({"fast": 1.0}), nearest))
+
+
+# combined_noise
+
+
+def test_combined_noise_adds_independent_noises_in_quadrature():
+    assert combined_noise(0.03, 0.04) == pytest.approx(0.05)
+    assert combined_noise(0.02) == pytest.approx(0.02)
+    assert combined_noise(0.01, 0.01, 0.01, 0.01) == pytest.approx(0.02)
+
+
+def test_combined_noise_counts_an_unknown_noise_as_none():
+    assert combined_noise(None, 0.05) == pytest.approx(0.05)
+    assert combined_noise(None, None) == 0.0
+    assert combined_noise() == 0.0
