@@ -1,5 +1,5 @@
 """The ops' graph kernels (what a compiled graph calls) on the compiled call core and on the Python
-path: the same results, errors and output copies, and the core's C entry in a process.
+path: the same results, errors and output copies, and the core's C++ graph kernel in a process.
 
 Shared calls and helpers: ``tests/helpers/call_core.py``; the ``path`` fixture: ``tests/conftest.py``.
 """
@@ -361,3 +361,19 @@ def test_an_output_sharing_an_inputs_storage_is_copied_on_both_paths(path, on):
     pair = fresh.unaliased((mine, other), x, other)
     assert pair[0] is mine and torch.equal(pair[1], other) and pair[1] is not other
     assert (fresh.unaliased.__module__ or "").startswith("kernel_variants") != on, "the C function serves where the core does"
+
+
+def test_graph_kernel_reads_its_spec_by_field_name():
+    """The graph kernel's hand-over is the op's name and one core_specs.GraphSpec: a missing
+    field fails by its name, and the old positional form is refused, before anything registers."""
+    module = _callcore.graph_module()
+    if module is None:
+        pytest.skip("the call core is not built")
+
+    class NoBad:
+        entry, kernel, miss, n, n_out = object(), print, print, 1, 1
+
+    with pytest.raises(AttributeError, match="bad"):
+        module.graph_kernel("never_registered", NoBad())
+    with pytest.raises(TypeError, match="GraphSpec"):
+        module.graph_kernel("never_registered", object(), print, print, print, 1, 1)

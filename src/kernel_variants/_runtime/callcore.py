@@ -238,18 +238,18 @@ def graph_module() -> ModuleType | None:
     return found if found is not None and hasattr(found, "graph_kernel") else None
 
 
-def graph_kernel(module: ModuleType | None, name: str, entry: Entry, kernel: Callable[..., Any],
+def graph_kernel(module: ModuleType | None, name: str, *, entry: Entry, kernel: Callable[..., Any],
                  miss: Callable[..., Any], bad: Callable[[Any], BaseException], n_out: int) -> bool:
-    """Register ``module``'s C++ kernel (:func:`graph_module`) for the op ``kernel_variants::<name>``
-    (``op.overload``): a compiled graph's call reaches ``entry``'s core from the dispatcher with
-    no Python frame. ``kernel``: the Python kernel, which serves while the entry holds no core;
-    ``miss``: its path for a call the core hands back; ``bad(result)``: the exception raised
-    for a result that is not the op's ``n_out`` tensors. False (nothing registered) without a
-    module, or for an op the core does not serve (over 32 parameters): the caller registers
-    ``kernel`` itself."""
-    if module is None or len(entry.spec.params) > MAX_PARAMS:
+    """Register ``module``'s C++ kernel (:func:`graph_module`) for ``kernel_variants::<name>``
+    (``op.overload``): a graph's call reaches ``entry``'s core with no Python frame. ``kernel``:
+    the Python kernel, serving while the entry holds no core; ``miss``: its path for a call the
+    core hands back; ``bad(result)``: the exception for a result that is not ``n_out`` tensors.
+    The core gets them as one ``GraphSpec``. False (nothing registered) without a module, or for
+    an op the core does not serve (over 32 parameters): the caller registers ``kernel`` itself."""
+    from kernel_variants._runtime.core_specs import GraphSpec  # read by field name in C++
+    if module is None or (n := len(entry.spec.params)) > MAX_PARAMS:
         return False
-    module.graph_kernel(name, entry, kernel, miss, bad, len(entry.spec.params), n_out)
+    module.graph_kernel(name, GraphSpec(entry=entry, kernel=kernel, miss=miss, bad=bad, n=n, n_out=n_out))
     return True
 
 

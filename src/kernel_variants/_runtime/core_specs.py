@@ -105,3 +105,18 @@ class BoundSpec:
     fail: Callable[[str, BaseException], None]
     fallback: Callable[..., Any]
     keep: object = KEEP
+
+
+@dataclass(frozen=True, slots=True)
+class GraphSpec:
+    """An op's compiled-graph kernel (``graph_kernel``): the op's ``entry`` (a callcore.Entry,
+    its ``core`` read per call), the Python ``kernel`` that serves while the entry holds no core,
+    ``miss`` (its path for a call the core hands back), ``bad(result)`` (the exception for a
+    result that is not the op's outputs), the op's parameter count ``n`` and outputs ``n_out``."""
+
+    entry: Any
+    kernel: Callable[..., Any]
+    miss: Callable[..., Any]
+    bad: Callable[[Any], BaseException]
+    n: int
+    n_out: int

@@ -277,7 +277,8 @@ def _register(spec: OpSpec) -> Callable[..., Any]:
             qualified = _qualified(name, overload)
             # The ops that return their outputs take the core's C++ kernel where it is built
             # (no Python frame between the graph and the core); the Python one otherwise.
-            if k is not kernel or not callcore.graph_kernel(_CORE, qualified, entry, kernel, kernel_miss, bad, n_out):
+            if k is not kernel or not callcore.graph_kernel(_CORE, qualified, entry=entry, kernel=kernel,
+                                                            miss=kernel_miss, bad=bad, n_out=n_out):
                 LIB.impl(qualified, k, "CompositeExplicitAutograd")
             torch.library.register_fake(f"{NAMESPACE}::{qualified}", f, lib=LIB)
     return traced

@@ -299,8 +299,9 @@ bool parse_guards(int n, const std::vector<int8_t>& kind, PyObject* seq, std::ve
 bool parse_subs(int n, PyObject* seq, PyObject* keep, std::vector<PyObject*>& subs, const char* who);
 // o.name, a new reference (nullptr with the error set): what Python hands the core is read by name.
 THPObjectPtr field(PyObject* o, const char* name);
-// The fields of one object Python hands the core (core_specs.CoreSpec, BoundSpec, Learned), read
-// by name once, each held until the reader goes; a missing one leaves its error set (ok() false).
+// The fields of one object Python hands the core (core_specs.CoreSpec, BoundSpec, Learned,
+// GraphSpec), read by name once, each held until the reader goes; a missing one leaves its error
+// set (ok() false).
 class Fields {
  public:
   explicit Fields(PyObject* o) : o_(o) {}

@@ -130,18 +130,23 @@ class GraphKernel final : public c10::OperatorKernel {
 
 }  // namespace
 
-// graph_kernel(name, entry, kernel, miss, bad, n, n_out): registers GraphKernel as the
-// CompositeExplicitAutograd kernel of `kernel_variants::<name>` (an overload as
-// "op.overload"). The registration is never undone: the Library is kept for the process, as
-// the op's Python one is (undone at exit, it would run after the op's definition is gone).
+// graph_kernel(name, spec): registers GraphKernel as the CompositeExplicitAutograd kernel of
+// `kernel_variants::<name>` (an overload as "op.overload"); spec a core_specs.GraphSpec, read by
+// field name (entry, kernel, miss, bad, n, n_out). The registration is never undone: the Library
+// is kept for the process, as the op's Python one is (undone at exit, it would run after the
+// op's definition is gone).
 PyObject* graph_kernel(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 7 || !PyUnicode_Check(a[0])) {
-    PyErr_SetString(PyExc_TypeError, "graph_kernel(name, entry, kernel, miss, bad, n, n_out): expected 7 arguments");
+  if (nargs != 2 || !PyUnicode_Check(a[0])) {
+    PyErr_SetString(PyExc_TypeError, "graph_kernel(name, spec): the op's name and one core_specs.GraphSpec");
     return nullptr;
   }
-  const long n = PyLong_AsLong(a[5]);
-  const long n_out = PyLong_AsLong(a[6]);
+  Fields f(a[1]);
+  PyObject *entry = f("entry"), *kernel = f("kernel"), *miss = f("miss"), *bad = f("bad"), *n_o = f("n"),
+           *n_out_o = f("n_out");
+  if (!f.ok()) return nullptr;
+  const long n = PyLong_AsLong(n_o);
+  const long n_out = PyLong_AsLong(n_out_o);
   if (PyErr_Occurred()) return nullptr;
   if (n < 0 || n > kMaxParams || n_out < 1) {
     PyErr_Format(PyExc_ValueError, "graph_kernel: n in 0..%d and n_out >= 1, got %ld and %ld", kMaxParams, n, n_out);
@@ -155,7 +160,7 @@ PyObject* graph_kernel(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   libs->push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "kernel_variants",
                                                    c10::DispatchKey::CompositeExplicitAutograd, __FILE__, __LINE__));
   libs->back()->impl(name, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<GraphKernel>(
-                               a[1], a[2], a[3], a[4], core_name.get(), static_cast<int>(n), static_cast<int>(n_out))));
+                               entry, kernel, miss, bad, core_name.get(), static_cast<int>(n), static_cast<int>(n_out))));
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }

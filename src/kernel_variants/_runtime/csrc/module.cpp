@@ -14,7 +14,7 @@ PyMethodDef module_methods[] = {
      "prefill_step(core, entry, x, weight, bias, pool, query_start_loc, indices, has_initial_state, activation, "
      "sentinel, table, lengths) -> (dim, T) or None"},
     {"graph_kernel", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(graph_kernel)), METH_FASTCALL,
-     "graph_kernel(name, slot, kernel, miss, bad, n, n_out): the op's compiled-graph kernel in C++"},
+     "graph_kernel(name, spec): the op's compiled-graph kernel in C++ (spec a core_specs.GraphSpec)"},
     {"unaliased", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unaliased)), METH_FASTCALL,
      "unaliased(result, *args) -> result, each output sharing storage with a tensor argument cloned"},
     {nullptr, nullptr, 0, nullptr},
