@@ -314,7 +314,7 @@ def test_a_call_is_taught_only_where_the_core_serves_its_device(path, monkeypatc
     assert _callcore.serves(core, tensor("cpu"), host_checks=False)
     assert not _callcore.serves(core, tensor("npu"), host_checks=False)
     assert not _callcore.serves(core, tensor("cuda"), host_checks=True) and served == {"cpu"}
-    assert not _callcore.serves(object(), tensor("cuda"), host_checks=False)  # not a core: a resolver
+    assert not _callcore.serves(object(), tensor("cuda"), host_checks=False)  # not a core
     try:
         assert _callcore.serves(core, tensor("cuda"), host_checks=False) and served == {"cpu", "cuda"}
         installed = module.capture_check("cuda", None)  # what the first CUDA call installed, taken out

@@ -21,9 +21,8 @@ from kernel_variants.ops.causal_conv1d._cases import make_case
 
 
 def _custom_ops():
-    """The custom ops' module, imported when a test runs, as a process's first trace imports it:
-    imported at collection, it would keep every op's public function on its Python entry for the
-    whole session (the C entry is taken only where no trace happened yet)."""
+    """The custom ops' module, imported when a test runs, as a process's first trace imports it
+    (not at collection: a test sees the module as a process that traces does)."""
     from kernel_variants._runtime import custom_ops
 
     return custom_ops
