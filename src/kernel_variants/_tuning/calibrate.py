@@ -291,7 +291,8 @@ def _barred(qualifier: Qualifier, rv: RegisteredVariant, key: CallKey, *, may_ru
                   may_run=may_run, unfit={rv.id: None})
     while isinstance(asked := admissions(facts), Qualify):
         verdict = qualifier.check(rv, key, key.shape) if asked.at_shape else qualifier.qualify(rv, key)
-        facts = dataclasses.replace(facts, verdicts={rv.id: verdict}, asked=facts.asked | {rv.id})
+        done = {"checked": facts.checked | {rv.id}} if asked.at_shape else {"asked": facts.asked | {rv.id}}
+        facts = dataclasses.replace(facts, verdicts={rv.id: verdict}, **done)
     why = asked.get(rv.id)
     return None if why == NOT_YET else why
 
