@@ -116,6 +116,7 @@ class RegisteredVariant:
     tactic: str | None = None
     parent: RegisteredVariant | None = field(default=None, repr=False)
     _reason: str | None = field(default=None, repr=False)
+    _excluded: str | None = field(default=None, repr=False)  # Registry.exclude's reason
     _probed: bool = field(default=False, repr=False)
     _built: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -141,7 +142,10 @@ class RegisteredVariant:
 
     def unavailable_reason(self) -> str | None:
         """``None`` when this variant can run here, else why not. Probed once, then remembered;
-        a build that failed makes it unavailable with the build's reason. Never builds."""
+        a build that failed makes it unavailable with the build's reason, and so does an
+        exclusion (``Registry.exclude``) while it lasts. Never builds."""
+        if self._excluded is not None:
+            return self._excluded
         if self.parent is not None:
             return self.parent.unavailable_reason()
         with self._lock:
@@ -251,7 +255,6 @@ class Registry:
         self._op_plugin: dict[str, str] = {}
         self._by_key: dict[tuple[str, str], RegisteredVariant] = {}
         self.broken: dict[str, str] = dict(getattr(pm, "broken", {}))
-        self._excluded: dict[tuple[str, str], str] = {}  # (op, variant id) -> why it is out of routing
         self._exclusion_lock = threading.Lock()
         for impl in pm.hook.kv_register_ops.get_hookimpls():
             ops: dict[str, OpSpec] = {}
@@ -373,27 +376,25 @@ class Registry:
             ) from None
 
     def exclude(self, op: str, variant_id: str, reason: str) -> bool:
-        """Take a variant (and its tactics) out of routing, with ``reason``, until :meth:`include`:
-        no decision chooses it, forced or not, and says why. False when it is out already."""
-        self.get(op, variant_id)
+        """Take a variant (with its tactics) or one tactic out of routing, with ``reason``, until
+        :meth:`include`: it is unavailable for that reason (never chosen, forced or not, built,
+        qualified or timed). Decisions memoised before are the caller's to drop. False when out."""
+        rv = self.get(op, variant_id)
         with self._exclusion_lock:
-            if (op, variant_id) in self._excluded:
+            if rv._excluded is not None:
                 return False
-            self._excluded[(op, variant_id)] = reason
+            rv._excluded = reason
             return True
 
     def include(self, op: str, variant_id: str, reason: str | None = None) -> bool:
         """Lift an :meth:`exclude`, only the one made with ``reason`` when given (something else
         may have taken the variant out since); True when it was lifted."""
+        rv = self.get(op, variant_id)
         with self._exclusion_lock:
-            if reason is not None and self._excluded.get((op, variant_id), reason) != reason:
+            if rv._excluded is None or (reason is not None and rv._excluded != reason):
                 return False
-            return self._excluded.pop((op, variant_id), None) is not None
-
-    def excluded(self, op: str) -> dict[str, str]:
-        """The candidates of ``op`` out of routing (a tactic with its variant), with why."""
-        out = {rv.id: self._excluded.get((op, (rv.parent or rv).id)) for rv in self.variants(op)}
-        return {v: why for v, why in out.items() if why is not None}
+            rv._excluded = None
+            return True
 
     def plugins(self) -> list[str]:
         return [name for name, _ in self._pm.list_name_plugin()]

@@ -148,15 +148,16 @@ class Dispatcher:
 
     def facts(self, key: CallKey, forced: str | None = None, *, tune: bool = False, qualify: bool = True,
               build: bool = False, exclude: Mapping[str, str] | None = None) -> Facts:
-        """What is known of ``key`` before deciding: the candidates, their verdicts, the pin,
-        the exclusions (the registry's and ``exclude``) and rank 0's choice."""
+        """What is known of ``key`` before deciding: the candidates and what each cannot run
+        (a registry exclusion among it), their verdicts, the pin, ``exclude`` (another rank's
+        choice to make) and rank 0's choice."""
         entries = tuple(self.registry.variants(key.op))
         unfit = {rv.id: rv.why_not(key) for rv in entries}
         capture = capturing(key.device)  # (it says so under compile too)
         return Facts(key, entries, self.qualifier.announced_policy(), self._verdicts(entries, key, unfit),
                      forced=forced, may_run=qualify and not capture, preview=not qualify, build=build,
                      tune=tune and not capture, agreed=self.agreed.get(key_text(key)),
-                     excluded={**self.registry.excluded(key.op), **(exclude or {})}, unfit=unfit)
+                     excluded=dict(exclude or {}), unfit=unfit)
 
     def _verdicts(self, entries: Iterable[RegisteredVariant], key: CallKey,
                   unfit: Mapping[str, str | None]) -> dict[str, Verdict | None]:
@@ -177,7 +178,7 @@ class Dispatcher:
                 done = {"checked": facts.checked | {rv.id}} if asked.at_shape else {"asked": facts.asked | {rv.id}}
                 facts = dataclasses.replace(facts, verdicts={**facts.verdicts, rv.id: v}, **done)
             elif isinstance(asked, Tune):
-                self._tune(key, facts.excluded)
+                self._tune(key)
                 facts = dataclasses.replace(facts, tuned=True, figures={},
                                             verdicts=self._verdicts(facts.entries, key, facts.unfit))
             elif isinstance(asked, Build):
@@ -191,15 +192,13 @@ class Dispatcher:
         fpid = fingerprint_id(fingerprint(key.where))  # this GPU, not the first one
         return self.table.figures(key, fpid, candidates, self.versions())
 
-    def _tune(self, key: CallKey, excluded: Mapping[str, str] | None = None) -> None:
+    def _tune(self, key: CallKey) -> None:
         """KV_TUNE=1: measure an unseen key on first sight, as PyTorch TunableOp's online tuning
-        (the variants out of routing, ``excluded``, are not measured: nor built)."""
+        (a variant out of routing is unavailable: neither built nor measured)."""
         from kernel_variants._tuning.calibrate import run_calibration
         from kernel_variants._tuning.timing import TimingConfig
 
-        excluded = self.registry.excluded(key.op) if excluded is None else excluded
-        entries = [rv for rv in self.registry.variants(key.op) if rv.id not in excluded]
-        run_calibration(entries, self.table, key.spec, [key.shape], dtype=key.dtype,
+        run_calibration(self.registry.variants(key.op), self.table, key.spec, [key.shape], dtype=key.dtype,
                         device=key.where, features=key.features, timing=TimingConfig(), variants=None,
                         rotate=0, margin=DEFAULT_MARGIN, progress=None, prune=DEFAULT_PRUNE,
                         qualifier=self.qualifier)
