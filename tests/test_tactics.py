@@ -67,6 +67,27 @@ def test_a_variant_registers_its_tactics_as_candidates_and_lists_them(reference_
     assert dispatcher().registry.renames()[(FN, "tac_quick")] == "tac:quick"
 
 
+def test_an_excluded_variant_or_tactic_is_unavailable_until_included(reference_only, with_variants):
+    """Registry.exclude takes a variant with its tactics, or one tactic, out with its reason:
+    unavailable (so never chosen, built, qualified or timed) until include lifts that exclusion."""
+    with_variants(_tactical())
+    registry = dispatcher().registry
+    rvs = {rv.id: rv for rv in kv.variants(FN)}
+    assert registry.exclude(FN, "tac:quick", "left out by a test")
+    assert not registry.exclude(FN, "tac:quick", "again"), "out already"
+    assert rvs["tac:quick"].unavailable_reason() == "left out by a test"
+    assert rvs["tac"].unavailable_reason() is None and rvs["tac:sleepy"].unavailable_reason() is None
+    assert not registry.include(FN, "tac:quick", "another reason"), "only the exclusion made with it"
+    assert registry.include(FN, "tac:quick", "left out by a test")
+    assert rvs["tac:quick"].unavailable_reason() is None
+    assert registry.exclude(FN, "tac", "the whole variant")
+    assert {rvs[v].unavailable_reason() for v in ("tac", "tac:quick", "tac:sleepy")} == {"the whole variant"}
+    args, kw = _call()
+    decision = kv.explain(FN, *args, **kw)
+    assert "the whole variant" in str(decision) and decision.chosen.id == "reference"
+    assert registry.include(FN, "tac") and rvs["tac:sleepy"].unavailable_reason() is None
+
+
 @pytest.mark.parametrize(("tactics", "replaces", "match"), [
     ({"Bad Name": reference.causal_conv1d_fn}, {}, "tactic name"),
     ({"ok": 3}, {}, "callable"),
