@@ -219,16 +219,13 @@ class CalibrationTable:
 
     def figures(self, key: CallKey, fingerprint_id: str, candidates: Iterable[str],
                 versions: dict[tuple[str, str], str]) -> Figures | None:
-        """The figures for ``key`` among ``candidates`` at its own shape and at the nearest
-        calibrated shape (log space) of its group where a candidate was measured; which one
-        counts is the decision's rule (``_policy.choose``). None when no candidate has a figure."""
+        """The figures for ``key`` among ``candidates`` at its own shape, else at the nearest
+        calibrated shape (log space) of its group where a candidate was measured (which counts
+        is the decision's rule, ``_policy.choose``). None when no candidate has a figure."""
         group = self._fast_index(versions, fingerprint_id).groups.get(Group.of(key).slug())
         if group is None:
             return None
         allowed = set(candidates)
-        at = group.nearest(key.shape, allowed)
-        if at is None:
-            return None
 
         def found(source: str, shape: Shape) -> Found | None:
             times = {v: t for v, t in group.times.get(shape, {}).items() if v in allowed}
@@ -238,7 +235,11 @@ class CalibrationTable:
             return Found(times, group.winners.get(shape), source, shape,
                          group.rejected.get(shape, set()) & allowed, pruned)
 
-        return Figures(found("table", key.shape), found("nearest", at))
+        here = found("table", key.shape)
+        if here is not None:  # the nearest is this shape: no search
+            return Figures(here, None)
+        at = group.nearest(key.shape, allowed)
+        return None if at is None else Figures(None, found("nearest", at))
 
     def measurements(self, versions: dict[tuple[str, str], str], fingerprint_id: str):
         """Every current measurement and winner of this device: ((group, shape) -> {id: m}, winners)."""
