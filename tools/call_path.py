@@ -5,6 +5,7 @@ another shape runs first, so that imports, plugin loading and the table's openin
 
     python tools/call_path.py            # both paths' counts and their spine
     python tools/call_path.py --all      # every function entered
+    python tools/call_path.py --time 300 # and what a first call of a new shape costs, and a hit
 
 Run it twice on a fresh table: the first run also qualifies the chosen variant (child processes),
 which is not the call path; the figures are those of the second. Functions of the variants
@@ -15,7 +16,9 @@ followed is the dispatch, not the kernel or the database.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +54,8 @@ def _trace(fn) -> list[tuple[str, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="every function entered, not only the spine")
+    parser.add_argument("--time", type=int, default=0, metavar="N",
+                        help="also time N first calls of new shapes (misses) and N hits, in rounds")
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 16, 64, generator=g), torch.randn(64, 4, generator=g)
@@ -71,6 +76,30 @@ def main() -> None:
             if (f, name) != last and (args.all or f in SPINE) and not name.startswith("<"):
                 print(f"  {f}: {name}")
                 last = (f, name)
+
+
+    if args.time:
+        _time(w, args.time)
+
+
+def _time(w: torch.Tensor, n: int) -> None:
+    """Median us per call over 3 rounds: n calls each of a shape not seen before (L grows, so
+    each is a miss that decides), then n calls of one shape (hits)."""
+    misses, hits = [], []
+    x = torch.randn(1, 7, w.shape[0])
+    for r in range(3):
+        xs = [torch.randn(1, 8 + r * n + i, w.shape[0]) for i in range(n)]
+        t = time.perf_counter()
+        for xi in xs:
+            kv.causal_conv1d_fn(xi, w, None, activation="silu")
+        misses.append((time.perf_counter() - t) / n * 1e6)
+        t = time.perf_counter()
+        for _ in range(n):
+            kv.causal_conv1d_fn(x, w, None, activation="silu")
+        hits.append((time.perf_counter() - t) / n * 1e6)
+    print(f"## time: a first call of a new shape {statistics.median(misses):.0f} us "
+          f"(rounds {', '.join(f'{m:.0f}' for m in misses)}), a hit {statistics.median(hits):.1f} us "
+          f"(B=1, D={w.shape[0]}, fp32, L=8.., the kernel included)")
 
 
 if __name__ == "__main__":
