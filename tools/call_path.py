@@ -88,7 +88,7 @@ def _time(w: torch.Tensor, n: int) -> None:
     misses, hits = [], []
     x = torch.randn(1, 7, w.shape[0])
     for r in range(3):
-        xs = [torch.randn(1, 8 + r * n + i, w.shape[0]) for i in range(n)]
+        xs = [torch.randn(1, 17 + r * n + i, w.shape[0]) for i in range(n)]
         t = time.perf_counter()
         for xi in xs:
             kv.causal_conv1d_fn(xi, w, None, activation="silu")
@@ -99,7 +99,7 @@ def _time(w: torch.Tensor, n: int) -> None:
         hits.append((time.perf_counter() - t) / n * 1e6)
     print(f"## time: a first call of a new shape {statistics.median(misses):.0f} us "
           f"(rounds {', '.join(f'{m:.0f}' for m in misses)}), a hit {statistics.median(hits):.1f} us "
-          f"(B=1, D={w.shape[0]}, fp32, L=8.., the kernel included)")
+          f"(B=1, D={w.shape[0]}, fp32, L=17.., the kernel included)")
 
 
 if __name__ == "__main__":
