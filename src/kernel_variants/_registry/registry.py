@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import os
@@ -121,7 +122,7 @@ class RegisteredVariant:
     _built: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    @property
+    @functools.cached_property  # read for every candidate of every decision; fixed once made
     def id(self) -> str:
         """The candidate's name: the variant id, or ``variant:tactic`` for a tactic."""
         return self.variant.id if self.tactic is None else f"{self.variant.id}:{self.tactic}"
@@ -387,8 +388,7 @@ class Registry:
             return True
 
     def include(self, op: str, variant_id: str, reason: str | None = None) -> bool:
-        """Lift an :meth:`exclude`, only the one made with ``reason`` when given (something else
-        may have taken the variant out since); True when it was lifted."""
+        """Lift an :meth:`exclude` (only the one made with ``reason``, when given); True if lifted."""
         rv = self.get(op, variant_id)
         with self._exclusion_lock:
             if rv._excluded is None or (reason is not None and rv._excluded != reason):

@@ -91,6 +91,7 @@ class Dispatcher:
         self._recorded: set[str] = set()  # keys this process has recorded (or tried to)
         self._record_lock = threading.Lock()
         self._table: CalibrationTable | None = None
+        self._versions: dict[tuple[str, str], str] | None = None
         shadow.configure(env)  # KV_SHADOW: a sampled share of calls checked against the reference
         # KV_QUALIFY: who may be chosen (require: qualified variants only; strict: and checked
         # at a shape beyond those they were checked at, first; off: anything that can run).
@@ -117,7 +118,10 @@ class Dispatcher:
         return self._table
 
     def versions(self) -> dict[tuple[str, str], str]:
-        return {(rv.op, rv.id): rv.version for rv in self.registry.variants()}
+        """Each candidate's full version (the registry is fixed for this dispatcher's life)."""
+        if self._versions is None:
+            self._versions = {(rv.op, rv.id): rv.version for rv in self.registry.variants()}
+        return self._versions
 
     def pinned(self, op: str) -> str | None:
         if self._env_pins is None:  # parsed against the registered ops, so on first use
