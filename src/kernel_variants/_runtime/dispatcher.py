@@ -176,11 +176,7 @@ class Dispatcher:
             if isinstance(asked, Look):
                 facts = dataclasses.replace(facts, figures={**facts.figures, asked.among: self.figures(key, asked.among)})
             elif isinstance(asked, Qualify):
-                rv = self.registry.get(key.op, asked.variant)
-                v = (self.qualifier.check(rv, key, key.shape) if asked.at_shape
-                     else self.qualifier.qualify(rv, key, announce=True))
-                done = {"checked": facts.checked | {rv.id}} if asked.at_shape else {"asked": facts.asked | {rv.id}}
-                facts = dataclasses.replace(facts, verdicts={**facts.verdicts, rv.id: v}, **done)
+                facts = self.qualifier.answer(facts, asked, announce=True)
             elif isinstance(asked, Tune):
                 self._tune(key)
                 facts = dataclasses.replace(facts, tuned=True, figures={},

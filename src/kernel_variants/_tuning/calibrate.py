@@ -3,7 +3,6 @@ match, store per-variant figures and re-decide the shape's winner."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -290,9 +289,7 @@ def _barred(qualifier: Qualifier, rv: RegisteredVariant, key: CallKey, *, may_ru
     facts = Facts(key, (rv,), qualifier.announced_policy(), {rv.id: qualifier.stored(rv, key)},
                   may_run=may_run, unfit={rv.id: None})
     while isinstance(asked := admissions(facts), Qualify):
-        verdict = qualifier.check(rv, key, key.shape) if asked.at_shape else qualifier.qualify(rv, key)
-        done = {"checked": facts.checked | {rv.id}} if asked.at_shape else {"asked": facts.asked | {rv.id}}
-        facts = dataclasses.replace(facts, verdicts={rv.id: verdict}, **done)
+        facts = qualifier.answer(facts, asked)
     why = asked.get(rv.id)
     return None if why == NOT_YET else why
 

@@ -15,11 +15,12 @@ pure) is qualified in a child process (``isolate``). Who may be chosen, given a 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kernel_variants._policy import Policy, qualifies
 from kernel_variants._registry.keys import CallKey
@@ -35,6 +36,9 @@ from kernel_variants._table.rows import (
 )
 from kernel_variants._tuning.cases import check_at, error, suite_of
 from kernel_variants._tuning.isolate import run_qualification
+
+if TYPE_CHECKING:
+    from kernel_variants._decide import Facts, Qualify
 
 SLOW_S = 1.0  # a qualification that takes longer is announced on stderr
 
@@ -178,6 +182,17 @@ class Qualifier:
             print("kernel_variants: KV_QUALIFY=off: variants are chosen without being checked on this "
                   "device", file=sys.stderr)
         return self.policy
+
+    def answer(self, facts: Facts, asked: Qualify, *, announce: bool = False) -> Facts:
+        """``facts`` once ``asked`` is done: the variant qualified for the call's class (or checked
+        at its shape), its verdict among the facts and that step marked done (``_decide``)."""
+        rv = next(rv for rv in facts.entries if rv.id == asked.variant)
+        key = facts.key
+        if asked.at_shape:
+            return dataclasses.replace(facts, verdicts={**facts.verdicts, rv.id: self.check(rv, key, key.shape)},
+                                       checked=facts.checked | {rv.id})
+        return dataclasses.replace(facts, verdicts={**facts.verdicts, rv.id: self.qualify(rv, key, announce=announce)},
+                                   asked=facts.asked | {rv.id})
 
     def check(self, rv: RegisteredVariant, key: CallKey, shape: Shape, why: str | None = None, *,
               ran: bool = False) -> Verdict:
