@@ -32,7 +32,13 @@ import torch
 from kernel_variants._native import build
 from kernel_variants._runtime.core_build import CORE
 from kernel_variants._runtime.core_functions import FUNCTIONS
-from kernel_variants._runtime.core_specs import BoundSpec, CoreSpec, Learned, per_parameter
+from kernel_variants._runtime.core_specs import (
+    BoundSpec,
+    CoreSpec,
+    GraphSpec,
+    Learned,
+    per_parameter,
+)
 from kernel_variants._runtime.device_errors import _counters
 from kernel_variants._runtime.errors import variant_failed
 from kernel_variants._runtime.guards import WritePlan
@@ -247,7 +253,6 @@ def graph_kernel(module: ModuleType | None, name: str, *, entry: Entry, kernel: 
     core hands back; ``bad(result)``: the exception for a result that is not ``n_out`` tensors.
     The core gets them as one ``GraphSpec``. False (nothing registered) without a module, or for
     an op the core does not serve (over 32 parameters): the caller registers ``kernel`` itself."""
-    from kernel_variants._runtime.core_specs import GraphSpec  # read by field name in C++
     if module is None or (n := len(entry.spec.params)) > MAX_PARAMS:
         return False
     module.graph_kernel(name, GraphSpec(entry=entry, kernel=kernel, miss=miss, bad=bad, n=n, n_out=n_out))
