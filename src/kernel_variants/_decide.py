@@ -82,7 +82,7 @@ class Facts:
     tune: bool = False  # KV_TUNE, outside a capture
     tuned: bool = False
     agreed: str | None = None  # rank 0's choice for the key under distributed tuning
-    excluded: Mapping[str, str] = field(default_factory=dict)  # out of routing, with why
+    excluded: Mapping[str, str] = field(default_factory=dict)  # not this rank's to choose (rank 0 decides), with why
     asked: frozenset[str] = frozenset()  # qualified for this call already
     checked: frozenset[str] = frozenset()  # checked at the call's shape for this call already
     built: Mapping[str, str | None] = field(default_factory=dict)  # build outcomes: why it failed, or None
