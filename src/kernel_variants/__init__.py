@@ -2,7 +2,8 @@
 variant measured fastest for its shape on this device, among those that qualified here.
 
 For callers: the ops (:func:`causal_conv1d_fn`, :func:`causal_conv1d_update`,
-:func:`gemma_rms_norm`, :func:`add_gemma_rms_norm`, :func:`rms_norm`, :func:`fused_add_rms_norm`);
+:func:`gemma_rms_norm`, :func:`add_gemma_rms_norm`, :func:`rms_norm`, :func:`fused_add_rms_norm`,
+:func:`gated_rms_norm`);
 why a call goes where it goes (:func:`explain`, :func:`variants`); pinning (:func:`force`) and a fixed choice for a loop
 (:func:`bind`); qualification (:func:`qualify`, :func:`verdicts`, :func:`clear_verdicts`);
 calibration (:func:`calibrate` with a :class:`TimingConfig`, :func:`plan_calibration` for the
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from kernel_variants._table.store import CalibrationWarning
     from kernel_variants._tuning.timing import TimingConfig
     from kernel_variants.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+    from kernel_variants.ops.gated_rms_norm import gated_rms_norm
     from kernel_variants.ops.gemma_rms_norm import add_gemma_rms_norm, gemma_rms_norm
     from kernel_variants.ops.rms_norm import fused_add_rms_norm, rms_norm
     from kernel_variants.types import RegisteredVariant
@@ -110,6 +112,7 @@ _LAZY = {
     "add_gemma_rms_norm": "kernel_variants.ops.gemma_rms_norm",
     "rms_norm": "kernel_variants.ops.rms_norm",
     "fused_add_rms_norm": "kernel_variants.ops.rms_norm",
+    "gated_rms_norm": "kernel_variants.ops.gated_rms_norm",
     "explain": "kernel_variants._runtime.bind",
     "bind": "kernel_variants._runtime.bind",
     "force": "kernel_variants._runtime.dispatcher",
@@ -225,6 +228,7 @@ __all__ = [
     "export_table",
     "force",
     "fused_add_rms_norm",
+    "gated_rms_norm",
     "gemma_rms_norm",
     "import_table",
     "info",

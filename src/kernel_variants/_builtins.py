@@ -11,12 +11,13 @@ stands below every plugin and names none; ``kernel_variants/__init__`` hands thi
 
 from __future__ import annotations
 
-ESSENTIAL_PLUGINS: tuple[str, ...] = ("causal_conv1d", "gemma_rms_norm", "rms_norm")
+ESSENTIAL_PLUGINS: tuple[str, ...] = ("causal_conv1d", "gemma_rms_norm", "rms_norm", "gated_rms_norm")
 
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("causal_conv1d", "kernel_variants.ops.causal_conv1d"),
     ("gemma_rms_norm", "kernel_variants.ops.gemma_rms_norm"),
     ("rms_norm", "kernel_variants.ops.rms_norm"),
+    ("gated_rms_norm", "kernel_variants.ops.gated_rms_norm"),
     ("torch_shift", "kernel_variants.kernels.torch_shift"),
     ("aten", "kernel_variants.kernels.aten"),
     ("cpu_native", "kernel_variants.kernels.cpu_native"),
