@@ -1,4 +1,4 @@
-"""``aten`` for the RMSNorm ops: what one writes without this project,
+"""``aten`` for the RMSNorm ops (the gated one too): what one writes without this project,
 ``torch.nn.functional.rms_norm`` (with ``1 + weight`` as its scale for the Gemma ops, and a
 torch add in front for the residual forms). ATen computes half-precision inputs in fp32
 internally. It has no ``variance_size``: the plain ops' calls with one go elsewhere."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernel_variants.ops.gated_rms_norm import GatedCapabilities
 from kernel_variants.ops.rms_norm import NormCapabilities
 from kernel_variants.plugin import Capabilities, Variant, hookimpl
 
@@ -39,6 +40,25 @@ def fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.
     return rms_norm(s, weight, epsilon), s
 
 
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                   group_size: int | None = None, norm_before_gate: bool = False,
+                   activation: str = "silu") -> torch.Tensor:
+    """x, z: [..., D]; weight: [D] or None. Returns x's shape and dtype: the groups as a trailing
+    dim of one F.rms_norm, everything in fp32, no Python loop."""
+    act = torch.sigmoid if activation == "sigmoid" else F.silu
+    s = x.float()
+    g = None if z is None else act(z.float())
+    if g is not None and not norm_before_gate:
+        s = s * g
+    size = group_size or s.shape[-1]
+    n = F.rms_norm(s.unflatten(-1, (-1, size)), (size,), None, eps).flatten(-2)
+    if weight is not None:
+        n = n * weight  # an fp32 product, whatever the weight's dtype
+    if g is not None and norm_before_gate:
+        n = n * g
+    return n.to(x.dtype)
+
+
 _CAPS = Capabilities(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"}, autograd=True)
 _WHAT = "F.rms_norm(x, (D,), 1 + weight, eps)"
 _PLAIN = NormCapabilities(devices={"cpu", "cuda", "npu"}, dtypes={"float32", "bfloat16", "float16"}, autograd=True)
@@ -54,3 +74,7 @@ def kv_register_variants(register) -> None:
                      capabilities=_PLAIN, description="F.rms_norm(x, (D,), weight, epsilon)"))
     register(Variant(id="aten", op="fused_add_rms_norm", version="1", fn=fused_add_rms_norm, priority=10,
                      isolate=False, capabilities=_PLAIN, description="x + x_residual, then F.rms_norm"))
+    register(Variant(id="aten", op="gated_rms_norm", version="1", fn=gated_rms_norm, priority=10, isolate=False,
+                     capabilities=GatedCapabilities(devices={"cpu", "cuda", "npu"},
+                                                    dtypes={"float32", "bfloat16", "float16"}, autograd=True),
+                     description="the gate, then F.rms_norm over (groups, group_size) in fp32"))
