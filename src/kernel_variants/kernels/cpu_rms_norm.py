@@ -7,6 +7,10 @@ Where it departs from vLLM's composite, within the dtype's tolerance: the norm i
 weight in fp32 and rounded once (vLLM rounds the norm to the weight's dtype first), and in the
 add form it normalises the sum rounded to x's dtype (vLLM the fp32 sum); ``residual`` is that
 rounded sum in both, bit for bit.
+
+The gated op (vLLM's ``RMSNormGated``) is the same kernel again, with the gate (before or after
+the norm, SiLU or the sigmoid, computed from ``exp(-|z|)`` so that no |z| overflows) and groups
+as parameters.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from kernel_variants._native import build
 from kernel_variants.kernels.cpu_native import _NATIVE_RMS, _rows
 from kernel_variants.kernels.cpu_native._build import RMS
+from kernel_variants.ops.gated_rms_norm import GatedCapabilities
 from kernel_variants.ops.rms_norm import NormCapabilities
 from kernel_variants.plugin import Variant, hookimpl
 
@@ -49,6 +54,21 @@ def fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.
     return (o, s) if out is None else (out[0].copy_(o), out[1].copy_(s))
 
 
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                   group_size: int | None = None, norm_before_gate: bool = False, activation: str = "silu", *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """x, z: [..., D]; weight: [D] or None (x's dtype or fp32, any stride). The same row kernel
+    with the gate (before or after the norm, SiLU or sigmoid) and groups as parameters. Returns a
+    new tensor of x's shape and dtype, or ``out`` written (x's shape and dtype; it may be x)."""
+    ext = build.load_extension(RMS)
+    direct = out is not None and out.shape == x.shape and out.is_contiguous()
+    res = ext.gated_rms_norm(_rows(x), None if z is None else _rows(z), weight, eps, group_size, norm_before_gate,
+                             activation == "sigmoid", _rows(out) if direct else None)
+    if out is None or direct:
+        return out if direct else res.view(x.shape)
+    return out.copy_(res.view(x.shape))
+
+
 @hookimpl
 def kv_register_variants(register) -> None:
     caps = NormCapabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, variance_size=True,
@@ -57,3 +77,8 @@ def kv_register_variants(register) -> None:
     register(Variant(op="rms_norm", fn=rms_norm, description="the Gemma ops' fused C++ row kernel, offset 0", **common))
     register(Variant(op="fused_add_rms_norm", fn=fused_add_rms_norm,
                      description="the Gemma ops' fused C++ residual add and row kernel, offset 0", **common))
+    gated = GatedCapabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, takes_out=True,
+                              in_place=True)  # each element of x is read before its output is written
+    register(Variant(id="cpu_native", op="gated_rms_norm", version="1", fn=gated_rms_norm, priority=30,
+                     capabilities=gated, **_NATIVE_RMS,
+                     description="the Gemma ops' C++ row kernel with a vectorised gate (SiLU/sigmoid) and groups"))

@@ -7,6 +7,8 @@
 //   out = s * rsqrt(mean(s[:V]^2) + eps) * (offset + weight), in fp32,
 //         returned in x's dtype (offset 1 for Gemma, 0 otherwise; V = D, or
 //         variance_size; no weight: a scale of 1).
+// and gated RMSNorm (vLLM's RMSNormGated): s = x * act(z), or the output
+// times act(z), per group of channels (gemma_rms_norm_kernel.h).
 //
 // This TU holds the torch bindings, argument checks, the parallel split
 // over rows and the portable (baseline-ISA) kernel build; the AVX2 /
@@ -123,7 +125,7 @@ at::Tensor weight_view(const at::Tensor& w, const at::Tensor& x) {
 
 void run(const Params& p, int64_t T) {
   const RangeFn fn = impl()[static_cast<int>(p.dtype)];
-  const int64_t row_work = std::max<int64_t>(p.dim, 1) * (p.res ? 2 : 1);
+  const int64_t row_work = std::max<int64_t>(p.dim, 1) * (p.res || p.gate ? 2 : 1);
   const int64_t grain = std::max<int64_t>(1, kMinWork / row_work);
   if (T <= grain || at::get_num_threads() == 1 || at::in_parallel_region()) {
     fn(p, 0, T);
@@ -154,11 +156,17 @@ at::Tensor output_for(const at::Tensor& x, const c10::optional<at::Tensor>& out,
   return o;
 }
 
-// How the scale and the mean are formed: Gemma's (1 + weight over all D) or
-// plain RMSNorm's (weight or none, over the first variance_size channels).
+// How the scale, the mean and the gate are formed: Gemma's (1 + weight over
+// all D), plain RMSNorm's (weight or none, over the first variance_size
+// channels) or gated RMSNorm's (weight or none, per group of group_size
+// channels, with a gate z before or after the norm).
 struct Flavour {
   float offset;
   c10::optional<int64_t> variance_size;
+  c10::optional<int64_t> group_size = c10::nullopt;  // None: one group of D
+  const at::Tensor* gate = nullptr;                  // z, or null
+  Gate gate_at = Gate::None;
+  bool sigmoid = false;
 };
 
 std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in,
@@ -182,11 +190,22 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in,
   // allocation per call, instead of a third weight path through every ISA build).
   const bool weighted = weight.has_value() && weight->defined();
   const at::Tensor w = weighted ? weight_view(*weight, x) : at::ones({D}, x.options().dtype(at::kFloat));
-  const int64_t V = flavour.variance_size.value_or(D);
+  const int64_t G = flavour.group_size.value_or(D);
+  TORCH_CHECK(G >= 1 && D % G == 0, "group_size must divide D=", D, ", got ", G);
+  TORCH_CHECK(G == D || (!residual_in && !flavour.variance_size), "groups take no residual or variance_size");
+  const int64_t V = flavour.variance_size.value_or(G);
   TORCH_CHECK(V >= 1 && V <= D, "variance_size must be in [1, D=", D, "], got ", V);
+  at::Tensor gate;
+  if (flavour.gate) {
+    TORCH_CHECK(!residual_in, "a gate takes no residual");
+    gate = rows_view(*flavour.gate, "z");
+    TORCH_CHECK(gate.sizes() == x.sizes(), "z must be ", x.sizes(), ", got ", gate.sizes());
+    TORCH_CHECK(gate.scalar_type() == x.scalar_type(), "z dtype ", gate.scalar_type(), " must match x dtype ",
+                x.scalar_type());
+  }
 
   // The norm may be written over x, the sum over residual (sglang's in-place fused add).
-  at::Tensor out = output_for(x, out_arg, "out", x, {&residual, &w});
+  at::Tensor out = output_for(x, out_arg, "out", x, {&residual, &w, &gate});
   at::Tensor sum = residual_in ? output_for(x, sum_arg, "residual_sum", residual, {&x, &w, &out}) : at::Tensor();
   auto written = [&]() -> std::tuple<at::Tensor, at::Tensor> {
     kv_cpu::mark_written(out);
@@ -209,6 +228,11 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in,
   p.weight = w.data_ptr();
   p.out = out.data_ptr();
   p.sum = residual_in ? sum.data_ptr() : nullptr;
+  p.group = G;
+  p.gate = gate.defined() ? gate.data_ptr() : nullptr;
+  p.g_rs = gate.defined() ? gate.stride(0) : 0;
+  p.gate_at = gate.defined() ? flavour.gate_at : Gate::None;
+  p.sigmoid = flavour.sigmoid;
   run(p, T);
   return written();
 }
@@ -242,6 +266,16 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(
   return norm_impl(x, weight, &residual, eps, {0.f, variance_size}, out, residual_sum);
 }
 
+at::Tensor gated_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& z,
+                          const c10::optional<at::Tensor>& weight, double eps,
+                          c10::optional<int64_t> group_size, bool norm_before_gate, bool sigmoid,
+                          const c10::optional<at::Tensor>& out) {
+  const bool gated = z.has_value() && z->defined();
+  Flavour f{0.f, c10::nullopt, group_size, gated ? &*z : nullptr,
+            !gated ? Gate::None : norm_before_gate ? Gate::Out : Gate::In, sigmoid};
+  return std::get<0>(norm_impl(x, weight, nullptr, eps, f, out, c10::nullopt));
+}
+
 // {dtype name: build} actually used, e.g. {"bfloat16": "avx512bf16", ...}.
 std::tuple<std::string, std::string, std::string> isa() {
   const std::array<RangeFn, 3>& k = impl();
@@ -270,6 +304,14 @@ void bind(pybind11::module_& m) {
         py::call_guard<py::gil_scoped_release>(),
         "s = x + residual (in x's dtype), then RMSNorm of s; returns (out, s), each the given "
         "tensor (contiguous [T, D]; out may be x, residual_sum may be residual) or new.");
+  m.def("gated_rms_norm", &gated_rms_norm, py::arg("x"), py::arg("z"), py::arg("weight"), py::arg("eps"),
+        py::arg("group_size") = py::none(), py::arg("norm_before_gate") = false,
+        py::arg("sigmoid") = false, py::arg("out") = py::none(),
+        py::call_guard<py::gil_scoped_release>(),
+        "Gated RMSNorm of x [T, D] (vLLM's RMSNormGated), in fp32: x * act(z) before the norm, "
+        "or the norm times act(z) after it (act: SiLU, or the sigmoid), each group of group_size "
+        "channels by its own mean, times weight (none: 1); returns out (contiguous [T, D] of "
+        "x's dtype, may be x) or a new tensor.");
   m.def("gemma_rms_norm_isa", &isa,
         "Builds serving (float32, bfloat16, float16): default / avx2 / avx512 / avx512bf16.");
 }

@@ -2,7 +2,10 @@
 //   out = s * rsqrt(mean(s[:V]^2) + eps) * (offset + weight), in fp32,
 // where s = x, or s = round_to_T(x + residual) (also written out); offset is
 // 1 for Gemma's (1 + w) and 0 for plain RMSNorm, V the channels that make the
-// mean (D, or vLLM's variance_size).
+// mean (D, or vLLM's variance_size). Gated RMSNorm (vLLM's RMSNormGated) is the
+// same kernel with a gate and groups: s = x * act(z) before the norm, or the
+// output times act(z) after it (act: SiLU or the sigmoid, in fp32), and each
+// group of channels normalised by its own mean.
 //
 // Compiled once per ISA, like causal_conv1d_kernel.h: the including TU
 // defines KV_GRMS_ISA_NS (and, for SIMD builds, CPU_CAPABILITY /
@@ -32,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 
@@ -440,39 +444,90 @@ KV_GRMS_INLINE float sum_squares(const T* x, const T* r, T* s, int64_t D) {
   return at::vec::vec_reduce_all<float>([](fVec& u, fVec& v) { return u + v; }, acc);
 }
 
-// Pass 2: o = (s * rstd) * w1. RAW: w1 = offset + w, w the weight (WT);
-// else w is the fp32 (offset + weight) buffer, already in T's lane order and
-// padded to whole groups.
-template <typename T, typename WT, bool RAW>
-KV_GRMS_INLINE void scale_row(const T* s, const WT* w, T* o, float rstd, float offset, int64_t D) {
+// act(z) for one vector of gates: SiLU (z * sigmoid(z)) or the sigmoid, from
+// e = exp(-|z|) in (0, 1], which never overflows whatever z: sigmoid(z) is
+// 1 / (1 + e) for z >= 0 and e / (1 + e) below (|z| > 20 included: e
+// vanishes, never inf / inf). NaN stays NaN (exp_u20 clamps its argument,
+// which would make it a number).
+KV_GRMS_INLINE fVec gate_act(const fVec& z, bool sigmoid) {
+  const fVec one(1.f);
+  const fVec e = (fVec(0.f) - z.abs()).exp_u20();
+  const fVec sig = fVec::blendv(e, one, z >= fVec(0.f)) / (one + e);
+  return fVec::blendv(sigmoid ? sig : z * sig, z, z.isnan());
+}
+
+// Pass 1 of a gate before the norm: s = x * act(z) for n channels, stored
+// in fp32 to `s` (in T's lane order, padded to whole groups: the pads are 0),
+// and the sum of s^2.
+template <typename T>
+KV_GRMS_INLINE float gated_squares(const T* x, const T* z, float* s, int64_t n, bool sigmoid) {
+  fVec acc0(0.f), acc1(0.f);
+  for (int64_t c = 0; c < n; c += VW) {
+    fVec a, b, za, zb;
+    if (c + VW <= n) {
+      IO<T>::load(x + c, a, b);
+      IO<T>::load(z + c, za, zb);
+    } else {
+      load_n(x + c, a, b, static_cast<int>(n - c));
+      load_n(z + c, za, zb, static_cast<int>(n - c));
+    }
+    a = a * gate_act(za, sigmoid);
+    b = b * gate_act(zb, sigmoid);
+    a.store(s + c);
+    b.store(s + c + VF);
+    acc0 = at::vec::fmadd(a, a, acc0);
+    acc1 = at::vec::fmadd(b, b, acc1);
+  }
+  return at::vec::vec_reduce_all<float>([](fVec& u, fVec& v) { return u + v; }, acc0 + acc1);
+}
+
+// Pass 2 over n channels: o = ((s * rstd) * w1) [* act(z) for a gate after
+// the norm], where s is x, or (a gate before the norm) the fp32 buffer `sf`
+// that pass 1 filled. RAW: w1 = offset + w, w the weight (WT); else w is the
+// fp32 (offset + weight) buffer, already in T's lane order and padded to
+// whole groups.
+template <typename T, typename WT, bool RAW, Gate G>
+KV_GRMS_INLINE void scale_row(const T* s, const float* sf, const T* z, const WT* w, T* o, float rstd,
+                              float offset, int64_t D, bool sigmoid) {
   const fVec rv(rstd);
   const fVec off(offset);
   int64_t c = 0;
-  for (; c + VW <= D; c += VW) {
+  auto group = [&](int n) {  // n: the channels of this group, VW but for a ragged last one
     fVec a, b, wa, wb;
-    IO<T>::load(s + c, a, b);
+    if constexpr (G == Gate::In)
+      IO<float>::load(sf + c, a, b);
+    else if (n == VW)
+      IO<T>::load(s + c, a, b);
+    else
+      load_n(s + c, a, b, n);
     if constexpr (RAW) {
-      load_w<T, WT>(w + c, wa, wb);
+      if (n == VW)
+        load_w<T, WT>(w + c, wa, wb);
+      else
+        load_w_n<T, WT>(w + c, wa, wb, n);
       wa = wa + off;
       wb = wb + off;
     } else {
       IO<float>::load(w + c, wa, wb);
     }
-    IO<T>::store(o + c, (a * rv) * wa, (b * rv) * wb);
-  }
-  if (c < D) {
-    const int n = static_cast<int>(D - c);
-    fVec a, b, wa, wb;
-    load_n(s + c, a, b, n);
-    if constexpr (RAW) {
-      load_w_n<T, WT>(w + c, wa, wb, n);
-      wa = wa + off;
-      wb = wb + off;
-    } else {
-      IO<float>::load(w + c, wa, wb);
+    a = (a * rv) * wa;
+    b = (b * rv) * wb;
+    if constexpr (G == Gate::Out) {
+      fVec za, zb;
+      if (n == VW)
+        IO<T>::load(z + c, za, zb);
+      else
+        load_n(z + c, za, zb, n);
+      a = a * gate_act(za, sigmoid);
+      b = b * gate_act(zb, sigmoid);
     }
-    store_n(o + c, (a * rv) * wa, (b * rv) * wb, n);
-  }
+    if (n == VW)
+      IO<T>::store(o + c, a, b);
+    else
+      store_n(o + c, a, b, n);
+  };
+  for (; c + VW <= D; c += VW) group(VW);
+  if (c < D) group(static_cast<int>(D - c));
 }
 
 // fp32 (offset + w) in T's lane order, padded to whole groups (w1 holds
@@ -494,18 +549,41 @@ void fill_w1(const WT* w, float* w1, float offset, int64_t D) {
   }
 }
 
-template <typename T, typename WT, bool RES>
+// Rows [begin, end). Each row is D / group groups of `group` channels, each
+// normalised by the mean of squares of its first var_dim channels (a
+// residual comes with one group only). The weight buffer and the fp32 buffer
+// of a gate before the norm hold each group padded to whole load groups (gp
+// floats), so every group starts in T's lane order.
+template <typename T, typename WT, bool RES, Gate G>
 void rows_t(const Params& p, int64_t begin, int64_t end) {
   const int64_t D = p.dim;
   const T* X = static_cast<const T*>(p.x);
   const T* R = static_cast<const T*>(p.res);
+  const T* Z = static_cast<const T*>(p.gate);
   const WT* W = static_cast<const WT*>(p.weight);
   T* O = static_cast<T*>(p.out);
   T* S = static_cast<T*>(p.sum);
   const int64_t V = p.var_dim;
+  const int64_t GS = p.group;
+  const int64_t gp = (GS + VW - 1) / VW * VW;
+  const int64_t ngroups = D / GS;
   const float fV = static_cast<float>(V);
   const float eps = p.eps;
+  const bool sigmoid = p.sigmoid;
+  // A gate before the norm: x * act(z) of one group, kept in fp32 between the passes.
+  std::unique_ptr<float[]> gated(G == Gate::In ? new float[gp] : nullptr);
 
+  auto rstd_of = [&](float ss) { return 1.f / std::sqrt(ss / fV + eps); };
+  // Passes 1 and 2 of one group at channel c0 of row r (no residual).
+  auto norm_group = [&](int64_t r, int64_t c0, auto w, auto raw) {
+    constexpr bool kRaw = decltype(raw)::value;
+    const T* x = X + r * p.x_rs + c0;
+    const T* z = G != Gate::None ? Z + r * p.g_rs + c0 : nullptr;
+    const float ss = G == Gate::In ? gated_squares<T>(x, z, gated.get(), V, sigmoid)
+                                   : sum_squares<T, false>(x, nullptr, nullptr, V);
+    using W_t = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
+    scale_row<T, W_t, kRaw, G>(x, gated.get(), z, w, O + r * D + c0, rstd_of(ss), p.offset, GS, sigmoid);
+  };
   auto row_rstd = [&](int64_t r) {
     const T* x = X + r * p.x_rs;
     const T* rr = RES ? R + r * p.r_rs : nullptr;
@@ -513,24 +591,32 @@ void rows_t(const Params& p, int64_t begin, int64_t end) {
     const float ss = sum_squares<T, RES>(x, rr, s, V);
     // The channels past V still need their sum written; their squares are not wanted.
     if (RES && V < D) (void)sum_squares<T, RES>(x + V, rr + V, s + V, D - V);
-    return 1.f / std::sqrt(ss / fV + eps);
+    return rstd_of(ss);
   };
-  auto row_src = [&](int64_t r) -> const T* { return RES ? S + r * D : X + r * p.x_rs; };
 
   // The buffer saves a conversion (16-bit or reordered weights) per group
   // and row; plain fp32 weights only save the + 1, not worth a pass.
   constexpr bool kConvertW = !std::is_same_v<WT, float> || IO<T>::kEO;
-  if (kConvertW && end - begin >= kW1Rows && D <= kW1Max) {
+  if (kConvertW && end - begin >= kW1Rows && (ngroups - 1) * gp + GS <= kW1Max) {
     alignas(64) float w1[kW1Max + VW];
-    fill_w1<T, WT>(W, w1, p.offset, D);
+    for (int64_t g = 0; g < ngroups; ++g) fill_w1<T, WT>(W + g * GS, w1 + g * gp, p.offset, GS);
     for (int64_t r = begin; r < end; ++r) {
-      const float rstd = row_rstd(r);
-      scale_row<T, float, false>(row_src(r), w1, O + r * D, rstd, p.offset, D);
+      if constexpr (RES) {
+        const float rstd = row_rstd(r);
+        scale_row<T, float, false, G>(S + r * D, nullptr, nullptr, w1, O + r * D, rstd, p.offset, D, sigmoid);
+      } else {
+        for (int64_t g = 0; g < ngroups; ++g)
+          norm_group(r, g * GS, static_cast<const float*>(w1 + g * gp), std::false_type{});
+      }
     }
   } else {
     for (int64_t r = begin; r < end; ++r) {
-      const float rstd = row_rstd(r);
-      scale_row<T, WT, true>(row_src(r), W, O + r * D, rstd, p.offset, D);
+      if constexpr (RES) {
+        const float rstd = row_rstd(r);
+        scale_row<T, WT, true, G>(S + r * D, nullptr, nullptr, W, O + r * D, rstd, p.offset, D, sigmoid);
+      } else {
+        for (int64_t g = 0; g < ngroups; ++g) norm_group(r, g * GS, W + g * GS, std::true_type{});
+      }
     }
   }
 }
@@ -538,9 +624,13 @@ void rows_t(const Params& p, int64_t begin, int64_t end) {
 template <typename T, typename WT>
 KV_GRMS_INLINE void dispatch_res(const Params& p, int64_t b, int64_t e) {
   if (p.res)
-    rows_t<T, WT, true>(p, b, e);
+    rows_t<T, WT, true, Gate::None>(p, b, e);
+  else if (p.gate_at == Gate::In)
+    rows_t<T, WT, false, Gate::In>(p, b, e);
+  else if (p.gate_at == Gate::Out)
+    rows_t<T, WT, false, Gate::Out>(p, b, e);
   else
-    rows_t<T, WT, false>(p, b, e);
+    rows_t<T, WT, false, Gate::None>(p, b, e);
 }
 
 template <typename T>
