@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from kernel_variants.ops.gated_rms_norm import gated_rms_norm
     from kernel_variants.ops.gemma_rms_norm import add_gemma_rms_norm, gemma_rms_norm
     from kernel_variants.ops.rms_norm import fused_add_rms_norm, rms_norm
+    from kernel_variants.ops.ssm import selective_state_update, ssd_chunk_scan
     from kernel_variants.types import RegisteredVariant
 
 
@@ -112,6 +113,8 @@ _LAZY = {
     "add_gemma_rms_norm": "kernel_variants.ops.gemma_rms_norm",
     "rms_norm": "kernel_variants.ops.rms_norm",
     "fused_add_rms_norm": "kernel_variants.ops.rms_norm",
+    "selective_state_update": "kernel_variants.ops.ssm",
+    "ssd_chunk_scan": "kernel_variants.ops.ssm",
     "gated_rms_norm": "kernel_variants.ops.gated_rms_norm",
     "explain": "kernel_variants._runtime.bind",
     "bind": "kernel_variants._runtime.bind",
@@ -240,8 +243,10 @@ __all__ = [
     "reload",
     "replay_mismatch",
     "rms_norm",
+    "selective_state_update",
     "shadow",
     "shadow_report",
+    "ssd_chunk_scan",
     "stale_rows",
     "table",
     "variants",

@@ -11,17 +11,19 @@ stands below every plugin and names none; ``kernel_variants/__init__`` hands thi
 
 from __future__ import annotations
 
-ESSENTIAL_PLUGINS: tuple[str, ...] = ("causal_conv1d", "gemma_rms_norm", "rms_norm", "gated_rms_norm")
+ESSENTIAL_PLUGINS: tuple[str, ...] = ("causal_conv1d", "gemma_rms_norm", "rms_norm", "gated_rms_norm", "ssm")
 
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("causal_conv1d", "kernel_variants.ops.causal_conv1d"),
     ("gemma_rms_norm", "kernel_variants.ops.gemma_rms_norm"),
     ("rms_norm", "kernel_variants.ops.rms_norm"),
+    ("ssm", "kernel_variants.ops.ssm"),
     ("gated_rms_norm", "kernel_variants.ops.gated_rms_norm"),
     ("torch_shift", "kernel_variants.kernels.torch_shift"),
     ("aten", "kernel_variants.kernels.aten"),
     ("cpu_native", "kernel_variants.kernels.cpu_native"),
     ("vllm_cpu", "kernel_variants.kernels.vllm_cpu"),
+    ("vllm_cpu_ssm", "kernel_variants.kernels.vllm_cpu_ssm"),
     ("asc", "kernel_variants.kernels.asc"),
     ("pto", "kernel_variants.kernels.pto"),
     ("npu_triton", "kernel_variants.kernels.npu_triton"),
@@ -33,4 +35,5 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("triton_rms_norm", "kernel_variants.kernels.triton_rms_norm"),
     ("cpu_rms_norm", "kernel_variants.kernels.cpu_rms_norm"),
     ("vllm_ir", "kernel_variants.kernels.vllm_ir"),
+    ("ssm_torch", "kernel_variants.kernels.ssm_torch"),
 )

@@ -81,6 +81,10 @@ class OpSpec:
       op's traps (pad slots, poisoned rows) into the check a calibration runs at each shape.
     - ``sweeps``: named shape lists; ``default_sweep`` is calibrated when none is named.
     - ``mutates``: parameters written in place; ``outputs``: names of the returned tensors.
+      ``written_within_tolerance``: what the op writes in place is computed (a scan's state),
+      so a variant's written values are judged within the dtype's tolerance, as outputs are;
+      the elements the reference leaves as they were must still be so bit for bit. Otherwise
+      (a conv's state rows, copies of inputs) they must equal the reference's bit for bit.
     - ``out``: every op takes a keyword-only ``out=None``, its last parameter (added to the
       signature where a function does not declare it): one tensor, or with several outputs a tuple of one tensor
       per output, each with the shape, dtype and device of the parameter ``out_like`` (default:
@@ -111,6 +115,7 @@ class OpSpec:
     out_aliases: Mapping[str, str] = field(default_factory=dict)
     edge_cases: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     check_options: Mapping[str, Any] = field(default_factory=dict)
+    written_within_tolerance: bool = False
 
     def __post_init__(self) -> None:
         check_id(self.name, "op name")

@@ -159,6 +159,10 @@ def judge(fn: Callable[..., Any], case: Case, expected: Expected | None = None, 
     ref_out, ref_written = expected if expected is not None else reference_result(case)
     mine = copy_case(case)
     untouched = {n: mine.allocation(n).clone() for n in mine.storages if n not in spec.mutates}
+    # Computed states are judged at the tolerance, the elements the reference leaves alone bit
+    # for bit: those need the allocations as they were.
+    before = ({n: mine.allocation(n).clone() for n in spec.mutates if n in mine.storages}
+              if spec.written_within_tolerance else {})
     outs: tuple[torch.Tensor, ...] | None = None
     guards: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []
     extra: dict[str, Any] = {}
@@ -171,13 +175,17 @@ def judge(fn: Callable[..., Any], case: Case, expected: Expected | None = None, 
         got = mine.call(fn, **extra)
     except Exception as exc:  # any failure of the candidate is a verdict on it
         return Judged(f"raised {type(exc).__name__}: {exc}".splitlines()[0], None, mine)
-    return Judged(_problem(spec, got, ref_out, ref_written, mine, outs, guards, untouched, layout), got, mine)
+    return Judged(_problem(spec, got, ref_out, ref_written, mine, outs, guards, untouched, layout, before), got,
+                  mine)
 
 
 def _problem(spec: OpSpec, got: Any, ref_out: Any, ref_written: dict[str, torch.Tensor], mine: _Copy,
              outs: tuple[torch.Tensor, ...] | None, guards: list[tuple[torch.Tensor, int, int, torch.Tensor]],
-             untouched: dict[str, torch.Tensor], layout: bool) -> str | None:
-    """The first thing a variant's call on ``mine`` got wrong (None: nothing)."""
+             untouched: dict[str, torch.Tensor], layout: bool,
+             before: dict[str, torch.Tensor] | None = None) -> str | None:
+    """The first thing a variant's call on ``mine`` got wrong (None: nothing). ``before``: each
+    written allocation as it was, for an op whose written values are computed (judged within
+    the tolerance; see ``OpSpec.written_within_tolerance``)."""
     names = spec.outputs
     if len(names) == 1:
         got_t, want = (got,), (ref_out,)
@@ -194,8 +202,12 @@ def _problem(spec: OpSpec, got: Any, ref_out: Any, ref_written: dict[str, torch.
             return "out: wrote outside the out= tensor it was given (bytes of its allocation around it changed)"
     for name, after in ref_written.items():
         view = mine.tensor(spec, name)
-        ref_view = torch.empty(0, dtype=view.dtype, device=view.device).set_(
-            after.untyped_storage(), view.storage_offset(), view.size(), view.stride())
+        ref_view = _typed(after, view)
+        if before:
+            why = _computed_problem(name, view, ref_view, _typed(before[name], view), mine.allocation(name), after)
+            if why is not None:
+                return why
+            continue
         bits = _BITS.get(view.element_size())
         # Bit-equal is the common verdict and one pass; the element-wise message only when not.
         if bits is None or not torch.equal(view.view(bits), ref_view.view(bits)):
@@ -209,6 +221,31 @@ def _problem(spec: OpSpec, got: Any, ref_out: Any, ref_written: dict[str, torch.
     for name, before in untouched.items():
         if not torch.equal(mine.allocation(name), before):
             return f"{name}: written, but the op does not write it (its input must stay as it was)"
+    return None
+
+
+def _typed(allocation: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The bytes ``allocation`` seen as ``like`` sees its own: dtype, offset, sizes, strides."""
+    return torch.empty(0, dtype=like.dtype, device=like.device).set_(
+        allocation.untyped_storage(), like.storage_offset(), like.size(), like.stride())
+
+
+def _computed_problem(name: str, view: torch.Tensor, ref_view: torch.Tensor, old_view: torch.Tensor,
+                      mine: torch.Tensor, after: torch.Tensor) -> str | None:
+    """A computed state: every element the reference left as it was (slots no sequence
+    writes) still bit for bit as it was, the rest within the dtype's tolerance, and no byte
+    outside the view changed."""
+    bits = _BITS[view.element_size()]
+    kept = ref_view.view(bits) == old_view.view(bits)
+    if not torch.equal(view.view(bits)[kept], old_view.view(bits)[kept]):
+        return f"{name}: changed elements the reference leaves as they were (slots it must not write)"
+    why = mismatch(view, ref_view, name)
+    if why is not None:
+        return why
+    outside = mine.clone()
+    _typed(outside, view).copy_(ref_view)  # the view as the reference wrote it: the rest must agree
+    if not torch.equal(outside, after):
+        return f"{name}: wrote outside its view (bytes of its allocation beyond the view changed)"
     return None
 
 
