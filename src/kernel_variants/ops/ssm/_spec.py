@@ -138,13 +138,12 @@ def _scalars(dt_softplus: object, dt_min: object, dt_max: object, pad_slot_id: o
     return dt_min > 0.0 or dt_max < math.inf  # type: ignore[operator]
 
 
-def _x(x: object, ndims: tuple[int, ...]) -> torch.Tensor:
+def _x(x: object, ndims: tuple[int, ...], want: str) -> torch.Tensor:
     tensor("x", x)
     assert isinstance(x, torch.Tensor)
     if x.dtype not in _DATA:
         raise TypeError(f"x: expected dtype float32, bfloat16 or float16, got {dtype_name(x.dtype)}")
     if x.ndim not in ndims:
-        want = " or ".join({3: "[B, H, P]", 4: "[B, T, H, P]"}.get(n, "[T, H, P]") for n in ndims)
         raise ValueError(f"x: expected shape {want}, got {shape_str(x)}")
     if min(x.shape[-2:]) < 1:
         raise ValueError(f"x: expected H >= 1 heads of P >= 1 channels, got {shape_str(x)}")
@@ -216,7 +215,7 @@ def _run(checks: Callable[[Sequence[Any]], None] | None, args: Sequence[Any]) ->
 def check_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, state_batch_indices,
                  dst_state_batch_indices, pad_slot_id, *, values: bool) -> KeyParts:
     """Validate a ``selective_state_update`` call; return its key parts (B, H, L=T)."""
-    x = _x(x, (3, 4))
+    x = _x(x, (3, 4), "[B, H, P] or [B, T, H, P]")
     batch, length = x.shape[0], (x.shape[1] if x.ndim == 4 else 1)
     heads, headdim = x.shape[-2:]
     if batch < 1 or length < 1:
@@ -243,7 +242,7 @@ def check_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_m
 def check_scan(x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, state_indices,
                has_initial_state, pad_slot_id, *, values: bool) -> KeyParts:
     """Validate an ``ssd_chunk_scan`` call; return its key parts (B, H, L = ceil(T / B))."""
-    x = _x(x, (3,))
+    x = _x(x, (3,), "[T, H, P]")
     total, heads, headdim = x.shape
     _index("cu_seqlens", cu_seqlens, cu_seqlens.shape[0] if isinstance(cu_seqlens, torch.Tensor) else 0, x)
     if cu_seqlens is not None and (cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2):
