@@ -161,8 +161,8 @@ def judge(fn: Callable[..., Any], case: Case, expected: Expected | None = None, 
     untouched = {n: mine.allocation(n).clone() for n in mine.storages if n not in spec.mutates}
     # Computed states are judged at the tolerance, the elements the reference leaves alone bit
     # for bit: those need the allocations as they were.
-    before = ({n: mine.allocation(n).clone() for n in spec.mutates if n in mine.storages}
-              if spec.written_within_tolerance else {})
+    was = ({n: mine.allocation(n).clone() for n in spec.mutates if n in mine.storages}
+           if spec.written_within_tolerance else {})
     outs: tuple[torch.Tensor, ...] | None = None
     guards: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []
     extra: dict[str, Any] = {}
@@ -175,15 +175,14 @@ def judge(fn: Callable[..., Any], case: Case, expected: Expected | None = None, 
         got = mine.call(fn, **extra)
     except Exception as exc:  # any failure of the candidate is a verdict on it
         return Judged(f"raised {type(exc).__name__}: {exc}".splitlines()[0], None, mine)
-    return Judged(_problem(spec, got, ref_out, ref_written, mine, outs, guards, untouched, layout, before), got,
-                  mine)
+    return Judged(_problem(spec, got, ref_out, ref_written, mine, outs, guards, untouched, layout, was), got, mine)
 
 
 def _problem(spec: OpSpec, got: Any, ref_out: Any, ref_written: dict[str, torch.Tensor], mine: _Copy,
              outs: tuple[torch.Tensor, ...] | None, guards: list[tuple[torch.Tensor, int, int, torch.Tensor]],
              untouched: dict[str, torch.Tensor], layout: bool,
-             before: dict[str, torch.Tensor] | None = None) -> str | None:
-    """The first thing a variant's call on ``mine`` got wrong (None: nothing). ``before``: each
+             was: dict[str, torch.Tensor] | None = None) -> str | None:
+    """The first thing a variant's call on ``mine`` got wrong (None: nothing). ``was``: each
     written allocation as it was, for an op whose written values are computed (judged within
     the tolerance; see ``OpSpec.written_within_tolerance``)."""
     names = spec.outputs
@@ -203,8 +202,8 @@ def _problem(spec: OpSpec, got: Any, ref_out: Any, ref_written: dict[str, torch.
     for name, after in ref_written.items():
         view = mine.tensor(spec, name)
         ref_view = _typed(after, view)
-        if before:
-            why = _computed_problem(name, view, ref_view, _typed(before[name], view), mine.allocation(name), after)
+        if was:
+            why = _computed_problem(name, view, ref_view, _typed(was[name], view), mine.allocation(name), after)
             if why is not None:
                 return why
             continue
