@@ -34,6 +34,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("npu_rms_norm", "kernel_variants.kernels.npu_rms_norm"),
     ("triton_rms_norm", "kernel_variants.kernels.triton_rms_norm"),
     ("cpu_rms_norm", "kernel_variants.kernels.cpu_rms_norm"),
+    ("cpu_ssm", "kernel_variants.kernels.cpu_ssm"),
     ("vllm_ir", "kernel_variants.kernels.vllm_ir"),
     ("ssm_torch", "kernel_variants.kernels.ssm_torch"),
 )

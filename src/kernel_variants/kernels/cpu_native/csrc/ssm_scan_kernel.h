@@ -408,6 +408,17 @@ KV_SSM_INLINE float dt_of(const Params& p, const Seq& q, int64_t b, int64_t t, i
   return d;
 }
 
+// Tokens ahead whose rows are prefetched: one token of one head is ~1000 cycles of work.
+constexpr int64_t kAhead = 2;
+
+KV_SSM_INLINE void prefetch_row(const void* p, int64_t bytes, bool write) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) {
+    if (write) __builtin_prefetch(c + i, 1, 3);
+    else __builtin_prefetch(c + i, 0, 3);
+  }
+}
+
 // One (sequence, head) item, x / z / out of type XT.
 template <class XT>
 void run_item(const Params& p, float* w, int64_t b, int64_t h) {
@@ -454,6 +465,17 @@ void run_item(const Params& p, float* w, int64_t b, int64_t h) {
   const char* Cm = static_cast<const char*>(p.C);
   for (int64_t t = 0; t < q.n; ++t) {
     const int64_t tt = q.t0 + t;
+    // A head's rows of consecutive tokens are H * P elements apart (8 KiB for bf16 at 64 x 64):
+    // each on another page, which the hardware prefetchers do not follow; a long sequence's x,
+    // z and out live in L3 or DRAM. Ask for token t + kAhead's rows now.
+    if (t + kAhead < q.n) {
+      const int64_t ta = tt + kAhead;
+      prefetch_row(x + b * p.x_sb + ta * p.x_st + h * p.x_sh, P * sizeof(XT), false);
+      if (z) prefetch_row(z + b * p.z_sb + ta * p.z_st + h * p.z_sh, P * sizeof(XT), false);
+      prefetch_row(out + b * p.o_sb + ta * p.o_st + h * p.o_sh, P * sizeof(XT), true);
+      prefetch_row(Bm + (b * p.b_sb + ta * p.b_st + g * p.b_sg) * bes, S * bes, false);
+      prefetch_row(Cm + (b * p.c_sb + ta * p.c_st + g * p.c_sg) * bes, S * bes, false);
+    }
     const float d = dt_of(p, q, b, t, h);
     to_f32(x + b * p.x_sb + tt * p.x_st + h * p.x_sh, xf, P);
     const fVec vd(d);

@@ -1,0 +1,133 @@
+"""``cpu_native`` for the state-space-scan ops (Mamba2's selective scan): the C++ kernel in
+``cpu_native/csrc/ssm_scan_*`` (AVX2 / AVX-512 / AVX-512-BF16 chosen at run time).
+
+One work item per (sequence, head), run whole by one thread (results do not depend on the thread
+count): the head's ``[P, S]`` state is read from its slot once (converted to fp32), kept in L1/L2
+across the sequence's tokens, and written back once (rounded to the pool's dtype), in place for
+an fp32 pool; a one-token update of a 16-bit pool converts on the fly in one pass. Each token
+updates the state with one mul and one FMA per 16 values (vectorised along S, B and C in
+registers) and forms ``y`` with one more FMA and a transpose-and-add row sum.
+
+``ssd_chunk_scan`` runs the recurrent algorithm (token by token; the chunked SSD form is not
+built): it is the fast one on CPUs, whose FMA throughput the recurrence already fills without
+the chunked form's extra work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernel_variants._native import build
+from kernel_variants.kernels.cpu_native import _native
+from kernel_variants.kernels.cpu_native._build import SSM
+from kernel_variants.ops.ssm import SsmCapabilities
+from kernel_variants.plugin import Variant, hookimpl
+
+_NATIVE_SSM = _native(SSM)
+
+
+def _slot_dense(pool: torch.Tensor) -> bool:
+    """Whether each slot's ``[H, P, S]`` is dense (any slot stride), as the kernel takes it."""
+    _, h, p, s = pool.shape
+    return all(n <= 1 or st == want for n, st, want in ((s, pool.stride(3), 1), (p, pool.stride(2), s),
+                                                         (h, pool.stride(1), p * s)))
+
+
+def _run_pool(pool: torch.Tensor | None, call):
+    """``call(pool)``: with the pool itself, or (a slot that is not dense) a dense copy written back."""
+    if pool is None or _slot_dense(pool):
+        return call(pool)
+    dense = pool.clone(memory_format=torch.contiguous_format)
+    res = call(dense)
+    pool.copy_(dense)
+    return res
+
+
+def _unit_out(out: torch.Tensor | None) -> torch.Tensor | None:
+    """The caller's ``out`` where the kernel can write it (unit stride along P), else None."""
+    return out if out is None or out.shape[-1] <= 1 or out.stride(-1) == 1 else None
+
+
+def selective_state_update(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_min: float = 0.0,
+    dt_max: float = math.inf,
+    *,
+    state_batch_indices: torch.Tensor | None = None,
+    dst_state_batch_indices: torch.Tensor | None = None,
+    pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """state: [N, H, P, S] pool, updated in place; x: [B, H, P] or [B, T, H, P]; dt: [B, H] or
+    [B, T, H]; A: [H]; B, C: [B, G, S] or [B, T, G, S]; D, dt_bias: [H]; z: x's shape. Returns y
+    of x's shape and dtype (``out`` when given)."""
+    one = x.dim() == 3  # one token per sequence: the kernel takes [B, T, ...]
+    if one:
+        x, dt, B, C = x.unsqueeze(1), dt.unsqueeze(1), B.unsqueeze(1), C.unsqueeze(1)
+        z = None if z is None else z.unsqueeze(1)
+    kout = _unit_out(out)
+    if kout is not None and one:
+        kout = kout.unsqueeze(1)
+    ext = build.load_extension(SSM)
+    res = _run_pool(state, lambda pool: ext.update(
+        pool, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, state_batch_indices,
+        dst_state_batch_indices, pad_slot_id, kout))
+    if one:
+        res = res.squeeze(1)
+    if out is None:
+        return res
+    return out if kout is not None else out.copy_(res)  # out itself, not the kernel's [B, 1, H, P] view
+
+
+def ssd_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_min: float = 0.0,
+    dt_max: float = math.inf,
+    *,
+    ssm_states: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [T, H, P]; dt: [T, H]; A: [H]; B, C: [T, G, S]; cu_seqlens: [B+1]; D, dt_bias: [H];
+    z: x's shape; ssm_states: None or [N, H, P, S] pool (read where has_initial_state, written);
+    state_indices, has_initial_state: [B]. Returns y [T, H, P] in x's dtype (``out`` when given)."""
+    kout = _unit_out(out)
+    ext = build.load_extension(SSM)
+    res = _run_pool(ssm_states, lambda pool: ext.scan(
+        x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus, dt_min, dt_max, pool, state_indices,
+        has_initial_state, pad_slot_id, kout))
+    return res if out is None or kout is not None else out.copy_(res)
+
+
+@hookimpl
+def kv_register_variants(register) -> None:
+    caps = SsmCapabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, takes_out=True)
+    common = dict(id="cpu_native", version="1", priority=30, capabilities=caps, **_NATIVE_SSM)
+    register(Variant(op="selective_state_update", fn=selective_state_update, **common,
+                     description="fused C++ decode step: state read, updated and written in one pass, parallel "
+                                 "over (sequence, head)"))
+    register(Variant(op="ssd_chunk_scan", fn=ssd_chunk_scan, **common,
+                     description="C++ recurrent scan: each head's fp32 state kept in L1 across the sequence, "
+                                 "vectorised along S, parallel over (sequence, head)"))
