@@ -12,7 +12,8 @@ one group, bf16 activations, fp32 state pool), one thread by default:
   fp32, ``torch.ops._C.mamba_chunk_scan_fwd_cpu``), the floor again one load and store of the
   sequence's state;
 - ``gated_rms_norm`` (dispatched) against vLLM's ``Mixer2RMSNormGated`` composite (its
-  forward_native in torch ops, one group), T in {1, 16, 256, 1024} rows of 4096.
+  forward_native in torch ops, one group), T in {1, 16, 256, 1024} rows of 4096
+  (tools/bench_gated_rms_norm.py times the op's other forms: groups, the GDN output norm).
 
 Every form is checked against the reference first. Each shape's forms are timed in alternating
 rounds (the project's ``measure_interleaved``); a ratio is the median over rounds of (ours /
@@ -34,6 +35,7 @@ import sys
 
 import torch
 from _report import cpu_model, markdown_table  # tools/ is sys.path[0]
+from bench_gated_rms_norm import mixer2_native
 
 import kernel_variants as kv
 from kernel_variants._tuning.timing import Timing, TimingConfig, measure_interleaved
@@ -152,9 +154,7 @@ def norm_rows(tokens, timing) -> list[list]:
         w = (1 + 0.1 * torch.randn(width, generator=g)).bfloat16()
 
         def composite(x=x, z=z, w=w):  # Mixer2RMSNormGated.forward_native, one group, one rank
-            h = x * torch.nn.functional.silu(z.to(torch.float32))
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-            return w * h.to(x.dtype)
+            return mixer2_native(x, z, w, eps, None)
 
         def ours(x=x, z=z, w=w):
             return kv.gated_rms_norm(x, z, w, eps)
