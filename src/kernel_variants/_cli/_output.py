@@ -58,7 +58,7 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, fm
 
 def _wrap_last(headers: Sequence[str], cells: list[list[str]], width: int) -> list[list[str]]:
     lead = sum(max([len(h)] + [len(r[i]) for r in cells]) + 2 for i, h in enumerate(headers[:-1]))
-    room = max(width - lead, 20)
+    room = max(width - lead, 12)  # a narrower floor would stack a reason a word a line
     out = []
     for row in cells:
         pieces = textwrap.wrap(row[-1], room, break_long_words=True, break_on_hyphens=False) or [""]
