@@ -11,7 +11,7 @@ import torch
 import kernel_variants as kv
 from kernel_variants._runtime.dispatcher import dispatcher
 
-OPS = ("causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm")
+OPS = ("causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm", "gated_rms_norm")
 
 
 def _case(op: str, dtype: torch.dtype):
