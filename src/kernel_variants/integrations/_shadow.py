@@ -4,7 +4,10 @@ function, and the adapter's call is judged against it.
 The engine's function is the oracle a serving team trusts: its outputs at the op's tolerance
 for the dtype (``_tolerances``), a state it writes bit for bit (a conv state holds copies of
 input rows: nothing to round), every other tensor it was handed unchanged where the engine left
-it unchanged (pad slots included). Both run on copies of the call's tensors taken before either
+it unchanged (pad slots included). A state whose values are computed (an SSM state: exponentials
+and sums, which two correct kernels round differently; the adapter says so with
+:func:`computes_state`) is judged at the tolerance for its dtype where the engine changed it, and
+bit for bit everywhere else: elements the engine left as they were, and the rest of its allocation. Both run on copies of the call's tensors taken before either
 ran; the caller gets the adapter's outcome when it agrees, else the engine's. On a mismatch the
 variants that served the adapter's dispatched calls fail their classes (as a mismatch with the
 reference does, ``_runtime.shadow``), the call is saved, and ``kv shadow --replay`` judges it
@@ -45,13 +48,79 @@ def _storage_copies(values: dict[str, Any]) -> tuple[dict[str, Any], dict[int, t
     return copied, pairs
 
 
+#: Attributes of an adapter: the names of its arguments that hold states it computes (not copies),
+#: and of its in-place outputs whose rows of skipped (padded) sequences the engine leaves unwritten.
+COMPUTED = "__kv_computed_state__"
+UNWRITTEN = "__kv_unwritten_rows__"
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def computes_state(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark an adapter whose arguments ``names`` are states it writes with computed values."""
+    def mark_computed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(fn, COMPUTED, tuple(names))
+        return fn
+
+    return mark_computed
+
+
+def leaves_rows(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark an adapter whose in-place outputs ``names`` the engine leaves unwritten in the rows of
+    the sequences it skips (vLLM's decode, for the null block): rows the engine did not write
+    hold whatever the buffer held, for it as for the caller, and are not judged."""
+    def mark_rows(fn: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(fn, UNWRITTEN, tuple(names))
+        return fn
+
+    return mark_rows
+
+
+def _written_rows(engine: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """The rows (along dim 0) the engine changed, as a mask of the tensor's shape."""
+    changed = engine.view(_BITS[engine.element_size()]) != before.view(_BITS[engine.element_size()])
+    rows = changed.flatten(1).any(1) if changed.ndim > 1 else changed
+    return rows.view(-1, *[1] * (changed.ndim - 1)).expand(changed.shape)
+
+
+def _over(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s view (dtype, offset, shape, strides) of the allocation ``whole`` holds."""
+    return torch.empty(0, dtype=like.dtype, device=like.device).set_(
+        whole.untyped_storage(), like.storage_offset(), like.size(), like.stride())
+
+
+def _computed_state(name: str, engine: torch.Tensor, ours: torch.Tensor, before: torch.Tensor) -> str | None:
+    """A computed state: at the dtype's tolerance where the engine changed it, else bit for bit
+    (the view's other elements, and the bytes of its allocation outside the view)."""
+    rest_a = allocation_bytes(engine.untyped_storage(), engine.device).clone()
+    rest_b = allocation_bytes(ours.untyped_storage(), ours.device).clone()
+    _over(rest_a, engine).copy_(before)
+    _over(rest_b, ours).copy_(before)
+    if not torch.equal(rest_a, rest_b):
+        n = int((rest_a != rest_b).sum())
+        return f"{name}: {n} bytes of its allocation outside the state differ from the engine's"
+    bits = _BITS[engine.element_size()]
+    was = before.view(bits)
+    changed = engine.view(bits) != was
+    if changed.ndim > 1:  # by slot: an element a step happens to leave as it was is still written
+        changed = changed.flatten(1).any(1).view(-1, *[1] * (changed.ndim - 1)).expand(changed.shape)
+    kept = (ours.view(bits) != was) & ~changed
+    if kept.any():
+        return (f"{name}: {int(kept.sum())} elements of slots the engine left as they were were written "
+                f"(first at {[int(i) for i in kept.nonzero()[0]]})")
+    return mismatch(ours[changed], engine[changed], name) if changed.any() else None
+
+
 def _tensors(result: Any) -> list[Any]:
     return list(result) if isinstance(result, tuple | list) else [result]
 
 
-def judge_against_engine(engine: tuple[Any, dict[str, Any]], ours: tuple[Any, dict[str, Any]]) -> str | None:
+def judge_against_engine(engine: tuple[Any, dict[str, Any]], ours: tuple[Any, dict[str, Any]], *,
+                         before: dict[str, Any] | None = None, computed: tuple[str, ...] = (),
+                         unwritten: tuple[str, ...] = ()) -> str | None:
     """None when ``ours`` (a result, and the arguments it ran on, by name) agrees with the
-    ``engine``'s (the same, run on its own copies of the call), else the first disagreement."""
+    ``engine``'s (the same, run on its own copies of the call), else the first disagreement.
+    ``computed``: states judged as :func:`_computed_state`, against their values ``before``;
+    ``unwritten``: in-place outputs judged only in the rows the engine wrote (:func:`leaves_rows`)."""
     (ra, a), (rb, b) = engine, ours
     ta, tb = _tensors(ra), _tensors(rb)
     if len(ta) != len(tb):
@@ -71,13 +140,22 @@ def judge_against_engine(engine: tuple[Any, dict[str, Any]], ours: tuple[Any, di
         y = b.get(name)
         if not isinstance(x, torch.Tensor) or ("state" not in name and x.untyped_storage().data_ptr() in returned):
             continue
-        if "state" in name or not x.is_floating_point():
+        if name in computed and before is not None and x.is_floating_point():
+            why = _computed_state(name, x, y, before[name])
+            if why is not None:
+                return why
+        elif "state" in name or not x.is_floating_point():
             # a state holds copies of input rows; index tensors are never written: bit for bit
             whole_a = allocation_bytes(x.untyped_storage(), x.device)
             whole_b = allocation_bytes(y.untyped_storage(), y.device)
             if not torch.equal(whole_a, whole_b):
                 n = int((whole_a != whole_b).sum())
                 return f"{name}: {n} of {whole_a.numel()} bytes of its allocation differ from the engine's"
+        elif name in unwritten and before is not None and not torch.equal(x, y):
+            rows = _written_rows(x, before[name])
+            why = mismatch(y[rows], x[rows], name)
+            if why is not None:
+                return why
         elif not torch.equal(x, y):  # an output the engine writes in place: the op's tolerance
             why = mismatch(y, x, name)
             if why is not None:
@@ -169,6 +247,12 @@ def _as_oracle(original: Callable[..., Any], sig: inspect.Signature, values: dic
         _oracle.running = False
 
 
+def _judge(adapter: Callable[..., Any], engine: tuple[Any, dict[str, Any]], ours: tuple[Any, dict[str, Any]],
+           before: dict[str, Any]) -> str | None:
+    return judge_against_engine(engine, ours, before=before, computed=getattr(adapter, COMPUTED, ()),
+                                unwritten=getattr(adapter, UNWRITTEN, ()))
+
+
 def _judged_call(adapter: Callable[..., Any], original: Callable[..., Any], sig: inspect.Signature,
                  real: dict[str, Any]) -> Any:
     a, clones_a = _storage_copies(real)
@@ -189,7 +273,7 @@ def _judged_call(adapter: Callable[..., Any], original: Callable[..., Any], sig:
             raise raised from None
         return _adopt(real, clones_b, b, rb)
     why = (f"raised {type(raised).__name__}: {raised}".splitlines()[0] if raised is not None
-           else judge_against_engine((ra, a), (rb, b)))
+           else _judge(adapter, (ra, a), (rb, b), real))
     served = [(spec, vid) for spec, vid, _ in log]
     for spec, vid in dict.fromkeys(served):
         c = _shadow.count_of(spec.name, vid)
@@ -258,4 +342,4 @@ def replay_engine(engine: dict[str, Any]) -> str | None:
         rb = _call(adapter, sig, b)
     except Exception as exc:
         return f"raised {type(exc).__name__}: {exc}".splitlines()[0]
-    return judge_against_engine((_as_oracle(original, sig, a), a), (rb, b))
+    return _judge(adapter, (_as_oracle(original, sig, a), a), (rb, b), real)

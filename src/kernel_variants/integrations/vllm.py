@@ -55,7 +55,7 @@ from typing import Any
 from kernel_variants._runtime.shadow import ENV as SHADOW_ENV
 from kernel_variants._runtime.shadow import parse_rate
 from kernel_variants.integrations._common import IntegrationWarning
-from kernel_variants.integrations._patching import Patch, module_names, patch_engine
+from kernel_variants.integrations._patching import CONV_OPS, Patch, module_names, patch_engine
 from kernel_variants.integrations._vllm_adapters import (
     NULL_BLOCK_ID,
     PAD_SLOT_ID,
@@ -73,8 +73,18 @@ from kernel_variants.integrations._vllm_cpu import (
     gdn_causal_conv1d_update_cpu,
     unpack_weight,
 )
+from kernel_variants.integrations._vllm_gated import register_gated_norms, unregister_gated_norms
 from kernel_variants.integrations._vllm_ir import PROVIDER as IR_PROVIDER
 from kernel_variants.integrations._vllm_ir import register_provider as register_ir_provider
+from kernel_variants.integrations._vllm_ssm import (
+    SSD_MODULE,
+    SSD_NAME,
+    SSU_MODULE,
+    SSU_NAME,
+    mamba_chunk_scan_combined_varlen,
+    remember,
+    selective_state_update,
+)
 
 #: Where vLLM defines the two functions; everything else binding them is found from there.
 MODULE = "vllm.model_executor.layers.mamba.ops.causal_conv1d"
@@ -87,6 +97,8 @@ __all__ = [
     "NULL_BLOCK_ID",
     "PAD_SLOT_ID",
     "PLUGIN_ENV",
+    "SSD_MODULE",
+    "SSU_MODULE",
     "Convention",
     "IntegrationWarning",
     "Patch",
@@ -99,14 +111,20 @@ __all__ = [
     "convention",
     "gdn_causal_conv1d_fwd_cpu",
     "gdn_causal_conv1d_update_cpu",
+    "mamba_chunk_scan_combined_varlen",
     "patch",
     "plugin",
+    "register_gated_norms",
     "register_ir_provider",
+    "selective_state_update",
     "unpack_weight",
+    "unregister_gated_norms",
 ]
 
 #: Where vLLM declares its padding ids; NULL_BLOCK_ID appears there with the null block.
 UTILS_MODULE = "vllm.v1.attention.backends.utils"
+#: The ops the adapters route to (patch() leaves out, or builds, those variants that would compile).
+OPS = (*CONV_OPS, "selective_state_update", "ssd_chunk_scan", "gated_rms_norm")
 #: The packages ``patch()`` looks in besides vLLM's: its platform plugins (entry points).
 PLUGIN_GROUP = "vllm.platform_plugins"
 
@@ -195,6 +213,14 @@ def patch(*, also: Sequence[str] = (), build: bool = False, shadow: float = 0.0)
     ``ops/cpu/gdn_attention.py``; those are replaced too (:func:`gdn_causal_conv1d_fwd_cpu`,
     :func:`gdn_causal_conv1d_update_cpu`), so Qwen3-Next-style layers are dispatched as well.
 
+    Mamba2's selective scan goes through the dispatcher too: ``ssu_dispatch.selective_state_update``
+    (decode) and ``ssd_combined.mamba_chunk_scan_combined_varlen`` (prefill) are replaced by
+    :func:`selective_state_update` and :func:`mamba_chunk_scan_combined_varlen`, which run
+    vLLM's own function for the calls the ops do not cover (speculative decode, per-channel A,
+    prefix-caching checkpoints; ``integrations/_vllm_ssm.py``). The gated norms are not
+    patched here but registered with vLLM's ``CustomOp.register_oot`` (:func:`register_gated_norms`),
+    which must happen before the model is built (:func:`plugin` does both).
+
     Each binding gets the adapter that mirrors its function's padding rule (:func:`convention`,
     read from vLLM's declarations). ``patch()`` never compiles: a variant that would build on its
     first call is left out of the routing with one :class:`IntegrationWarning` naming
@@ -225,7 +251,9 @@ def patch(*, also: Sequence[str] = (), build: bool = False, shadow: float = 0.0)
     } | {GDN_MODULE: {
         "_causal_conv1d_fwd_cpu": lambda original: gdn_causal_conv1d_fwd_cpu,
         "_causal_conv1d_update_cpu": lambda original: gdn_causal_conv1d_update_cpu,
-    }}, prefixes=("vllm", *plugin_packages()), also=names, build=build, shadow=shadow)
+    }, SSU_MODULE: {SSU_NAME: remember(SSU_NAME, selective_state_update)},
+        SSD_MODULE: {SSD_NAME: remember(SSD_NAME, mamba_chunk_scan_combined_varlen)},
+    }, prefixes=("vllm", *plugin_packages()), also=names, ops=OPS, build=build, shadow=shadow)
     handle.convention = rule
     return handle
 
@@ -243,9 +271,10 @@ def plugin() -> Patch | None:
     It always registers kernel_variants as the vLLM IR provider ``kernel_variants`` of
     ``rms_norm`` and ``fused_add_rms_norm`` where ``vllm.ir`` imports
     (:func:`register_ir_provider`): harmless, since vLLM uses it only where the kernel config's
-    ``ir_op_priority`` names it (docs/integrations.md). The conv patch is opt-in: nothing more
+    ``ir_op_priority`` names it (docs/integrations.md). The patch is opt-in: nothing more
     happens unless ``KV_VLLM_PATCH`` is ``1`` (patch, leaving out variants not built) or
     ``build`` (patch, and build them first); ``KV_SHADOW`` is the patch's ``shadow`` rate there.
+    With it, the gated norms are registered too (:func:`register_gated_norms`).
     vLLM may call it more than once per process; it registers and patches once. Announces the
     patch on stderr. Returns the patch's handle (also kept for the process's lifetime), or None."""
     global _plugin_patch
@@ -260,9 +289,11 @@ def plugin() -> Patch | None:
     # The one import here: vLLM's own conv module, which patch() needs loaded; importing it at
     # process start is what vLLM's model code does moments later.
     importlib.import_module(MODULE)
+    gated = register_gated_norms()  # imports Mamba2's layer module, and with it the scan's functions
     _plugin_patch = patch(build=raw == "build", shadow=parse_rate(os.environ.get(SHADOW_ENV, "")))
     print(f"kernel_variants: patched vLLM's conv functions in process {os.getpid()} "
           f"({len(_plugin_patch.replaced)} bindings; {_plugin_patch.convention}"
+          + (f"; {', '.join(gated)} registered out of tree" if gated else "")
           + (f"; shadowed at rate {_plugin_patch.shadow:g}" if _plugin_patch.shadow else "") + ")",
           file=sys.stderr, flush=True)
     return _plugin_patch
