@@ -137,7 +137,7 @@ UPDATE_SPEC = OpSpec(
     name=UPDATE, signature=selective_state_update, check=_spec.check_update,
     value_checks=_spec.update_value_checks, reference=_oracle(UPDATE, _reference.selective_state_update),
     make_case=_cases.spec_case(UPDATE), conformance=_cases.conformance(_cases.UPDATE_CASES),
-    edge_cases=_cases.UPDATE_CASES, sweeps=_cases.sweeps(UPDATE), default_sweep="ssm-smoke", mutates=("state",),
+    edge_cases=_cases.UPDATE_CASES, sweeps=_cases.sweeps(UPDATE), default_sweep="ssm-decode-smoke", mutates=("state",),
     out_like="x", aliases=("ssu",),
     description="Mamba2 decode / verify: T tokens per sequence from a pool slot, the state updated in place",
     **_FAMILY,

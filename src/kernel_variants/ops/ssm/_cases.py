@@ -226,18 +226,22 @@ def conformance(named: dict[str, dict[str, Any]]):
 
 
 def sweeps(op: str) -> dict[str, Sweep]:
-    """``ssm-cpu``: mamba2-1.3b's widths (H=64 heads of 64, dstate 128) where recurrent and
-    chunked cross over (decode: B in 1..64, one token; prefill: one sequence of 2..2048 tokens,
-    and batches); ``ssm-smoke``: a few small shapes."""
+    """The scan's ``ssm-cpu``: mamba2-1.3b's widths (H=64 heads of 64, dstate 128), one sequence
+    of 2..2048 tokens and two batches, where token-by-token and chunked cross over; the update's
+    ``ssm-cpu-decode``: B in 1..64, one token, and a 4-token verify. ``ssm-smoke`` and
+    ``ssm-decode-smoke``: a few small shapes. (One name per op: ``kv calibrate --sweep`` names one.)"""
+    widths = {"headdim": 64, "dstate": 128}
     if op == UPDATE:
-        shapes = (*tuple((b, 64, 1) for b in (1, 4, 16, 64)), (4, 64, 4))
-        smoke = ((1, 8, 1), (4, 8, 1))
-    else:
-        shapes = (*tuple((1, 64, n) for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)), (4, 64, 256), (16, 64, 64))
-        smoke = ((1, 8, 16), (2, 8, 64))
+        return {
+            "ssm-cpu-decode": Sweep("ssm-cpu-decode", op, (*((b, 64, 1) for b in (1, 4, 16, 64)), (4, 64, 4)), widths,
+                                    description="mamba2-1.3b widths: decode B=1..64, and a 4-token verify"),
+            "ssm-decode-smoke": Sweep("ssm-decode-smoke", op, ((1, 8, 1), (4, 8, 1)), {"headdim": 16, "dstate": 32},
+                                      description="a few small shapes, seconds to calibrate"),
+        }
+    lengths = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
     return {
-        "ssm-cpu": Sweep("ssm-cpu", op, shapes, {"headdim": 64, "dstate": 128},
-                         description="mamba2-1.3b widths: where recurrent and chunked cross over"),
-        "ssm-smoke": Sweep("ssm-smoke", op, smoke, {"headdim": 16, "dstate": 32},
+        "ssm-cpu": Sweep("ssm-cpu", op, (*((1, 64, n) for n in lengths), (4, 64, 256), (16, 64, 64)), widths,
+                         description="mamba2-1.3b widths: where token-by-token and chunked cross over"),
+        "ssm-smoke": Sweep("ssm-smoke", op, ((1, 8, 16), (2, 8, 64)), {"headdim": 16, "dstate": 32},
                            description="a few small shapes, seconds to calibrate"),
     }
