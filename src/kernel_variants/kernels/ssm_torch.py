@@ -62,7 +62,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     ys = []
     for t in range(xs.shape[1]):
         s.mul_(dA[:, t, :, None, None]).add_((d[:, t, :, None] * xr[:, t])[..., None] * Bh[:, t, :, None, :])
-        ys.append(torch.einsum("bhps,bhs->bhp", s, Ch[:, t]))
+        ys.append((s * Ch[:, t, :, None, :]).sum(-1))  # the reference's order: an fp32 sum of S terms
     y = torch.zeros(xs.shape, dtype=torch.float32, device=x.device)
     if rows.numel():
         y[rows] = _gate(torch.stack(ys, 1), xr, D, None if zs is None else zs[rows])
@@ -71,12 +71,15 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
 
 
 def _segsum(a: torch.Tensor) -> torch.Tensor:
-    """a [..., Q] -> [..., Q, Q]: sum of a over (s, t] at [t, s] for s <= t, -inf above the
-    diagonal (exp of it is the decay from token s to token t, 0 where s is later)."""
+    """a [..., Q] -> [..., Q, Q]: the sum of a over (s, t] at [t, s] for s <= t, -inf above the
+    diagonal (exp of it is the decay from token s to token t, 0 where s is later). Summed
+    directly rather than as a difference of two prefix sums, which loses the digits a long
+    chunk's decays need."""
     q = a.shape[-1]
-    cs = a.cumsum(-1)
-    seg = cs[..., :, None] - cs[..., None, :]
-    return seg.masked_fill(~torch.ones(q, q, dtype=torch.bool, device=a.device).tril(), -math.inf)
+    grid = a[..., :, None].expand(*a.shape, q)  # [..., t, s] = a[t]
+    strict = torch.ones(q, q, dtype=torch.bool, device=a.device).tril(-1)
+    seg = grid.masked_fill(~strict, 0).cumsum(-2)
+    return seg.masked_fill(~strict.logical_or(torch.eye(q, dtype=torch.bool, device=a.device)), -math.inf)
 
 
 def _sequence(x, d, A, B, C, s0, chunk):
@@ -99,7 +102,8 @@ def _sequence(x, d, A, B, C, s0, chunk):
     cb = torch.einsum("ctgn,csgn->cgts", Cc, Bc)
     y = torch.einsum("cgrts,csgrp->ctgrp", decay * cb[:, :, None], dx)
     # Each chunk's own contribution to the state at its end, then the boundaries in order.
-    tail = torch.exp(cs[..., -1:] - cs).view(n, groups, rep, chunk)
+    after = a.flip(-1).cumsum(-1).flip(-1) - a  # the sum of a over (s, Q-1], again summed directly
+    tail = torch.exp(after).view(n, groups, rep, chunk)
     contrib = torch.einsum("cgrs,csgrp,csgn->cgrpn", tail, dx, Bc).reshape(n, heads, headdim, dstate)
     whole = torch.exp(cs[..., -1])  # [n, H]: the decay across each chunk
     starts = []
