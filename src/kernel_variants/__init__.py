@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from kernel_variants._tuning.timing import TimingConfig
     from kernel_variants.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
     from kernel_variants.ops.gated_rms_norm import gated_rms_norm
+    from kernel_variants.ops.gdn import chunk_gated_delta_rule, gated_delta_rule_update, gdn_gating
     from kernel_variants.ops.gemma_rms_norm import add_gemma_rms_norm, gemma_rms_norm
     from kernel_variants.ops.rms_norm import fused_add_rms_norm, rms_norm
     from kernel_variants.ops.ssm import selective_state_update, ssd_chunk_scan
@@ -114,6 +115,9 @@ _LAZY = {
     "rms_norm": "kernel_variants.ops.rms_norm",
     "fused_add_rms_norm": "kernel_variants.ops.rms_norm",
     "selective_state_update": "kernel_variants.ops.ssm",
+    "gated_delta_rule_update": "kernel_variants.ops.gdn",
+    "chunk_gated_delta_rule": "kernel_variants.ops.gdn",
+    "gdn_gating": "kernel_variants.ops.gdn",
     "ssd_chunk_scan": "kernel_variants.ops.ssm",
     "gated_rms_norm": "kernel_variants.ops.gated_rms_norm",
     "explain": "kernel_variants._runtime.bind",
@@ -222,6 +226,7 @@ __all__ = [
     "causal_conv1d_update",
     "check_agreement",
     "check_errors",
+    "chunk_gated_delta_rule",
     "clear_shadow",
     "clear_table",
     "clear_verdicts",
@@ -231,7 +236,9 @@ __all__ = [
     "export_table",
     "force",
     "fused_add_rms_norm",
+    "gated_delta_rule_update",
     "gated_rms_norm",
+    "gdn_gating",
     "gemma_rms_norm",
     "import_table",
     "info",

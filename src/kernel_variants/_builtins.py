@@ -11,13 +11,14 @@ stands below every plugin and names none; ``kernel_variants/__init__`` hands thi
 
 from __future__ import annotations
 
-ESSENTIAL_PLUGINS: tuple[str, ...] = ("causal_conv1d", "gemma_rms_norm", "rms_norm", "gated_rms_norm", "ssm")
+ESSENTIAL_PLUGINS: tuple[str, ...] = ("causal_conv1d", "gemma_rms_norm", "rms_norm", "gated_rms_norm", "ssm", "gdn")
 
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("causal_conv1d", "kernel_variants.ops.causal_conv1d"),
     ("gemma_rms_norm", "kernel_variants.ops.gemma_rms_norm"),
     ("rms_norm", "kernel_variants.ops.rms_norm"),
     ("ssm", "kernel_variants.ops.ssm"),
+    ("gdn", "kernel_variants.ops.gdn"),
     ("gated_rms_norm", "kernel_variants.ops.gated_rms_norm"),
     ("torch_shift", "kernel_variants.kernels.torch_shift"),
     ("aten", "kernel_variants.kernels.aten"),
@@ -37,4 +38,5 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("cpu_ssm", "kernel_variants.kernels.cpu_ssm"),
     ("vllm_ir", "kernel_variants.kernels.vllm_ir"),
     ("ssm_torch", "kernel_variants.kernels.ssm_torch"),
+    ("gdn_torch", "kernel_variants.kernels.gdn_torch"),
 )

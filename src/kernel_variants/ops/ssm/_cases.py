@@ -24,7 +24,7 @@ from kernel_variants.ops.ssm._spec import SCAN, UPDATE
 SPECS: dict[str, Any] = {}  # filled in by the package once its specs exist
 
 
-def _lengths(gen: torch.Generator, batch: int, length: int, varied: bool) -> list[int]:
+def lengths_of(gen: torch.Generator, batch: int, length: int, varied: bool) -> list[int]:
     """B lengths adding up to B * L: all L, or (``varied``) drawn in [0, 2L], empty ones among them."""
     if not varied or batch == 1:
         return [length] * batch
@@ -76,7 +76,7 @@ def make_case(op: str, shape: tuple[int, ...], *, dtype: torch.dtype | str = tor
     dtype, sdtype = as_dtype(dtype), as_dtype(state) if state != "none" else None
     gen = torch.Generator().manual_seed(seed)
     batch, heads, length = shape
-    lengths = [length] * batch if op == UPDATE else _lengths(gen, batch, length, varlen)
+    lengths = [length] * batch if op == UPDATE else lengths_of(gen, batch, length, varlen)
     total = sum(lengths)
 
     def randn(*size: int, scale: float = 1.0, dt: torch.dtype = dtype) -> torch.Tensor:

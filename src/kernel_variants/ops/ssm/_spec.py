@@ -109,7 +109,7 @@ def _data(name: str, t: object, shape: tuple[int, ...], x: torch.Tensor, *, opti
     return t
 
 
-def _index(name: str, t: object, length: int, x: torch.Tensor, *, dtypes=_INDEX, what="int32 or int64") -> None:
+def index(name: str, t: object, length: int, x: torch.Tensor, *, dtypes=_INDEX, what="int32 or int64") -> None:
     tensor(name, t, optional=True)
     if t is None:
         return
@@ -150,22 +150,32 @@ def _x(x: object, ndims: tuple[int, ...], want: str) -> torch.Tensor:
     return x
 
 
-def _pool(name: str, pool: object, x: torch.Tensor, heads: int, headdim: int) -> tuple[torch.Tensor, bool]:
-    """The state pool [N, H, P, S]; returns it and whether it has gaps between slots."""
+def state_pool(name: str, pool: object, x: torch.Tensor, inner: tuple[int, ...], want: str,
+               dtypes: tuple[torch.dtype, ...] = _DATA) -> tuple[torch.Tensor, bool]:
+    """A state pool ``[N, *inner]`` (``inner`` None entries: any size; ``want`` the shape as
+    messages write it, ``{}`` for each given size) of one of ``dtypes`` on x's device, each slot
+    dense; returns it and whether it has gaps between slots (a view of a larger allocation)."""
     tensor(name, pool)
     assert isinstance(pool, torch.Tensor)
-    if pool.ndim != 4 or tuple(pool.shape[1:3]) != (heads, headdim) or pool.shape[3] < 1:
-        raise ValueError(f"{name}: expected shape [N, H={heads}, P={headdim}, S], got {shape_str(pool)}")
-    if pool.dtype not in _DATA:
-        raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16, got {dtype_name(pool.dtype)}")
+    fits = pool.ndim == 1 + len(inner) and all(w in (None, s) for w, s in zip(inner, pool.shape[1:], strict=False))
+    if not fits or math.prod(pool.shape[1:]) < 1:
+        raise ValueError(f"{name}: expected shape {want.format(*[w for w in inner if w is not None])}, "
+                         f"got {shape_str(pool)}")
+    if pool.dtype not in dtypes:
+        names = ", ".join(dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {names}, got {dtype_name(pool.dtype)}")
     if pool.device != x.device:
         raise ValueError(f"{name}: expected device {x.device} (x's), got {pool.device}")
-    heads_, p, s = pool.shape[1:]
-    inner = (p * s, s, 1)
-    if tuple(pool.stride()[1:]) != inner and pool[0].numel() > 1:
-        raise ValueError(f"{name}: expected each slot dense (strides [*, {inner[0]}, {inner[1]}, 1]), "
+    dense = tuple(math.prod(pool.shape[i + 1:]) for i in range(1, pool.ndim))
+    if tuple(pool.stride()[1:]) != dense and pool[0].numel() > 1:
+        raise ValueError(f"{name}: expected each slot dense (strides [*, {', '.join(map(str, dense))}]), "
                          f"got strides {list(pool.stride())}")
-    return pool, pool.shape[0] > 1 and pool.stride(0) != heads_ * p * s
+    return pool, pool.shape[0] > 1 and pool.stride(0) != math.prod(pool.shape[1:])
+
+
+def _pool(name: str, pool: object, x: torch.Tensor, heads: int, headdim: int) -> tuple[torch.Tensor, bool]:
+    """The state pool [N, H, P, S]."""
+    return state_pool(name, pool, x, (heads, headdim, None), "[N, H={}, P={}, S]")
 
 
 def _params(A: object, D: object, dt_bias: object, x: torch.Tensor, heads: int) -> None:
@@ -201,13 +211,13 @@ def _key(x: torch.Tensor, shape: tuple[int, int, int], headdim: int, dstate: int
     return x.device.type, dtype_name(x.dtype), features, shape, _NONCONTIG if gaps else _NONE
 
 
-def _enough_slots(name: str, idx: object, batch: int, pool: torch.Tensor, pool_name: str) -> None:
+def enough_slots(name: str, idx: object, batch: int, pool: torch.Tensor, pool_name: str) -> None:
     """Without indices sequence b uses slot b: a shape fact, checked with the metadata."""
     if idx is None and batch > pool.shape[0]:
         raise ValueError(f"{pool_name}: expected at least B={batch} slots when {name} is None, got N={pool.shape[0]}")
 
 
-def _run(checks: Callable[[Sequence[Any]], None] | None, args: Sequence[Any]) -> None:
+def run(checks: Callable[[Sequence[Any]], None] | None, args: Sequence[Any]) -> None:
     if checks is not None:
         checks(args)
 
@@ -229,13 +239,13 @@ def check_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_m
         raise ValueError(f"state: expected S={dstate} (B's last dim), got {shape_str(pool)}")
     _data("z", z, tuple(x.shape), x, optional=True, fp32=False, what=" (x's)")
     limited = _scalars(dt_softplus, dt_min, dt_max, pad_slot_id)
-    _index("state_batch_indices", state_batch_indices, batch, x)
-    _index("dst_state_batch_indices", dst_state_batch_indices, batch, x)
-    _enough_slots("state_batch_indices", state_batch_indices, batch, pool, "state")
+    index("state_batch_indices", state_batch_indices, batch, x)
+    index("dst_state_batch_indices", dst_state_batch_indices, batch, x)
+    enough_slots("state_batch_indices", state_batch_indices, batch, pool, "state")
     if values:
         args = (state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, state_batch_indices,
                 dst_state_batch_indices, pad_slot_id)
-        _run(update_value_checks(*args), args)
+        run(update_value_checks(*args), args)
     return _key(x, (batch, heads, length), headdim, dstate, groups, pool, gaps, z, limited)
 
 
@@ -244,7 +254,7 @@ def check_scan(x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus, dt_min, d
     """Validate an ``ssd_chunk_scan`` call; return its key parts (B, H, L = ceil(T / B))."""
     x = _x(x, (3,), "[T, H, P]")
     total, heads, headdim = x.shape
-    _index("cu_seqlens", cu_seqlens, cu_seqlens.shape[0] if isinstance(cu_seqlens, torch.Tensor) else 0, x)
+    index("cu_seqlens", cu_seqlens, cu_seqlens.shape[0] if isinstance(cu_seqlens, torch.Tensor) else 0, x)
     if cu_seqlens is not None and (cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2):
         raise ValueError(f"cu_seqlens: expected shape [B+1] with B >= 1, got {shape_str(cu_seqlens)}")
     batch = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -258,17 +268,17 @@ def check_scan(x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus, dt_min, d
         pool, gaps = _pool("ssm_states", ssm_states, x, heads, headdim)
         if pool.shape[3] != dstate:
             raise ValueError(f"ssm_states: expected S={dstate} (B's last dim), got {shape_str(pool)}")
-        _enough_slots("state_indices", state_indices, batch, pool, "ssm_states")
+        enough_slots("state_indices", state_indices, batch, pool, "ssm_states")
     else:
         for name, v in (("state_indices", state_indices), ("has_initial_state", has_initial_state)):
             if v is not None:
                 raise ValueError(f"{name}: expected None without ssm_states, got a tensor")
-    _index("state_indices", state_indices, batch, x)
-    _index("has_initial_state", has_initial_state, batch, x, dtypes=(torch.bool,), what="bool")
+    index("state_indices", state_indices, batch, x)
+    index("has_initial_state", has_initial_state, batch, x, dtypes=(torch.bool,), what="bool")
     if values:
         args = (x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, state_indices,
                 has_initial_state, pad_slot_id)
-        _run(scan_value_checks(*args), args)
+        run(scan_value_checks(*args), args)
     length = max(1, -(-total // batch))
     return _key(x, (batch, heads, length), headdim, dstate, groups, pool, gaps, z, limited)
 
