@@ -24,3 +24,4 @@ def kernel(name: str, csrc: Path = _CSRC) -> Extension:
 CONV = kernel("causal_conv1d")
 RMS = kernel("gemma_rms_norm")
 SSM = kernel("ssm_scan")
+GDN = kernel("gdn")
