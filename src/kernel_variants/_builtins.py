@@ -36,6 +36,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("triton_rms_norm", "kernel_variants.kernels.triton_rms_norm"),
     ("cpu_rms_norm", "kernel_variants.kernels.cpu_rms_norm"),
     ("cpu_ssm", "kernel_variants.kernels.cpu_ssm"),
+    ("cpu_gdn", "kernel_variants.kernels.cpu_gdn"),
     ("vllm_ir", "kernel_variants.kernels.vllm_ir"),
     ("ssm_torch", "kernel_variants.kernels.ssm_torch"),
     ("gdn_torch", "kernel_variants.kernels.gdn_torch"),

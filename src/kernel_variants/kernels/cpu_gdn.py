@@ -1,0 +1,123 @@
+"""``cpu_native`` for the gated delta rule ops (Qwen3-Next's GDN linear attention): the C++ kernel
+in ``cpu_native/csrc/gdn_*`` (AVX2 / AVX-512 / AVX-512-BF16 chosen at run time).
+
+One work item per (sequence, v head), run whole by one thread (results do not depend on the
+thread count). The head's ``[K, V]`` fp32 state is vectorised along V and cut into column tiles
+(64 columns on AVX-512: 32 KiB at K = 128) that stay in L1 while a block of up to 64 tokens runs
+through them; it is read from its slot once and written back once (rounded once to a bf16
+pool). Per token one pass over a tile does the rank-1 update, ``Sᵀq`` and the next token's
+``Sᵀk``, three FMAs per element (the decay is applied to a running scale, folded into the state
+when it leaves [1e-18, 1e18] and at the end of each block). A one-token decode step of an fp32
+pool works on the slot in place: read, updated and written in one pass per tile.
+
+The decode op fuses the gating (``softplus`` with its beta and threshold, ``sigmoid``); the
+prefill op takes ``g`` and ``beta`` as given. The chunked (WY) form is not built: in fp32 it costs
+the recurrence's three multiply-adds per state element and token plus the chunk's own products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernel_variants._native import build
+from kernel_variants.kernels.cpu_native import _native
+from kernel_variants.kernels.cpu_native._build import GDN
+from kernel_variants.ops.gdn import GdnCapabilities
+from kernel_variants.plugin import Variant, hookimpl
+
+_NATIVE_GDN = _native(GDN)
+
+
+def _slot_dense(pool: torch.Tensor) -> bool:
+    """Whether each slot's ``[Hv, K, V]`` is dense (any slot stride), as the kernel takes it."""
+    _, h, k, v = pool.shape
+    return all(n <= 1 or st == want for n, st, want in ((v, pool.stride(3), 1), (k, pool.stride(2), v),
+                                                         (h, pool.stride(1), k * v)))
+
+
+def _run_pool(pool: torch.Tensor | None, call):
+    """``call(pool)``: with the pool itself, or (a slot that is not dense) a dense copy written back."""
+    if pool is None or _slot_dense(pool):
+        return call(pool)
+    dense = pool.clone(memory_format=torch.contiguous_format)
+    res = call(dense)
+    pool.copy_(dense)
+    return res
+
+
+def _unit_out(out: torch.Tensor | None) -> torch.Tensor | None:
+    """The caller's ``out`` where the kernel can write it (unit stride along V), else None."""
+    return out if out is None or out.shape[-1] <= 1 or out.stride(-1) == 1 else None
+
+
+def _finish(res: torch.Tensor, out: torch.Tensor | None, kout: torch.Tensor | None) -> torch.Tensor:
+    return res if out is None or kout is not None else out.copy_(res)
+
+
+def gated_delta_rule_update(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+    softplus_beta: float = 1.0,
+    softplus_threshold: float = 20.0,
+    pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q, k: [T, Hk, K]; v: [T, Hv, V]; a, b: [T, Hv]; A_log, dt_bias: [Hv]; state: [N, Hv, K, V]
+    pool, updated in place at state_indices [B]; cu_seqlens: [B+1] (None: T sequences of one
+    token). Returns o [T, Hv, V] in v's dtype (``out`` when given)."""
+    kout = _unit_out(out)
+    ext = build.load_extension(GDN)
+    res = _run_pool(state, lambda pool: ext.update(
+        q, k, v, a, b, A_log, dt_bias, pool, state_indices, cu_seqlens, use_qk_l2norm, scale, softplus_beta,
+        softplus_threshold, pad_slot_id, kout))
+    return _finish(res, out, kout)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    ssm_states: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+    pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q, k: [T, Hk, K]; v: [T, Hv, V]; g, beta: [T, Hv]; cu_seqlens: [B+1] (None: one sequence);
+    ssm_states: None or [N, Hv, K, V] pool (read where has_initial_state [B], written at
+    state_indices [B]). Returns o [T, Hv, V] in v's dtype (``out`` when given)."""
+    kout = _unit_out(out)
+    ext = build.load_extension(GDN)
+    res = _run_pool(ssm_states, lambda pool: ext.scan(
+        q, k, v, g, beta, cu_seqlens, pool, state_indices, has_initial_state, use_qk_l2norm, scale, pad_slot_id,
+        kout))
+    return _finish(res, out, kout)
+
+
+@hookimpl
+def kv_register_variants(register) -> None:
+    caps = GdnCapabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, takes_out=True)
+    common = dict(id="cpu_native", version="1", priority=30, capabilities=caps, **_NATIVE_GDN)
+    register(Variant(op="gated_delta_rule_update", fn=gated_delta_rule_update, **common,
+                     description="fused C++ decode step (gating fused): each head's state read, updated and "
+                                 "written once, parallel over (sequence, head)"))
+    register(Variant(op="chunk_gated_delta_rule", fn=chunk_gated_delta_rule, **common,
+                     description="C++ recurrent scan: each head's fp32 state in L1-resident column tiles across "
+                                 "the sequence, three FMAs per element and token, parallel over (sequence, head)"))
