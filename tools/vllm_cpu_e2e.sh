@@ -116,7 +116,7 @@ else:
     same = sum(a == b for s, t in zip(off["tokens"], on["tokens"]) for a, b in zip(s, t))
     tokens = (f"token ids not required identical: this CPU has no AVX-512-BF16, so vLLM's bf16 conv prefill "
               f"is F.conv1d rounded twice ({same} of {sum(map(len, on['tokens']))} equal)")
-scans = sum(on["judged"].values())
+scans = sum(on["judged"].get(a, 0) for _, _, adapters in on["families"].values() for a in adapters)
 print(f"vllm_cpu_e2e {arch} ({on['dtype']}): every conv and scan call judged against vLLM's own function, "
       f"{judged} conv and {scans} scan calls, all agree at the op's tolerance (a conv state bit for bit, an SSM state "
       f"at its dtype's tolerance where vLLM wrote it); {tokens}; dispatched of vLLM's unpatched calls: {', '.join(summary)} "
