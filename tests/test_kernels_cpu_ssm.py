@@ -2,7 +2,8 @@
 every ISA build (a child process per ATEN_CPU_CAPABILITY) against the reference, results that
 do not depend on the thread count, a 16-bit pool holding exactly the fp32 state rounded once,
 and pool views (gaps between slots, slots that are not dense) updated in place, nothing else
-written."""
+written; each for the token-by-token scan and the chunked one (``chunk`` > 0), the latter also
+at chunk boundaries, with strong decays, and past its cache of C Bᵀ."""
 
 from __future__ import annotations
 
@@ -66,9 +67,11 @@ from kernel_variants._native import build
 from kernel_variants.kernels.cpu_native._build import SSM
 from kernel_variants.kernels import cpu_ssm
 args, kw, uargs, ukw = torch.load(sys.argv[1])
+pool = kw["ssm_states"].clone()
 y = cpu_ssm.ssd_chunk_scan(*args, **kw)
+yc = cpu_ssm.ssd_chunk_scan(*args, **{**kw, "ssm_states": pool}, chunk=16)
 u = cpu_ssm.selective_state_update(*uargs, **ukw)
-torch.save((build.load_extension(SSM).ssm_scan_isa(), y, kw["ssm_states"], u, uargs[0]), sys.argv[1])
+torch.save((build.load_extension(SSM).ssm_scan_isa(), y, kw["ssm_states"], yc, pool, u, uargs[0]), sys.argv[1])
 """
 
 
@@ -81,12 +84,14 @@ def test_every_isa_build_matches_the_reference(tmp_path, capability):
     torch.save((args, kw, uargs, ukw), path)
     env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
     subprocess.run([sys.executable, "-c", _CHILD, str(path)], check=True, env=env, timeout=600)
-    isa, y, pool, u, upool = torch.load(path)
+    isa, y, pool, yc, cpool, u, upool = torch.load(path)
     assert set(isa) == {capability}
     want_pool = kw["ssm_states"].clone()
     want = _reference.ssd_chunk_scan(*args, **{**kw, "ssm_states": want_pool})
     assert mismatch(y, want, f"scan {capability}") is None
     assert mismatch(pool, want_pool, f"scan state {capability}") is None
+    assert mismatch(yc, want, f"chunked scan {capability}") is None
+    assert mismatch(cpool, want_pool, f"chunked scan state {capability}") is None
     want_upool = uargs[0].clone()
     want_u = _reference.selective_state_update(want_upool, *uargs[1:], **ukw)
     assert mismatch(u, want_u, f"update {capability}") is None
@@ -102,14 +107,17 @@ def _with_threads(n: int, fn):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("chunk", [0, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_results_do_not_depend_on_the_thread_count(dtype):
-    # Wide enough to be split across threads (the kernel stays on one below ~64K state updates).
-    args, kw = _scan_args(dtype, torch.float32, H=8, P=64, S=128, G=1)
+def test_results_do_not_depend_on_the_thread_count(dtype, chunk):
+    # Wide enough to be split across threads (the kernel stays on one below ~64K state updates);
+    # G = 2 over 8 heads: a thread's range may start inside a group (its C Bᵀ formed again).
+    args, kw = _scan_args(dtype, torch.float32, H=8, P=64, S=128, G=2)
     runs = []
     for n in (1, 2):
         pool = kw["ssm_states"].clone()
-        y = _with_threads(n, lambda pool=pool: cpu_ssm.ssd_chunk_scan(*args, **{**kw, "ssm_states": pool}))
+        y = _with_threads(n, lambda pool=pool: cpu_ssm.ssd_chunk_scan(*args, **{**kw, "ssm_states": pool},
+                                                                      chunk=chunk))
         runs.append((y, pool))
     assert torch.equal(_bits(runs[0][0]), _bits(runs[1][0]))
     assert torch.equal(runs[0][1], runs[1][1])
@@ -124,17 +132,18 @@ def test_results_do_not_depend_on_the_thread_count(dtype):
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("op", ["scan", "update1", "update3"])
+@pytest.mark.parametrize("op", ["scan", "scan_chunked", "update1", "update3"])
 def test_a_16_bit_pool_holds_the_fp32_state_rounded_once(op, pool_dtype):
     """The same call on an fp32 pool holding the 16-bit pool's values: the 16-bit pool ends as
     that fp32 result rounded to nearest even (torch's .to), bit for bit, and y is identical. The
     one-token update reads, updates and rounds in one pass; the others keep fp32 in between."""
-    if op == "scan":
+    if op.startswith("scan"):
+        chunk = 16 if op == "scan_chunked" else 0
         args, kw = _scan_args(torch.bfloat16, pool_dtype)
         pool16 = kw["ssm_states"]
         pool32 = pool16.float()
-        y16 = cpu_ssm.ssd_chunk_scan(*args, **kw)
-        y32 = cpu_ssm.ssd_chunk_scan(*args, **{**kw, "ssm_states": pool32})
+        y16 = cpu_ssm.ssd_chunk_scan(*args, **kw, chunk=chunk)
+        y32 = cpu_ssm.ssd_chunk_scan(*args, **{**kw, "ssm_states": pool32}, chunk=chunk)
     else:
         args, kw = _update_args(torch.bfloat16, pool_dtype, T=int(op[-1]))
         pool16 = args[0]
@@ -145,8 +154,9 @@ def test_a_16_bit_pool_holds_the_fp32_state_rounded_once(op, pool_dtype):
     assert torch.equal(_bits(pool16), _bits(pool32.to(pool_dtype)))
 
 
+@pytest.mark.parametrize("chunk", [0, 16])
 @pytest.mark.parametrize("layout", ["slot_gaps", "slot_not_dense"])
-def test_pool_views_are_updated_in_place_and_nothing_else(layout):
+def test_pool_views_are_updated_in_place_and_nothing_else(layout, chunk):
     args, kw = _scan_args(torch.float32, torch.float32)
     dense = kw["ssm_states"]
     N, H, P, S = dense.shape
@@ -158,8 +168,8 @@ def test_pool_views_are_updated_in_place_and_nothing_else(layout):
         view = big.transpose(2, 3)
     view.copy_(dense)
     orig, before = dense.clone(), big.clone()
-    y = cpu_ssm.ssd_chunk_scan(*args, **{**kw, "ssm_states": view})
-    want = cpu_ssm.ssd_chunk_scan(*args, **kw)
+    y = cpu_ssm.ssd_chunk_scan(*args, **{**kw, "ssm_states": view}, chunk=chunk)
+    want = cpu_ssm.ssd_chunk_scan(*args, **kw, chunk=chunk)
     assert torch.equal(y, want)
     assert torch.equal(view, dense)
     if layout == "slot_gaps":  # the gaps and the padded sequence's slot are untouched
@@ -168,3 +178,47 @@ def test_pool_views_are_updated_in_place_and_nothing_else(layout):
         assert torch.equal(big[gaps].isnan(), before[gaps].isnan())
     untouched = [s for s in range(N) if s not in SLOTS]
     assert torch.equal(view[untouched], orig[untouched])
+
+
+def _chunk_args(lengths: list[int], dtype=torch.float32, H=3, P=20, S=24, G=1, decay=2.0, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(dt)
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    n = len(lengths)
+    args = [rnd(T, H, P), rnd(T, H), -torch.rand(H, generator=g) * decay, rnd(T, G, S), rnd(T, G, S), cu,
+            torch.randn(H, generator=g), None, None, True]
+    kw = dict(ssm_states=rnd(n, H, P, S, dt=torch.float32), state_indices=torch.arange(n),
+              has_initial_state=torch.arange(n) % 2 == 0)
+    return args, kw
+
+
+@pytest.mark.parametrize("chunk", [8, 16, 64])
+def test_the_chunked_scan_matches_the_reference_across_chunk_boundaries(chunk):
+    """Sequences of 1, Q - 1, Q, Q + 1, 2Q + 3 tokens (a partial last chunk, a chunk boundary at
+    the end), every other one with an initial state; P and S not multiples of a vector; strong
+    decays (A down to -30) whose products underflow inside a chunk. The state is judged at
+    fp32's tolerance."""
+    args, kw = _chunk_args([1, chunk - 1, chunk, chunk + 1, 2 * chunk + 3], decay=30.0)
+    want_pool = kw["ssm_states"].clone()
+    want = _reference.ssd_chunk_scan(*args, **{**kw, "ssm_states": want_pool})
+    pool = kw["ssm_states"].clone()
+    y = cpu_ssm.ssd_chunk_scan(*args, **{**kw, "ssm_states": pool}, chunk=chunk)
+    assert mismatch(y, want, f"chunk{chunk} y") is None
+    assert mismatch(pool, want_pool, f"chunk{chunk} state") is None
+
+
+def test_the_chunked_scan_past_its_cache_of_c_bt_matches_token_by_token():
+    """A sequence whose C Bᵀ for all chunks passes the kernel's cache (16 MiB: 65536 tokens at
+    Q = 64) is formed chunk by chunk per head instead: the same results as token by token, at
+    fp32's tolerance."""
+    args, kw = _chunk_args([66000], H=2, P=8, S=16, decay=0.5)
+    want_pool = kw["ssm_states"].clone()
+    want = cpu_ssm.ssd_chunk_scan(*args, **{**kw, "ssm_states": want_pool})
+    pool = kw["ssm_states"].clone()
+    y = cpu_ssm.ssd_chunk_scan(*args, **{**kw, "ssm_states": pool}, chunk=64)
+    assert mismatch(y, want, "uncached y") is None
+    assert mismatch(pool, want_pool, "uncached state") is None

@@ -1,5 +1,6 @@
 // Mamba2's selective scan on the CPU: the decode / verify step (selective_state_update) and the
-// varlen prefill (ssd_chunk_scan, recurrent algorithm), one kernel (ssm_scan_kernel.h) for both.
+// varlen prefill (ssd_chunk_scan: token by token, or in the chunked SSD form), one kernel
+// (ssm_scan_kernel.h) for both.
 //
 // This TU holds the torch bindings, argument checks, the parallel split over (sequence, head)
 // and the portable (baseline-ISA) build; the AVX2 / AVX-512 / AVX-512+BF16 builds
@@ -49,6 +50,9 @@ namespace {
 // Below this many state-element updates (tokens x P x S, all items) a parallel region's ~1-2 us
 // costs more than a second thread saves.
 constexpr int64_t kMinParallelWork = int64_t{1} << 16;
+
+// The chunked form's largest chunk (its Q x Q buffers per thread).
+constexpr int64_t kMaxChunk = 512;
 
 const std::array<RangeFn, 3>& impl() {
   static const std::array<RangeFn, 3> k = kv_cpu::per_dtype_builds<RangeFn>(
@@ -250,7 +254,7 @@ at::Tensor update(const at::Tensor& state, const at::Tensor& x_in, const at::Ten
   return out;
 }
 
-// ssd_chunk_scan (recurrent): x [T, H, P]; dt [T, H]; B, C [T, G, S]; z like x; cu_seqlens
+// ssd_chunk_scan (token by token, or chunked: ssm_scan_kernel.h): x [T, H, P]; dt [T, H]; B, C [T, G, S]; z like x; cu_seqlens
 // [B+1] (None: one sequence); states: None or the pool [N, H, P, S], read at state_idx where
 // has_init and written at state_idx.
 at::Tensor scan(const at::Tensor& x_in, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B_in,
@@ -259,11 +263,13 @@ at::Tensor scan(const at::Tensor& x_in, const at::Tensor& dt, const at::Tensor& 
                 const c10::optional<at::Tensor>& dt_bias, bool dt_softplus, double dt_min, double dt_max,
                 const c10::optional<at::Tensor>& states, const c10::optional<at::Tensor>& state_idx,
                 const c10::optional<at::Tensor>& has_init, int64_t pad_slot_id,
-                const c10::optional<at::Tensor>& out_arg) {
+                const c10::optional<at::Tensor>& out_arg, int64_t chunk) {
   const at::Tensor x = unit_last(x_in, "x");
   TORCH_CHECK(x.dim() == 3, "x must be [T, H, P], got ", x.sizes());
+  TORCH_CHECK(chunk >= 0 && chunk <= kMaxChunk, "chunk must be in [0, ", kMaxChunk, "], got ", chunk);
   const int64_t T = x.size(0);
   Params p{};
+  p.chunk = chunk;
   p.xdtype = kv_cpu::kernel_dtype<DType>(x.scalar_type(), "x");
   p.H = x.size(1);
   p.P = x.size(2);
@@ -364,9 +370,10 @@ void bind(pybind11::module_& m) {
         py::arg("dt_bias") = py::none(), py::arg("dt_softplus") = false, py::arg("dt_min") = 0.0,
         py::arg("dt_max") = std::numeric_limits<double>::infinity(), py::arg("states") = py::none(),
         py::arg("state_idx") = py::none(), py::arg("has_init") = py::none(), py::arg("pad_slot_id") = -1,
-        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>(),
-        "ssd_chunk_scan, recurrent: x [T, H, P], dt [T, H], B/C [T, G, S], cu_seqlens [B+1]; the pool's "
-        "slots read (has_init) and written; returns y (out, or a new tensor of x's shape and dtype).");
+        py::arg("out") = py::none(), py::arg("chunk") = 0, py::call_guard<py::gil_scoped_release>(),
+        "ssd_chunk_scan: x [T, H, P], dt [T, H], B/C [T, G, S], cu_seqlens [B+1]; the pool's slots read "
+        "(has_init) and written; chunk 0: token by token, Q > 0: the chunked (SSD) form in chunks of Q "
+        "tokens; returns y (out, or a new tensor of x's shape and dtype).");
   m.def("ssm_scan_isa", &isa, "Builds serving (float32, bfloat16, float16) x: default / avx2 / avx512 / avx512bf16.");
 }
 

@@ -28,6 +28,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <type_traits>
 
 #include "ssm_scan_params.h"
 
@@ -408,6 +410,25 @@ KV_SSM_INLINE float dt_of(const Params& p, const Seq& q, int64_t b, int64_t t, i
   return d;
 }
 
+// One token's epilogue over P: y (+ D * x), silu(z) gate, rounded to x's dtype into o. zrow:
+// the token's z row or null; zf: fp32 room for it.
+template <class XT>
+KV_SSM_INLINE void finish_row(const Params& p, const float* y, const float* xf, const XT* zrow, float* zf, float Dh,
+                              XT* o) {
+  const int64_t P = p.P;
+  if (zrow) to_f32(zrow, zf, P);
+  const fVec vD(Dh), one(1.f), zero(0.f);
+  for (int64_t i = 0; i < P; i += VF) {
+    fVec yv = fVec::loadu(y + i);
+    if (p.D) yv = at::vec::fmadd(vD, fVec::loadu(xf + i), yv);
+    if (zrow) {
+      const fVec zv = fVec::loadu(zf + i);
+      yv = yv * zv / (one + (zero - zv).exp());
+    }
+    store_y<XT>(o + i, yv, static_cast<int>(std::min<int64_t>(VF, P - i)));
+  }
+}
+
 // Tokens ahead whose rows are prefetched: one token of one head is ~1000 cycles of work.
 constexpr int64_t kAhead = 2;
 
@@ -495,18 +516,367 @@ void run_item(const Params& p, float* w, int64_t b, int64_t h) {
       case DType::BF16: step_pool<bf16>(s_ptr, src_pool, d_ptr, dst_pool, k, P, S, y); break;
       case DType::F16: step_pool<f16>(s_ptr, src_pool, d_ptr, dst_pool, k, P, S, y); break;
     }
-    // Epilogue over P: + D * x, silu(z) gate, round to x's dtype.
-    XT* o = out + b * p.o_sb + tt * p.o_st + h * p.o_sh;
-    if (z) to_f32(z + b * p.z_sb + tt * p.z_st + h * p.z_sh, zf, P);
-    const fVec vD(Dh), one(1.f), zero(0.f);
-    for (int64_t i = 0; i < P; i += VF) {
-      fVec yv = fVec::loadu(y + i);
-      if (p.D) yv = at::vec::fmadd(vD, fVec::loadu(xf + i), yv);
-      if (z) {
-        const fVec zv = fVec::loadu(zf + i);
-        yv = yv * zv / (one + (zero - zv).exp());
+    finish_row<XT>(p, y, xf, z ? z + b * p.z_sb + tt * p.z_st + h * p.z_sh : nullptr, zf, Dh,
+                   out + b * p.o_sb + tt * p.o_st + h * p.o_sh);
+  }
+}
+
+
+// ---------------------------------------------------------------- the chunked (SSD) form
+// A sequence in chunks of Q tokens. With dA_j = exp(d_j * A) and, inside a chunk, the decay from
+// token k to token t L[t][k] = dA_{k+1} ... dA_t (1 on the diagonal), from the chunk's start
+// din[t] = dA_0 ... dA_t and to its end tail[k] = dA_{k+1} ... dA_{q-1}, the state S0 the chunk
+// starts from gives
+//   y[t]  = din[t] * (C[t] . S0) + sum_{k<=t} (C[t] . B[k]) L[t][k] d_k x[k]
+//   S_end = din[q-1] * S0 + sum_k tail[k] d_k x[k] B[k]^T
+// three products of GEMM shape per chunk ([q x S][S x P], [q x q][q x P] below the diagonal,
+// [S x q][q x P]) instead of three vector ops per state element per token. The decays are
+// products of the fp32 dA (the reference's own factors, summed by no difference of prefix
+// sums). C . B^T [q x q] is the same for all heads of a group: it is formed once per (sequence,
+// group) and chunk and kept for the following heads of the range.
+//
+// Layout: the work state is kept transposed, ST [S x Pr], so all three products run along P:
+// accumulators of MR rows x NB vectors of P, B operands broadcast one scalar at a time. It is
+// transposed from the pool once per sequence and back once at the end.
+
+constexpr int MR = 6;                   // rows of a register block
+constexpr int NB = VF >= 16 ? 4 : 2;   // vectors of a register block: 24 (of 32) / 12 (of 16) registers
+using Acc = fVec[MR][NB];
+
+// acc[r][v] += sum_{k < K} A[r * lda + k * ak] * Bm[k * ldb + v * VF], r < R, v < NV.
+template <int R, int NV>
+KV_SSM_INLINE void mk(int64_t K, const float* A, int64_t lda, int64_t ak, const float* Bm, int64_t ldb, Acc& acc) {
+  for (int64_t k = 0; k < K; ++k) {
+    const float* bk = Bm + k * ldb;
+    const float* a = A + k * ak;
+    fVec bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = fVec::loadu(bk + v * VF);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const fVec ar(a[r * lda]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(ar, bv[v], acc[r][v]);
+    }
+  }
+}
+
+template <int R, int NV>
+KV_SSM_INLINE void acc_zero(Acc& acc) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = fVec(0.f);
+}
+
+template <int R, int NV>
+KV_SSM_INLINE void acc_store(const Acc& acc, float* o, int64_t ld) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v].store(o + r * ld + v * VF);
+}
+
+// Runs op.run<R, NV>(r0, v0) over rows [0, rows) in blocks of MR and vectors [0, nvec) in
+// blocks of NB, the remainders with smaller blocks.
+template <int NV, class Op>
+void rows_of(const Op& op, int64_t rows, int64_t v0) {
+  int64_t r0 = 0;
+  for (; r0 + MR <= rows; r0 += MR) op.template run<MR, NV>(r0, v0);
+  switch (rows - r0) {
+    case 1: op.template run<1, NV>(r0, v0); break;
+    case 2: op.template run<2, NV>(r0, v0); break;
+    case 3: op.template run<3, NV>(r0, v0); break;
+    case 4: op.template run<4, NV>(r0, v0); break;
+    case 5: op.template run<5, NV>(r0, v0); break;
+    default: break;
+  }
+}
+template <class Op>
+void grid(const Op& op, int64_t rows, int64_t nvec) {
+  int64_t v0 = 0;
+  for (; v0 + NB <= nvec; v0 += NB) rows_of<NB>(op, rows, v0);
+  switch (nvec - v0) {
+    case 1: rows_of<1>(op, rows, v0); break;
+    case 2: if constexpr (NB > 2) rows_of<2>(op, rows, v0); break;
+    case 3: if constexpr (NB > 3) rows_of<3>(op, rows, v0); break;
+    default: break;
+  }
+}
+
+// CB[t][k] = C[t] . B[k] (rows of Qr), from Cf [q x S] and BT [S x Qr].
+struct CbOp {
+  const float* Cf;
+  const float* BT;
+  float* CB;
+  int64_t S, Qr;
+  template <int R, int NV>
+  KV_SSM_INLINE void run(int64_t t0, int64_t v0) const {
+    Acc acc;
+    acc_zero<R, NV>(acc);
+    mk<R, NV>(S, Cf + t0 * S, S, 1, BT + v0 * VF, Qr, acc);
+    acc_store<R, NV>(acc, CB + t0 * Qr + v0 * VF, Qr);
+  }
+};
+
+// yf[t] = din[t] * (C[t] . S0) + sum_{k <= t} M[t][k] dx[k] (M: C B^T times the decays, zero
+// above the diagonal). Rows t of the block need k < t0 + R only.
+// The rows of token i of a head's next chunk (x, z, out, B, C: strided by H * P, which no hardware
+// prefetcher follows), asked for a chunk's work (~Q x 500 cycles) ahead of their use, spread over
+// the y products (a burst of them fills the miss buffers).
+struct NextRows {
+  const char *x, *z, *o, *B, *C;  // token 0's rows; null x: no next chunk
+  int64_t xs, zs, os, bs, cs;     // byte strides between tokens
+  int64_t xbytes, sbytes, n;      // row sizes; tokens in the next chunk
+  KV_SSM_INLINE void token(int64_t i) const {
+    if (!x || i >= n) return;
+    prefetch_row(x + i * xs, xbytes, false);
+    if (z) prefetch_row(z + i * zs, xbytes, false);
+    prefetch_row(o + i * os, xbytes, true);
+    prefetch_row(B + i * bs, sbytes, false);
+    prefetch_row(C + i * cs, sbytes, false);
+  }
+};
+
+struct YOp {
+  const NextRows* next;
+  const float* Cf;
+  const float* ST;
+  const float* M;
+  const float* dx;
+  const float* din;
+  float* yf;
+  int64_t S, Pr, Qr, q;
+  bool state;  // S0 is not all zeros
+  template <int R, int NV>
+  KV_SSM_INLINE void run(int64_t t0, int64_t v0) const {
+    if (v0 == 0)
+      for (int r = 0; r < R; ++r) next->token(t0 + r);
+    Acc acc;
+    acc_zero<R, NV>(acc);
+    const int64_t p0 = v0 * VF;
+    if (state) {
+      mk<R, NV>(S, Cf + t0 * S, S, 1, ST + p0, Pr, acc);
+      for (int r = 0; r < R; ++r) {
+        const fVec sc(din[t0 + r]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = acc[r][v] * sc;
       }
-      store_y<XT>(o + i, yv, static_cast<int>(std::min<int64_t>(VF, P - i)));
+    }
+    mk<R, NV>(std::min<int64_t>(t0 + R, q), M + t0 * Qr, Qr, 1, dx + p0, Pr, acc);
+    acc_store<R, NV>(acc, yf + t0 * Pr + p0, Pr);
+  }
+};
+
+// ST[s] = whole * ST[s] + sum_k B[k][s] dxt[k] (dxt[k] = tail[k] d_k x[k]).
+struct StOp {
+  const float* Bf;
+  const float* dxt;
+  float* ST;
+  float whole;
+  int64_t S, Pr, q;
+  bool state;
+  template <int R, int NV>
+  KV_SSM_INLINE void run(int64_t s0, int64_t v0) const {
+    Acc acc;
+    const int64_t p0 = v0 * VF;
+    float* o = ST + s0 * Pr + p0;
+    if (state) {
+      const fVec w(whole);
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][v] = fVec::loadu(o + r * Pr + v * VF) * w;
+    } else {
+      acc_zero<R, NV>(acc);
+    }
+    mk<R, NV>(q, Bf + s0, 1, S, dxt + p0, Pr, acc);
+    acc_store<R, NV>(acc, o, Pr);
+  }
+};
+
+inline int64_t round_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// The chunked path's fp32 buffers, one set per work range (thread).
+struct ChunkWork {
+  int64_t Q, Qr, Pr, S;
+  float *ST, *tmp, *Bf, *Cf, *BT, *xf, *dx, *dxt, *yf, *M, *cb1, *Rw, *dA, *din, *zf;
+  float* cache = nullptr;    // CB of every chunk of the (sequence, group) below, or null
+  int64_t cache_chunks = 0;  // chunks it holds room for
+  int64_t key_b = -1, key_g = -1;
+  std::unique_ptr<Scratch> mem;
+
+  ChunkWork(const Params& p, int64_t max_tokens) {
+    Q = p.chunk;
+    Qr = round_up(Q);
+    Pr = round_up(p.P);
+    S = p.S;
+    const int64_t sizes[] = {S * Pr, p.P * S, Q * S, Q * S, S * Qr, Q * Pr, Q * Pr, Q * Pr, Q * Pr,
+                             Q * Qr, Q * Qr, Qr + VF, Qr, Qr, Pr};
+    float** ptrs[] = {&ST, &tmp, &Bf, &Cf, &BT, &xf, &dx, &dxt, &yf, &M, &cb1, &Rw, &dA, &din, &zf};
+    // Room for the CB of every chunk of the longest sequence, up to kCacheBytes (past it, each
+    // head forms its own, chunk by chunk).
+    constexpr int64_t kCacheBytes = int64_t{16} << 20;
+    const int64_t per_chunk = Q * Qr;
+    const int64_t chunks = (max_tokens + Q - 1) / Q;
+    cache_chunks = chunks * per_chunk * static_cast<int64_t>(sizeof(float)) <= kCacheBytes ? chunks : 0;
+    int64_t total = cache_chunks * per_chunk;
+    for (int64_t n : sizes) total += round_to(n, 16);
+    mem = std::make_unique<Scratch>(static_cast<size_t>(total));
+    std::memset(mem->base, 0, sizeof(float) * static_cast<size_t>(total));
+    float* at = mem->base;
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
+      *ptrs[i] = at;
+      at += round_to(sizes[i], 16);
+    }
+    if (cache_chunks) cache = at;
+  }
+};
+
+// Rows [t0, t0 + qn) of sequence b's B and C (group g) as fp32 [qn x S].
+KV_SSM_INLINE void load_bc(const Params& p, const Seq& sq, int64_t b, int64_t g, int64_t t0, int64_t qn, float* Bf,
+                           float* Cf) {
+  const size_t bes = elsize(p.bdtype);
+  const char* Bm = static_cast<const char*>(p.B);
+  const char* Cm = static_cast<const char*>(p.C);
+  for (int64_t i = 0; i < qn; ++i) {
+    const int64_t tt = sq.t0 + t0 + i;
+    row_f32(Bm + (b * p.b_sb + tt * p.b_st + g * p.b_sg) * bes, p.bdtype, Bf + i * p.S, p.S);
+    row_f32(Cm + (b * p.c_sb + tt * p.c_st + g * p.c_sg) * bes, p.bdtype, Cf + i * p.S, p.S);
+  }
+}
+
+// C . B^T of the chunk [t0, t0 + qn) into cb [qn x Qr].
+void chunk_cb(const Params& p, const Seq& sq, int64_t b, int64_t g, int64_t t0, int64_t qn, ChunkWork& w, float* cb) {
+  load_bc(p, sq, b, g, t0, qn, w.Bf, w.Cf);
+  at::vec::transpose_mxn<float>(w.Bf, w.S, w.BT, w.Qr, static_cast<int>(qn), static_cast<int>(w.S));
+  grid(CbOp{w.Cf, w.BT, cb, w.S, w.Qr}, qn, (qn + VF - 1) / VF);
+}
+
+// The pool's [P x S] rows (type T) -> ST [S x Pr] fp32, and back (rounded to T).
+template <class T>
+void state_in(const void* src, ChunkWork& w, int64_t P) {
+  const float* rows = static_cast<const float*>(src);
+  if constexpr (!std::is_same<T, float>::value) {
+    to_f32(static_cast<const T*>(src), w.tmp, P * w.S);
+    rows = w.tmp;
+  }
+  at::vec::transpose_mxn<float>(rows, w.S, w.ST, w.Pr, static_cast<int>(P), static_cast<int>(w.S));
+}
+template <class T>
+void state_out(void* dst, ChunkWork& w, int64_t P) {
+  if constexpr (std::is_same<T, float>::value) {
+    at::vec::transpose_mxn<float>(w.ST, w.Pr, static_cast<float*>(dst), w.S, static_cast<int>(w.S),
+                                  static_cast<int>(P));
+  } else {
+    at::vec::transpose_mxn<float>(w.ST, w.Pr, w.tmp, w.S, static_cast<int>(w.S), static_cast<int>(P));
+    from_f32(w.tmp, static_cast<T*>(dst), P * w.S);
+  }
+}
+
+// Rw[0, n) *= a, whole vectors and a partial last one.
+KV_SSM_INLINE void scale_prefix(float* Rw, int64_t n, float a) {
+  const fVec va(a);
+  int64_t j = 0;
+  for (; j + VF <= n; j += VF) (fVec::loadu(Rw + j) * va).store(Rw + j);
+  if (j < n) {
+    const int m = static_cast<int>(n - j);
+    (Io<float>::load(Rw + j, m) * va).store(Rw + j, m);
+  }
+}
+
+// One (sequence, head) item in the chunked form; padded and empty sequences go token by token
+// (which handles them: zero rows, the initial state copied).
+template <class XT>
+void run_item_chunked(const Params& p, float* wrec, ChunkWork& w, int64_t b, int64_t h) {
+  const Seq& sq = p.seqs[b];
+  if (sq.pad || sq.n == 0) {
+    run_item<XT>(p, wrec, b, h);
+    return;
+  }
+  const int64_t P = p.P, S = p.S, Pr = w.Pr, Q = w.Q, Qr = w.Qr;
+  const int64_t g = h / (p.H / p.G);
+  const int64_t nch = (sq.n + Q - 1) / Q;
+  const bool cached = nch <= w.cache_chunks;
+  if (cached && (w.key_b != b || w.key_g != g)) {
+    for (int64_t c = 0; c < nch; ++c) chunk_cb(p, sq, b, g, c * Q, std::min(Q, sq.n - c * Q), w, w.cache + c * Q * Qr);
+    w.key_b = b;
+    w.key_g = g;
+  }
+  const size_t es = elsize(p.sdtype);
+  char* pool = static_cast<char*>(p.state);
+  const int64_t head_off = h * P * S;
+  const void* src = pool && sq.src >= 0 ? pool + (sq.src * p.state_ss + head_off) * es : nullptr;
+  void* dst = pool && sq.dst >= 0 ? pool + (sq.dst * p.state_ss + head_off) * es : nullptr;
+  bool state = src != nullptr;
+  if (state) {
+    switch (p.sdtype) {
+      case DType::F32: state_in<float>(src, w, P); break;
+      case DType::BF16: state_in<bf16>(src, w, P); break;
+      case DType::F16: state_in<f16>(src, w, P); break;
+    }
+  }
+  const float A = p.A[h], Dh = p.D ? p.D[h] : 0.f;
+  const XT* x = static_cast<const XT*>(p.x);
+  const XT* z = static_cast<const XT*>(p.z);
+  XT* out = static_cast<XT*>(p.out);
+  const size_t bes = elsize(p.bdtype);
+  const char* Bm = static_cast<const char*>(p.B);
+  const char* Cm = static_cast<const char*>(p.C);
+  for (int64_t c = 0; c < nch; ++c) {
+    const int64_t t0 = c * Q, qn = std::min(Q, sq.n - t0);
+    const float* cb = w.cb1;
+    if (cached) cb = w.cache + c * Q * Qr;
+    else chunk_cb(p, sq, b, g, t0, qn, w, w.cb1);
+    load_bc(p, sq, b, g, t0, qn, w.Bf, w.Cf);
+    NextRows next{};
+    if (t0 + Q < sq.n) {
+      const int64_t ta = sq.t0 + t0 + Q;
+      const int64_t xe = static_cast<int64_t>(sizeof(XT));
+      next = NextRows{reinterpret_cast<const char*>(x + b * p.x_sb + ta * p.x_st + h * p.x_sh),
+                      z ? reinterpret_cast<const char*>(z + b * p.z_sb + ta * p.z_st + h * p.z_sh) : nullptr,
+                      reinterpret_cast<const char*>(out + b * p.o_sb + ta * p.o_st + h * p.o_sh),
+                      Bm + (b * p.b_sb + ta * p.b_st + g * p.b_sg) * static_cast<int64_t>(bes),
+                      Cm + (b * p.c_sb + ta * p.c_st + g * p.c_sg) * static_cast<int64_t>(bes),
+                      p.x_st * xe, p.z_st * xe, p.o_st * xe,
+                      p.b_st * static_cast<int64_t>(bes), p.c_st * static_cast<int64_t>(bes),
+                      P * xe, S * static_cast<int64_t>(bes), std::min(Q, sq.n - t0 - Q)};
+    }
+    for (int64_t i = 0; i < qn; ++i) {
+      const int64_t tt = sq.t0 + t0 + i;
+      const float d = dt_of(p, sq, b, t0 + i, h);
+      w.dA[i] = std::exp(d * A);
+      float* xr = w.xf + i * Pr;
+      to_f32(x + b * p.x_sb + tt * p.x_st + h * p.x_sh, xr, P);
+      const fVec vd(d);
+      for (int64_t j = 0; j < Pr; j += VF) (vd * fVec::loadu(xr + j)).store(w.dx + i * Pr + j);
+    }
+    // The decays, row by row: Rw[0] from the chunk's start, Rw[1 + k] from token k.
+    float* Rw = w.Rw;
+    std::fill(Rw, Rw + Qr + VF, 0.f);
+    Rw[0] = 1.f;
+    for (int64_t i = 0; i < qn; ++i) {
+      scale_prefix(Rw, i + 1, w.dA[i]);
+      Rw[i + 1] = 1.f;
+      w.din[i] = Rw[0];
+      const float* cr = cb + i * Qr;
+      float* mr = w.M + i * Qr;
+      const int64_t n = round_up(i + 1);
+      for (int64_t k = 0; k < n; k += VF) (fVec::loadu(cr + k) * fVec::loadu(Rw + 1 + k)).store(mr + k);
+      std::fill(mr + i + 1, mr + Qr, 0.f);
+    }
+    const float whole = Rw[0];
+    for (int64_t k = 0; k < qn; ++k) {
+      const fVec tk(Rw[1 + k]);
+      for (int64_t j = 0; j < Pr; j += VF) (tk * fVec::loadu(w.dx + k * Pr + j)).store(w.dxt + k * Pr + j);
+    }
+    grid(YOp{&next, w.Cf, w.ST, w.M, w.dx, w.din, w.yf, S, Pr, Qr, qn, state}, qn, Pr / VF);
+    grid(StOp{w.Bf, w.dxt, w.ST, whole, S, Pr, qn, state}, S, Pr / VF);
+    state = true;
+    for (int64_t i = 0; i < qn; ++i) {
+      const int64_t tt = sq.t0 + t0 + i;
+      finish_row<XT>(p, w.yf + i * Pr, w.xf + i * Pr, z ? z + b * p.z_sb + tt * p.z_st + h * p.z_sh : nullptr, w.zf,
+                     Dh, out + b * p.o_sb + tt * p.o_st + h * p.o_sh);
+    }
+  }
+  if (dst) {
+    switch (p.sdtype) {
+      case DType::F32: state_out<float>(dst, w, P); break;
+      case DType::BF16: state_out<bf16>(dst, w, P); break;
+      case DType::F16: state_out<f16>(dst, w, P); break;
     }
   }
 }
@@ -516,6 +886,20 @@ void run_item(const Params& p, float* w, int64_t b, int64_t h) {
 void run_range(const Params& p, int64_t begin, int64_t end) {
   const int64_t Pr = round_up(p.P), Sr = round_up(p.S);
   Scratch w(static_cast<size_t>(p.P * p.S + 2 * Sr + 4 * Pr));
+  if (p.chunk > 0) {
+    int64_t longest = 0;
+    for (int64_t b = begin / p.H; b <= (end - 1) / p.H; ++b) longest = std::max(longest, p.seqs[b].n);
+    ChunkWork cw(p, longest);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / p.H, h = i % p.H;
+      switch (p.xdtype) {
+        case DType::F32: run_item_chunked<float>(p, w.base, cw, b, h); break;
+        case DType::BF16: run_item_chunked<bf16>(p, w.base, cw, b, h); break;
+        case DType::F16: run_item_chunked<f16>(p, w.base, cw, b, h); break;
+      }
+    }
+    return;
+  }
   for (int64_t i = begin; i < end; ++i) {
     const int64_t b = i / p.H, h = i % p.H;
     switch (p.xdtype) {

@@ -48,6 +48,7 @@ struct Params {
   int64_t state_ss;  // slot stride (elements)
   const Seq* seqs;
   int64_t nseq;
+  int64_t chunk;  // 0: token by token; Q > 0: the chunked (SSD) form in chunks of Q tokens
 };
 
 // Runs work items [begin, end), item = seq * H + head. One entry point per ISA build.
