@@ -56,13 +56,9 @@ using f16 = c10::Half;
 // Tokens per block: their fp32 q, k, v and o rows (~96 KiB at K = V = 128) stay in L2 while
 // every column tile of the state runs through them.
 constexpr int64_t kBlock = 64;
-// Vectors per column tile: enough independent FMA chains (o and the next Sᵀk, one per vector)
-// to cover the FMA latency, few enough for the registers (AVX2 has 16).
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int kTile = 4;
-#else
+// Vectors per column tile: enough independent FMA chains to cover the FMA latency, few enough
+// for the registers (the AVX-512 pair pass keeps six accumulators and weights per vector).
 constexpr int kTile = 2;
-#endif
 
 // ------------------------------------------------------------- I/O: VF elements <-> fVec
 // Partial forms (n < VF) zero the lanes past n. Portable: through a float buffer.
@@ -240,6 +236,13 @@ KV_GDN_INLINE float sum_sq(const float* x, int64_t n) {
   }
   return at::vec::vec_reduce_all<float>([](const fVec& l, const fVec& r) { return l + r; }, a);
 }
+KV_GDN_INLINE float dot(const float* x, const float* y, int64_t n) {
+  fVec a(0.f);
+  int64_t i = 0;
+  for (; i + VF <= n; i += VF) a = at::vec::fmadd(fVec::loadu(x + i), fVec::loadu(y + i), a);
+  if (i < n) a = at::vec::fmadd(fVec::loadu(x + i, n - i), fVec::loadu(y + i, n - i), a);
+  return at::vec::vec_reduce_all<float>([](const fVec& l, const fVec& r) { return l + r; }, a);
+}
 KV_GDN_INLINE void scale_row(float* x, int64_t n, float s) {
   const fVec vs(s);
   int64_t i = 0;
@@ -257,6 +260,8 @@ struct Blk {
   float* of;           // [n, Vr]
   const float* alpha;  // [n] exp(g)
   const float* beta;   // [n]
+  const float* kk;     // [n] k_t · k_{t+1} (the last: 0)
+  const float* kq;     // [n] k_t · q_t
   int64_t n, K, Vr;
 };
 
@@ -371,6 +376,172 @@ void tile(float* S, int64_t ld, const Blk& b, int64_t c) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Token pairs (AVX-512). A 512-bit store takes two cycles on current x86 cores (Zen 4/5 and
+// Intel alike: one store port of 512 bits every other cycle, or one of 256 bits), so the one-token
+// pass above (three FMAs, one store per vector) waits on its stores. Two tokens per pass halve
+// them: with S0 the state before tokens 1 and 2 (scaled by c0, see tile) and S0ᵀk1, S0ᵀk2 from
+// the pass before,
+//   u1 = beta1 (v1 - alpha1 S0ᵀk1);   S1ᵀk2 = alpha1 S0ᵀk2 + (k1·k2) u1;   u2 = beta2 (v2 - alpha2 S1ᵀk2)
+//   S2 = alpha1 alpha2 S0 + k1 (alpha2 u1)ᵀ + k2 u2ᵀ;   o1 = alpha1 S0ᵀq1 + (k1·q1) u1;   o2 = S2ᵀq2
+// and the pass over S0 forms S0ᵀq1, S2 (two FMAs with the decay lazy), S2ᵀq2 and the next pair's
+// S2ᵀk3, S2ᵀk4: six FMAs and one store per vector per two tokens.
+
+// a1 = Sᵀk1 and, with NK = 2, a2 = Sᵀk2.
+template <int NV, int NK>
+KV_GDN_INLINE void st_k2(const float* S, int64_t ld, int64_t K, const float* k1, const float* k2, fVec* a1, fVec* a2) {
+  fVec x0[NV], x1[NV], y0[NV], y1[NV];
+  for (int j = 0; j < NV; ++j) x0[j] = x1[j] = y0[j] = y1[j] = fVec(0.f);
+  int64_t i = 0;
+  for (; i + 2 <= K; i += 2) {
+    const float* r0 = S + i * ld;
+    const float* r1 = r0 + ld;
+    for (int j = 0; j < NV; ++j) {
+      const fVec s0 = fVec::loadu(r0 + j * VF), s1 = fVec::loadu(r1 + j * VF);
+      x0[j] = at::vec::fmadd(s0, fVec(k1[i]), x0[j]);
+      x1[j] = at::vec::fmadd(s1, fVec(k1[i + 1]), x1[j]);
+      if (NK == 2) {
+        y0[j] = at::vec::fmadd(s0, fVec(k2[i]), y0[j]);
+        y1[j] = at::vec::fmadd(s1, fVec(k2[i + 1]), y1[j]);
+      }
+    }
+  }
+  for (; i < K; ++i)
+    for (int j = 0; j < NV; ++j) {
+      const fVec s0 = fVec::loadu(S + i * ld + j * VF);
+      x0[j] = at::vec::fmadd(s0, fVec(k1[i]), x0[j]);
+      if (NK == 2) y0[j] = at::vec::fmadd(s0, fVec(k2[i]), y0[j]);
+    }
+  for (int j = 0; j < NV; ++j) {
+    a1[j] = x0[j] + x1[j];
+    if (NK == 2) a2[j] = y0[j] + y1[j];
+  }
+}
+
+// One token with its decay applied (the state is S itself before and after): S = alpha S + k u;
+// o = Sᵀq; the next pair's Sᵀk1, Sᵀk2 (kNext = 2) or nothing.
+template <int NV, int kNext>
+KV_GDN_INLINE void one_pass(float* S, int64_t ld, int64_t K, const float* k, const float* q, const float* kn1,
+                            const float* kn2, const fVec& va, const fVec* u, fVec* o, fVec* an1, fVec* an2) {
+  fVec oa[NV], x[NV], y[NV];
+  for (int j = 0; j < NV; ++j) oa[j] = x[j] = y[j] = fVec(0.f);
+  for (int64_t i = 0; i < K; ++i) {
+    float* row = S + i * ld;
+    const fVec ki(k[i]), qi(q[i]);
+    for (int j = 0; j < NV; ++j) {
+      const fVec s = at::vec::fmadd(fVec::loadu(row + j * VF), va, ki * u[j]);
+      s.store(row + j * VF);
+      oa[j] = at::vec::fmadd(s, qi, oa[j]);
+      if (kNext == 2) {
+        x[j] = at::vec::fmadd(s, fVec(kn1[i]), x[j]);
+        y[j] = at::vec::fmadd(s, fVec(kn2[i]), y[j]);
+      }
+    }
+  }
+  for (int j = 0; j < NV; ++j) {
+    o[j] = oa[j];
+    if (kNext == 2) {
+      an1[j] = x[j];
+      an2[j] = y[j];
+    }
+  }
+}
+
+// Two tokens' pass (above): dq = S0ᵀq1; S2 = S0 + k1 w1 + k2 w2 (lazy) or c2 S0 + k1 w1 + k2 w2
+// (kDecay); o2 = S2ᵀq2; with kNext = 2 the next pair's S2ᵀk3, S2ᵀk4.
+template <int NV, int kNext, bool kDecay>
+KV_GDN_INLINE void pair_pass(float* S, int64_t ld, int64_t K, const float* k1, const float* k2, const float* q1,
+                             const float* q2, const float* kn1, const float* kn2, const fVec& vc2, const fVec* w1,
+                             const fVec* w2, fVec* dq, fVec* o2, fVec* an1, fVec* an2) {
+  fVec d[NV], o[NV], x[NV], y[NV];
+  for (int j = 0; j < NV; ++j) d[j] = o[j] = x[j] = y[j] = fVec(0.f);
+  for (int64_t i = 0; i < K; ++i) {
+    float* row = S + i * ld;
+    const fVec ki1(k1[i]), ki2(k2[i]), qi1(q1[i]), qi2(q2[i]);
+    for (int j = 0; j < NV; ++j) {
+      const fVec s0 = fVec::loadu(row + j * VF);
+      d[j] = at::vec::fmadd(s0, qi1, d[j]);
+      const fVec s = kDecay ? at::vec::fmadd(s0, vc2, at::vec::fmadd(ki2, w2[j], ki1 * w1[j]))
+                            : at::vec::fmadd(ki2, w2[j], at::vec::fmadd(ki1, w1[j], s0));
+      s.store(row + j * VF);
+      o[j] = at::vec::fmadd(s, qi2, o[j]);
+      if (kNext == 2) {
+        x[j] = at::vec::fmadd(s, fVec(kn1[i]), x[j]);
+        y[j] = at::vec::fmadd(s, fVec(kn2[i]), y[j]);
+      }
+    }
+  }
+  for (int j = 0; j < NV; ++j) {
+    dq[j] = d[j];
+    o2[j] = o[j];
+    if (kNext == 2) {
+      an1[j] = x[j];
+      an2[j] = y[j];
+    }
+  }
+}
+
+// A block's tokens through an NV-vector tile in pairs: an odd block's first token alone (with
+// its decay), then pairs, each pass forming the next pair's Sᵀk. The decay is lazy as in tile():
+// the tile holds S / c; the block's last pair, and a pair that would take c (or c alpha1) out of
+// [kScaleLo, kScaleHi], fold c into the state.
+template <int NV>
+void tile_pairs(float* S, int64_t ld, const Blk& b, int64_t c) {
+  const int64_t K = b.K, n = b.n;
+  fVec a1[NV], a2[NV], u1[NV], u2[NV], w1[NV], w2[NV], dq[NV], o1[NV], o2[NV];
+  int64_t t = 0;
+  if (n % 2) {
+    st_k2<NV, 1>(S, ld, K, b.kf, nullptr, a1, nullptr);
+    const fVec va(b.alpha[0]), vb(b.beta[0]);
+    for (int j = 0; j < NV; ++j) u1[j] = vb * (fVec::loadu(b.vf + c + j * VF) - va * a1[j]);
+    if (n > 1) one_pass<NV, 2>(S, ld, K, b.kf, b.qf, b.kf + K, b.kf + 2 * K, va, u1, o1, a1, a2);
+    else one_pass<NV, 0>(S, ld, K, b.kf, b.qf, nullptr, nullptr, va, u1, o1, nullptr, nullptr);
+    for (int j = 0; j < NV; ++j) o1[j].store(b.of + c + j * VF);
+    t = 1;
+  } else {
+    st_k2<NV, 2>(S, ld, K, b.kf, b.kf + K, a1, a2);
+  }
+  float scale = 1.f;  // c
+  for (; t < n; t += 2) {
+    const float c1 = scale * b.alpha[t], c2 = c1 * b.alpha[t + 1];
+    const fVec vc1(c1), vc2(c2), va2(b.alpha[t + 1]), vb1(b.beta[t]), vb2(b.beta[t + 1]);
+    const fVec vkk(b.kk[t]), vkq(b.kq[t]);
+    const float* v1 = b.vf + t * b.Vr + c;
+    const float* v2 = v1 + b.Vr;
+    for (int j = 0; j < NV; ++j) {
+      u1[j] = vb1 * (fVec::loadu(v1 + j * VF) - vc1 * a1[j]);
+      u2[j] = vb2 * (fVec::loadu(v2 + j * VF) - va2 * at::vec::fmadd(vkk, u1[j], vc1 * a2[j]));
+    }
+    const float* k1 = b.kf + t * K;
+    const float* q1 = b.qf + t * K;
+    const bool last = t + 2 >= n;
+    if (!last && c1 >= kScaleLo && c1 <= kScaleHi && c2 >= kScaleLo && c2 <= kScaleHi) {
+      const fVec i1(1.f / c1), i2(1.f / c2);
+      for (int j = 0; j < NV; ++j) {
+        w1[j] = u1[j] * i1;
+        w2[j] = u2[j] * i2;
+      }
+      pair_pass<NV, 2, false>(S, ld, K, k1, k1 + K, q1, q1 + K, k1 + 2 * K, k1 + 3 * K, vc2, w1, w2, dq, o2, a1, a2);
+      for (int j = 0; j < NV; ++j) o2[j] = o2[j] * vc2;
+      scale = c2;
+    } else {
+      for (int j = 0; j < NV; ++j) {
+        w1[j] = u1[j] * va2;
+        w2[j] = u2[j];
+      }
+      if (last) pair_pass<NV, 0, true>(S, ld, K, k1, k1 + K, q1, q1 + K, nullptr, nullptr, vc2, w1, w2, dq, o2, a1, a2);
+      else pair_pass<NV, 2, true>(S, ld, K, k1, k1 + K, q1, q1 + K, k1 + 2 * K, k1 + 3 * K, vc2, w1, w2, dq, o2, a1, a2);
+      scale = 1.f;
+    }
+    float* ot = b.of + t * b.Vr + c;
+    for (int j = 0; j < NV; ++j) {
+      at::vec::fmadd(vkq, u1[j], vc1 * dq[j]).store(ot + j * VF);
+      o2[j].store(ot + b.Vr + j * VF);
+    }
+  }
+}
+#endif
+
 // A 64-byte aligned fp32 scratch, one per work range (thread).
 struct Scratch {
   float* base = nullptr;
@@ -395,7 +566,9 @@ struct Layout {
   size_t of() const { return vf() + static_cast<size_t>(rows * Vr); }
   size_t alpha() const { return of() + static_cast<size_t>(rows * Vr); }
   size_t beta() const { return alpha() + static_cast<size_t>(rows); }
-  size_t total() const { return beta() + static_cast<size_t>(rows); }
+  size_t kk() const { return beta() + static_cast<size_t>(rows); }
+  size_t kq() const { return kk() + static_cast<size_t>(rows); }
+  size_t total() const { return kq() + static_cast<size_t>(rows); }
 };
 
 // Token t's q or k row (head hk) into d [K] in fp32, L2-normalised as the reference
@@ -422,6 +595,17 @@ KV_GDN_INLINE void gating(const Params& p, int64_t t, int64_t h, float* alpha, f
   const float sp = bz > p.sp_threshold ? z : std::log1p(std::exp(bz)) / p.sp_beta;
   *alpha = std::exp(-std::exp(p.A_log[h]) * sp);
   *beta = 1.f / (1.f + std::exp(-y));
+}
+
+// Tokens ahead whose rows are prefetched while a block's inputs are converted.
+constexpr int64_t kAhead = 8;
+
+KV_GDN_INLINE void prefetch_row(const void* p, int64_t bytes, bool write) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) {
+    if (write) __builtin_prefetch(c + i, 1, 3);
+    else __builtin_prefetch(c + i, 0, 3);
+  }
 }
 
 void zero_rows(const Params& p, const Seq& q, int64_t h) {
@@ -481,13 +665,15 @@ void run_tiles(const Params& p, const Blk& blk, Home home, float* w, char* slot,
     float* T = home == Home::kSlot ? reinterpret_cast<float*>(slot) + col : home == Home::kTileMajor ? w + p.K * col : w;
     const int64_t ld = home == Home::kSlot ? p.V : tw;
     if (home == Home::kTileCopy) tile_in(p, T, tw, slot, col, cols, init);
-    switch (nv) {
 #if defined(CPU_CAPABILITY_AVX512)
-      case 4: tile<4>(T, ld, blk, col); break;
-      case 3: tile<3>(T, ld, blk, col); break;
+    if (blk.n > 1) {
+      if (nv == 2) tile_pairs<2>(T, ld, blk, col);
+      else tile_pairs<1>(T, ld, blk, col);
+    } else
 #endif
-      case 2: tile<2>(T, ld, blk, col); break;
-      default: tile<1>(T, ld, blk, col); break;
+    {
+      if (nv == 2) tile<2>(T, ld, blk, col);
+      else tile<1>(T, ld, blk, col);
     }
     if (home == Home::kTileCopy) tile_out(p, T, tw, slot, col, cols);
   }
@@ -517,6 +703,8 @@ void run_item(const Params& p, const Layout& L, float* w, int64_t b, int64_t h) 
   float* of = w + L.of();
   float* alpha = w + L.alpha();
   float* beta = w + L.beta();
+  float* kk = w + L.kk();
+  float* kq = w + L.kq();
   const size_t ves = elsize(p.vdtype);
   const char* vin = static_cast<const char*>(p.v);
   char* out = static_cast<char*>(p.out);
@@ -524,12 +712,27 @@ void run_item(const Params& p, const Layout& L, float* w, int64_t b, int64_t h) 
     const int64_t n = std::min(kBlock, q.n - t0);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t tt = q.t0 + t0 + t;
+      // A head's rows of consecutive tokens lie a token's whole row apart (8 KiB for bf16 q, k at
+      // Qwen3-Next's widths), on another page each: the hardware prefetchers do not follow them.
+      if (t0 + t + kAhead < q.n) {
+        const int64_t ta = tt + kAhead;
+        const size_t qes = elsize(p.qdtype);
+        prefetch_row(static_cast<const char*>(p.q) + (ta * p.q_st + hk * p.q_sh) * qes, K * qes, false);
+        prefetch_row(static_cast<const char*>(p.k) + (ta * p.k_st + hk * p.k_sh) * qes, K * qes, false);
+        prefetch_row(vin + (ta * p.v_st + h * p.v_sh) * ves, V * ves, false);
+        prefetch_row(out + (ta * p.o_st + h * p.o_sh) * ves, V * ves, true);
+      }
       qk_row(p, p.k, p.k_st, p.k_sh, tt, hk, kf + t * K, 1.f);
       qk_row(p, p.q, p.q_st, p.q_sh, tt, hk, qf + t * K, p.scale);
       row_f32(vin + (tt * p.v_st + h * p.v_sh) * ves, p.vdtype, vf + t * Vr, V, Vr);
       gating(p, tt, h, alpha + t, beta + t);
     }
-    run_tiles(p, Blk{kf, qf, vf, of, alpha, beta, n, K, Vr}, home, w, slot, q.init);
+    // The pair passes' scalars (tile_pairs).
+    for (int64_t t = 0; t < n; ++t) {
+      kk[t] = t + 1 < n ? dot(kf + t * K, kf + (t + 1) * K, K) : 0.f;
+      kq[t] = dot(kf + t * K, qf + t * K, K);
+    }
+    run_tiles(p, Blk{kf, qf, vf, of, alpha, beta, kk, kq, n, K, Vr}, home, w, slot, q.init);
     for (int64_t t = 0; t < n; ++t)
       out_from_f32(of + t * Vr, out + ((q.t0 + t0 + t) * p.o_st + h * p.o_sh) * ves, p.vdtype, V);
   }
