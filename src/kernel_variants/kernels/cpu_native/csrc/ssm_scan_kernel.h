@@ -621,7 +621,7 @@ struct CbOp {
 // prefetcher follows), asked for a chunk's work (~Q x 500 cycles) ahead of their use, spread over
 // the y products (a burst of them fills the miss buffers).
 struct NextRows {
-  const char *x, *z, *o, *B, *C;  // token 0's rows; null x: no next chunk
+  const char *x, *z, *o, *B, *C;  // token 0's rows; null x: no next chunk, null B: B and C cached
   int64_t xs, zs, os, bs, cs;     // byte strides between tokens
   int64_t xbytes, sbytes, n;      // row sizes; tokens in the next chunk
   KV_SSM_INLINE void token(int64_t i) const {
@@ -629,6 +629,7 @@ struct NextRows {
     prefetch_row(x + i * xs, xbytes, false);
     if (z) prefetch_row(z + i * zs, xbytes, false);
     prefetch_row(o + i * os, xbytes, true);
+    if (!B) return;
     prefetch_row(B + i * bs, sbytes, false);
     prefetch_row(C + i * cs, sbytes, false);
   }
@@ -694,8 +695,11 @@ inline int64_t round_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 struct ChunkWork {
   int64_t Q, Qr, Pr, S;
   float *ST, *tmp, *Bf, *Cf, *BT, *xf, *dx, *dxt, *yf, *M, *cb1, *Rw, *dA, *din, *zf;
-  float* cache = nullptr;    // CB of every chunk of the (sequence, group) below, or null
+  // Per chunk of the (sequence, group) below: its C B^T [Q x Qr], B and C [Q x S] in fp32,
+  // formed by the first head of the group and read by the others; or null.
+  float* cache = nullptr;
   int64_t cache_chunks = 0;  // chunks it holds room for
+  int64_t per_chunk = 0;     // floats per chunk
   int64_t key_b = -1, key_g = -1;
   std::unique_ptr<Scratch> mem;
 
@@ -707,16 +711,16 @@ struct ChunkWork {
     const int64_t sizes[] = {S * Pr, p.P * S, Q * S, Q * S, S * Qr, Q * Pr, Q * Pr, Q * Pr, Q * Pr,
                              Q * Qr, Q * Qr, Qr + VF, Qr, Qr, Pr};
     float** ptrs[] = {&ST, &tmp, &Bf, &Cf, &BT, &xf, &dx, &dxt, &yf, &M, &cb1, &Rw, &dA, &din, &zf};
-    // Room for the CB of every chunk of the longest sequence, up to kCacheBytes (past it, each
-    // head forms its own, chunk by chunk).
+    // Room for every chunk of the longest sequence, up to kCacheBytes (past it, each head
+    // forms its own, chunk by chunk).
     constexpr int64_t kCacheBytes = int64_t{16} << 20;
-    const int64_t per_chunk = Q * Qr;
+    per_chunk = round_to(Q * Qr, 16) + 2 * round_to(Q * S, 16);
     const int64_t chunks = (max_tokens + Q - 1) / Q;
     cache_chunks = chunks * per_chunk * static_cast<int64_t>(sizeof(float)) <= kCacheBytes ? chunks : 0;
-    int64_t total = cache_chunks * per_chunk;
+    int64_t total = 0;
     for (int64_t n : sizes) total += round_to(n, 16);
-    mem = std::make_unique<Scratch>(static_cast<size_t>(total));
-    std::memset(mem->base, 0, sizeof(float) * static_cast<size_t>(total));
+    mem = std::make_unique<Scratch>(static_cast<size_t>(total + cache_chunks * per_chunk));
+    std::memset(mem->base, 0, sizeof(float) * static_cast<size_t>(total));  // the pads past P, S, q stay 0
     float* at = mem->base;
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
       *ptrs[i] = at;
@@ -739,11 +743,12 @@ KV_SSM_INLINE void load_bc(const Params& p, const Seq& sq, int64_t b, int64_t g,
   }
 }
 
-// C . B^T of the chunk [t0, t0 + qn) into cb [qn x Qr].
-void chunk_cb(const Params& p, const Seq& sq, int64_t b, int64_t g, int64_t t0, int64_t qn, ChunkWork& w, float* cb) {
-  load_bc(p, sq, b, g, t0, qn, w.Bf, w.Cf);
-  at::vec::transpose_mxn<float>(w.Bf, w.S, w.BT, w.Qr, static_cast<int>(qn), static_cast<int>(w.S));
-  grid(CbOp{w.Cf, w.BT, cb, w.S, w.Qr}, qn, (qn + VF - 1) / VF);
+// The chunk [t0, t0 + qn)'s B and C in fp32 into Bf, Cf [qn x S] and C . B^T into cb [qn x Qr].
+void chunk_cb(const Params& p, const Seq& sq, int64_t b, int64_t g, int64_t t0, int64_t qn, ChunkWork& w, float* cb,
+              float* Bf, float* Cf) {
+  load_bc(p, sq, b, g, t0, qn, Bf, Cf);
+  at::vec::transpose_mxn<float>(Bf, w.S, w.BT, w.Qr, static_cast<int>(qn), static_cast<int>(w.S));
+  grid(CbOp{Cf, w.BT, cb, w.S, w.Qr}, qn, (qn + VF - 1) / VF);
 }
 
 // The pool's [P x S] rows (type T) -> ST [S x Pr] fp32, and back (rounded to T).
@@ -778,12 +783,17 @@ KV_SSM_INLINE void scale_prefix(float* Rw, int64_t n, float a) {
   }
 }
 
-// One (sequence, head) item in the chunked form; padded and empty sequences go token by token
-// (which handles them: zero rows, the initial state copied).
+// Below this many tokens a sequence goes token by token: the chunked form's set-up per head
+// (the state transposed in and out, the decays, a short K for the state's product) costs more
+// than it saves (measured on Zen 5 at P = 64, S = 128: even at ~10 tokens with an initial state).
+constexpr int64_t kMinChunkTokens = 10;
+
+// One (sequence, head) item in the chunked form. Padded, empty and short sequences go token by
+// token (which handles the first two: zero rows, the initial state copied).
 template <class XT>
 void run_item_chunked(const Params& p, float* wrec, ChunkWork& w, int64_t b, int64_t h) {
   const Seq& sq = p.seqs[b];
-  if (sq.pad || sq.n == 0) {
+  if (sq.pad || sq.n < kMinChunkTokens) {
     run_item<XT>(p, wrec, b, h);
     return;
   }
@@ -792,7 +802,11 @@ void run_item_chunked(const Params& p, float* wrec, ChunkWork& w, int64_t b, int
   const int64_t nch = (sq.n + Q - 1) / Q;
   const bool cached = nch <= w.cache_chunks;
   if (cached && (w.key_b != b || w.key_g != g)) {
-    for (int64_t c = 0; c < nch; ++c) chunk_cb(p, sq, b, g, c * Q, std::min(Q, sq.n - c * Q), w, w.cache + c * Q * Qr);
+    for (int64_t c = 0; c < nch; ++c) {
+      float* e = w.cache + c * w.per_chunk;
+      float* Bf = e + round_to(Q * Qr, 16);
+      chunk_cb(p, sq, b, g, c * Q, std::min(Q, sq.n - c * Q), w, e, Bf, Bf + round_to(Q * S, 16));
+    }
     w.key_b = b;
     w.key_g = g;
   }
@@ -818,10 +832,14 @@ void run_item_chunked(const Params& p, float* wrec, ChunkWork& w, int64_t b, int
   const char* Cm = static_cast<const char*>(p.C);
   for (int64_t c = 0; c < nch; ++c) {
     const int64_t t0 = c * Q, qn = std::min(Q, sq.n - t0);
-    const float* cb = w.cb1;
-    if (cached) cb = w.cache + c * Q * Qr;
-    else chunk_cb(p, sq, b, g, t0, qn, w, w.cb1);
-    load_bc(p, sq, b, g, t0, qn, w.Bf, w.Cf);
+    const float *cb = w.cb1, *Bf = w.Bf, *Cf = w.Cf;
+    if (cached) {
+      cb = w.cache + c * w.per_chunk;
+      Bf = cb + round_to(Q * Qr, 16);
+      Cf = Bf + round_to(Q * S, 16);
+    } else {
+      chunk_cb(p, sq, b, g, t0, qn, w, w.cb1, w.Bf, w.Cf);
+    }
     NextRows next{};
     if (t0 + Q < sq.n) {
       const int64_t ta = sq.t0 + t0 + Q;
@@ -829,8 +847,8 @@ void run_item_chunked(const Params& p, float* wrec, ChunkWork& w, int64_t b, int
       next = NextRows{reinterpret_cast<const char*>(x + b * p.x_sb + ta * p.x_st + h * p.x_sh),
                       z ? reinterpret_cast<const char*>(z + b * p.z_sb + ta * p.z_st + h * p.z_sh) : nullptr,
                       reinterpret_cast<const char*>(out + b * p.o_sb + ta * p.o_st + h * p.o_sh),
-                      Bm + (b * p.b_sb + ta * p.b_st + g * p.b_sg) * static_cast<int64_t>(bes),
-                      Cm + (b * p.c_sb + ta * p.c_st + g * p.c_sg) * static_cast<int64_t>(bes),
+                      cached ? nullptr : Bm + (b * p.b_sb + ta * p.b_st + g * p.b_sg) * static_cast<int64_t>(bes),
+                      cached ? nullptr : Cm + (b * p.c_sb + ta * p.c_st + g * p.c_sg) * static_cast<int64_t>(bes),
                       p.x_st * xe, p.z_st * xe, p.o_st * xe,
                       p.b_st * static_cast<int64_t>(bes), p.c_st * static_cast<int64_t>(bes),
                       P * xe, S * static_cast<int64_t>(bes), std::min(Q, sq.n - t0 - Q)};
@@ -863,8 +881,8 @@ void run_item_chunked(const Params& p, float* wrec, ChunkWork& w, int64_t b, int
       const fVec tk(Rw[1 + k]);
       for (int64_t j = 0; j < Pr; j += VF) (tk * fVec::loadu(w.dx + k * Pr + j)).store(w.dxt + k * Pr + j);
     }
-    grid(YOp{&next, w.Cf, w.ST, w.M, w.dx, w.din, w.yf, S, Pr, Qr, qn, state}, qn, Pr / VF);
-    grid(StOp{w.Bf, w.dxt, w.ST, whole, S, Pr, qn, state}, S, Pr / VF);
+    grid(YOp{&next, Cf, w.ST, w.M, w.dx, w.din, w.yf, S, Pr, Qr, qn, state}, qn, Pr / VF);
+    grid(StOp{Bf, w.dxt, w.ST, whole, S, Pr, qn, state}, S, Pr / VF);
     state = true;
     for (int64_t i = 0; i < qn; ++i) {
       const int64_t tt = sq.t0 + t0 + i;
