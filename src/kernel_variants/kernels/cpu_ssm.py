@@ -130,7 +130,7 @@ def ssd_chunk_scan(
 
 
 #: The chunk sizes exposed as tactics (``chunk<Q>``).
-CHUNKS = (32, 64)
+CHUNKS = (16, 32, 64)
 
 
 def _recurrent(*args, **kwargs) -> torch.Tensor:

@@ -785,8 +785,9 @@ KV_SSM_INLINE void scale_prefix(float* Rw, int64_t n, float a) {
 
 // Below this many tokens a sequence goes token by token: the chunked form's set-up per head
 // (the state transposed in and out, the decays, a short K for the state's product) costs more
-// than it saves (measured on Zen 5 at P = 64, S = 128: even at ~10 tokens with an initial state).
-constexpr int64_t kMinChunkTokens = 10;
+// than it saves. Measured on Zen 5 at P = 64, S = 128 with an initial state: even at ~10 tokens
+// in the AVX-512 builds, ~25 in the AVX2 one (12 accumulators, a scalar transpose).
+constexpr int64_t kMinChunkTokens = VF >= 16 ? 10 : 24;
 
 // One (sequence, head) item in the chunked form. Padded, empty and short sequences go token by
 // token (which handles the first two: zero rows, the initial state copied).
