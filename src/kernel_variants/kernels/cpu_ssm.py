@@ -12,11 +12,14 @@ registers) and forms ``y`` with one more FMA and a transpose-and-add row sum.
 vector ops per state element per token, near the FMA bound) or in the chunked SSD form (tactics
 ``chunk<Q>``): per chunk of Q tokens and head, ``y`` from the chunk's start state
 (``[Q, S] x [S, P]``) plus the masked ``(C Bᵀ ∘ decay) x`` inside the chunk (``C Bᵀ`` formed once
-per group), and the state carried over by one ``[S, Q] x [Q, P]`` product: ~2 multiply-adds per
-state element per token in register-blocked GEMM kernels, the decays as products of the fp32
-``exp(d A)`` factors. Short sequences pay the chunked form's set-up (the state transposed in and
-out, the decay matrices) and go faster token by token; long ones gain ~1.3x (1 thread, Zen 5,
-H=64, P=64, S=128: the commit adding the tactics has the figures).
+per (sequence, group) with B and C in fp32), and the state carried over by one ``[S, Q] x [Q, P]``
+product: ~2 multiply-adds per state element per token in register-blocked GEMM kernels, the
+decays as products of the fp32 ``exp(d A)`` factors. The chunked form's set-up per head (the
+state transposed in and out, the decays) does not pay for itself on short sequences: those under
+~10 tokens (24 in the AVX2 build) go token by token inside the chunked tactics too. Measured (1
+thread, AMD Zen 5, H=64, P=64, S=128, G=1, bf16, one sequence with an initial state, alternating
+rounds): chunk16/chunk32 1.31x the recurrent at L=32, 1.36x at 128, 1.39x at 512, 1.45x at 2048;
+chunk64 1.29-1.40x; chunk128 (not exposed) 1.13-1.27x; equal at L=8 (token by token there).
 """
 
 from __future__ import annotations
