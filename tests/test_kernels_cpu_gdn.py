@@ -21,8 +21,8 @@ from kernel_variants.ops.gdn import _reference
 
 pytestmark = pytest.mark.skipif(build.toolchain_missing() is not None, reason="no C++ toolchain")
 
-# An empty sequence, a one-token one and one of more than a block (64 tokens) among them.
-CU = [0, 5, 5, 80, 81, 100]
+# An empty sequence, a one-token one and one of a block (64 tokens) and one more among them.
+CU = [0, 5, 5, 70, 71, 100]
 SLOTS = [3, 0, -1, 6, 5]  # sequence 2 is padding
 INIT = [True, False, True, True, False]
 
