@@ -695,11 +695,13 @@ inline int64_t round_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 struct ChunkWork {
   int64_t Q, Qr, Pr, S;
   float *ST, *tmp, *Bf, *Cf, *BT, *xf, *dx, *dxt, *yf, *M, *cb1, *Rw, *dA, *din, *zf;
-  // Per chunk of the (sequence, group) below: its C B^T [Q x Qr], B and C [Q x S] in fp32,
-  // formed by the first head of the group and read by the others; or null.
+  // Per chunk of the (sequence, group) below: its C B^T [Q x Qr] and (bc_cached) its B and C
+  // [Q x S] in fp32, formed by the first head of the group and read by the others; or null.
   float* cache = nullptr;
   int64_t cache_chunks = 0;  // chunks it holds room for
   int64_t per_chunk = 0;     // floats per chunk
+  int64_t cb_floats = 0;     // C B^T's part of them
+  bool bc_cached = false;
   int64_t key_b = -1, key_g = -1;
   std::unique_ptr<Scratch> mem;
 
@@ -711,12 +713,20 @@ struct ChunkWork {
     const int64_t sizes[] = {S * Pr, p.P * S, Q * S, Q * S, S * Qr, Q * Pr, Q * Pr, Q * Pr, Q * Pr,
                              Q * Qr, Q * Qr, Qr + VF, Qr, Qr, Pr};
     float** ptrs[] = {&ST, &tmp, &Bf, &Cf, &BT, &xf, &dx, &dxt, &yf, &M, &cb1, &Rw, &dA, &din, &zf};
-    // Room for every chunk of the longest sequence, up to kCacheBytes (past it, each head
-    // forms its own, chunk by chunk).
-    constexpr int64_t kCacheBytes = int64_t{16} << 20;
-    per_chunk = round_to(Q * Qr, 16) + 2 * round_to(Q * S, 16);
+    // Room for every chunk of the longest sequence, up to kCacheBytes: C B^T, B and C where they
+    // fit (~1.3 KiB a token at Q = 32, S = 128), else C B^T alone (each head converts B and C),
+    // else nothing (each head also forms its own C B^T, chunk by chunk).
+    constexpr int64_t kCacheBytes = int64_t{8} << 20;
     const int64_t chunks = (max_tokens + Q - 1) / Q;
-    cache_chunks = chunks * per_chunk * static_cast<int64_t>(sizeof(float)) <= kCacheBytes ? chunks : 0;
+    cb_floats = round_to(Q * Qr, 16);
+    const auto fits = [&](int64_t floats) { return chunks * floats * int64_t{4} <= kCacheBytes; };
+    if (fits(cb_floats + 2 * round_to(Q * S, 16))) {
+      per_chunk = cb_floats + 2 * round_to(Q * S, 16);
+      bc_cached = true;
+    } else if (fits(cb_floats)) {
+      per_chunk = cb_floats;
+    }
+    cache_chunks = per_chunk ? chunks : 0;
     int64_t total = 0;
     for (int64_t n : sizes) total += round_to(n, 16);
     mem = std::make_unique<Scratch>(static_cast<size_t>(total + cache_chunks * per_chunk));
@@ -801,12 +811,13 @@ void run_item_chunked(const Params& p, float* wrec, ChunkWork& w, int64_t b, int
   const int64_t P = p.P, S = p.S, Pr = w.Pr, Q = w.Q, Qr = w.Qr;
   const int64_t g = h / (p.H / p.G);
   const int64_t nch = (sq.n + Q - 1) / Q;
-  const bool cached = nch <= w.cache_chunks;
+  const bool cached = nch <= w.cache_chunks, bc_cached = cached && w.bc_cached;
   if (cached && (w.key_b != b || w.key_g != g)) {
     for (int64_t c = 0; c < nch; ++c) {
       float* e = w.cache + c * w.per_chunk;
-      float* Bf = e + round_to(Q * Qr, 16);
-      chunk_cb(p, sq, b, g, c * Q, std::min(Q, sq.n - c * Q), w, e, Bf, Bf + round_to(Q * S, 16));
+      float* Bf = w.bc_cached ? e + w.cb_floats : w.Bf;
+      float* Cf = w.bc_cached ? Bf + round_to(Q * S, 16) : w.Cf;
+      chunk_cb(p, sq, b, g, c * Q, std::min(Q, sq.n - c * Q), w, e, Bf, Cf);
     }
     w.key_b = b;
     w.key_g = g;
@@ -836,8 +847,12 @@ void run_item_chunked(const Params& p, float* wrec, ChunkWork& w, int64_t b, int
     const float *cb = w.cb1, *Bf = w.Bf, *Cf = w.Cf;
     if (cached) {
       cb = w.cache + c * w.per_chunk;
-      Bf = cb + round_to(Q * Qr, 16);
-      Cf = Bf + round_to(Q * S, 16);
+      if (w.bc_cached) {
+        Bf = cb + w.cb_floats;
+        Cf = Bf + round_to(Q * S, 16);
+      } else {
+        load_bc(p, sq, b, g, t0, qn, w.Bf, w.Cf);
+      }
     } else {
       chunk_cb(p, sq, b, g, t0, qn, w, w.cb1, w.Bf, w.Cf);
     }
@@ -848,8 +863,8 @@ void run_item_chunked(const Params& p, float* wrec, ChunkWork& w, int64_t b, int
       next = NextRows{reinterpret_cast<const char*>(x + b * p.x_sb + ta * p.x_st + h * p.x_sh),
                       z ? reinterpret_cast<const char*>(z + b * p.z_sb + ta * p.z_st + h * p.z_sh) : nullptr,
                       reinterpret_cast<const char*>(out + b * p.o_sb + ta * p.o_st + h * p.o_sh),
-                      cached ? nullptr : Bm + (b * p.b_sb + ta * p.b_st + g * p.b_sg) * static_cast<int64_t>(bes),
-                      cached ? nullptr : Cm + (b * p.c_sb + ta * p.c_st + g * p.c_sg) * static_cast<int64_t>(bes),
+                      bc_cached ? nullptr : Bm + (b * p.b_sb + ta * p.b_st + g * p.b_sg) * static_cast<int64_t>(bes),
+                      bc_cached ? nullptr : Cm + (b * p.c_sb + ta * p.c_st + g * p.c_sg) * static_cast<int64_t>(bes),
                       p.x_st * xe, p.z_st * xe, p.o_st * xe,
                       p.b_st * static_cast<int64_t>(bes), p.c_st * static_cast<int64_t>(bes),
                       P * xe, S * static_cast<int64_t>(bes), std::min(Q, sq.n - t0 - Q)};
