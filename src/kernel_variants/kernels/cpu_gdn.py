@@ -3,12 +3,13 @@ in ``cpu_native/csrc/gdn_*`` (AVX2 / AVX-512 / AVX-512-BF16 chosen at run time).
 
 One work item per (sequence, v head), run whole by one thread (results do not depend on the
 thread count). The head's ``[K, V]`` fp32 state is vectorised along V and cut into column tiles
-(64 columns on AVX-512: 32 KiB at K = 128) that stay in L1 while a block of up to 64 tokens runs
-through them; it is read from its slot once and written back once (rounded once to a bf16
-pool). Per token one pass over a tile does the rank-1 update, ``Sᵀq`` and the next token's
-``Sᵀk``, three FMAs per element (the decay is applied to a running scale, folded into the state
-when it leaves [1e-18, 1e18] and at the end of each block). A one-token decode step of an fp32
-pool works on the slot in place: read, updated and written in one pass per tile.
+that stay in L1 while a block of up to 64 tokens runs through them; it is read from its slot once
+and written back once (rounded once to a bf16 pool; an fp32 slot is worked on in place for a
+sequence of one block). Each pass over a tile updates the state and forms the outputs and the
+next step's ``Sᵀk``: three FMAs per element and token, the decay kept as a running scale (folded
+into the state when it leaves [1e-18, 1e18] and at the end of each block). On AVX-512, whose
+512-bit stores take two cycles, tokens go in pairs (one store per element per two tokens, a
+rank-2 update); a one-token decode step streams the slot in tiles of 8 vectors.
 
 The decode op fuses the gating (``softplus`` with its beta and threshold, ``sigmoid``); the
 prefill op takes ``g`` and ``beta`` as given. The chunked (WY) form is not built: in fp32 it costs
