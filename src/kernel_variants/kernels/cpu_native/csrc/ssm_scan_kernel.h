@@ -15,6 +15,11 @@
 // across the whole sequence: read from the pool (converted) by the first token, written back
 // (rounded) by the last, in place when the pool is fp32. A one-token update of a 16-bit pool is
 // one pass: load, convert, update, round, store.
+//
+// The scan also runs in the chunked (SSD) form (Params::chunk > 0; see run_item_chunked): per
+// chunk of Q tokens three register-blocked products of GEMM shape instead of the token steps,
+// ~2 multiply-adds per state element per token instead of 3 vector ops; the same dt processing,
+// epilogue, pads and slots.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -521,7 +526,6 @@ void run_item(const Params& p, float* w, int64_t b, int64_t h) {
   }
 }
 
-
 // ---------------------------------------------------------------- the chunked (SSD) form
 // A sequence in chunks of Q tokens. With dA_j = exp(d_j * A) and, inside a chunk, the decay from
 // token k to token t L[t][k] = dA_{k+1} ... dA_t (1 on the diagonal), from the chunk's start
@@ -740,6 +744,22 @@ struct ChunkWork {
   }
 };
 
+// src [M x N] (rows ld_src apart) -> dst [N x M] (rows ld_dst apart). ATen's AVX-512 build
+// transposes 16 x 16 blocks at any M, N; its AVX2 one only a fixed 8 x 8 (its any-size form is
+// the scalar loop), so the AVX2 build goes by 8 x 8 blocks and a scalar rim.
+KV_SSM_INLINE void transpose(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int64_t M, int64_t N) {
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+  const int64_t M8 = M / 8 * 8, N8 = N / 8 * 8;
+  for (int64_t i = 0; i < M8; i += 8)
+    for (int64_t j = 0; j < N8; j += 8)
+      at::vec::transpose_mxn<float, 8, 8>(src + i * ld_src + j, ld_src, dst + j * ld_dst + i, ld_dst);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = i < M8 ? N8 : 0; j < N; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
+#else
+  at::vec::transpose_mxn<float>(src, ld_src, dst, ld_dst, static_cast<int>(M), static_cast<int>(N));
+#endif
+}
+
 // Rows [t0, t0 + qn) of sequence b's B and C (group g) as fp32 [qn x S].
 KV_SSM_INLINE void load_bc(const Params& p, const Seq& sq, int64_t b, int64_t g, int64_t t0, int64_t qn, float* Bf,
                            float* Cf) {
@@ -757,7 +777,7 @@ KV_SSM_INLINE void load_bc(const Params& p, const Seq& sq, int64_t b, int64_t g,
 void chunk_cb(const Params& p, const Seq& sq, int64_t b, int64_t g, int64_t t0, int64_t qn, ChunkWork& w, float* cb,
               float* Bf, float* Cf) {
   load_bc(p, sq, b, g, t0, qn, Bf, Cf);
-  at::vec::transpose_mxn<float>(Bf, w.S, w.BT, w.Qr, static_cast<int>(qn), static_cast<int>(w.S));
+  transpose(Bf, w.S, w.BT, w.Qr, qn, w.S);
   grid(CbOp{Cf, w.BT, cb, w.S, w.Qr}, qn, (qn + VF - 1) / VF);
 }
 
@@ -769,15 +789,14 @@ void state_in(const void* src, ChunkWork& w, int64_t P) {
     to_f32(static_cast<const T*>(src), w.tmp, P * w.S);
     rows = w.tmp;
   }
-  at::vec::transpose_mxn<float>(rows, w.S, w.ST, w.Pr, static_cast<int>(P), static_cast<int>(w.S));
+  transpose(rows, w.S, w.ST, w.Pr, P, w.S);
 }
 template <class T>
 void state_out(void* dst, ChunkWork& w, int64_t P) {
   if constexpr (std::is_same<T, float>::value) {
-    at::vec::transpose_mxn<float>(w.ST, w.Pr, static_cast<float*>(dst), w.S, static_cast<int>(w.S),
-                                  static_cast<int>(P));
+    transpose(w.ST, w.Pr, static_cast<float*>(dst), w.S, w.S, P);
   } else {
-    at::vec::transpose_mxn<float>(w.ST, w.Pr, w.tmp, w.S, static_cast<int>(w.S), static_cast<int>(P));
+    transpose(w.ST, w.Pr, w.tmp, w.S, w.S, P);
     from_f32(w.tmp, static_cast<T*>(dst), P * w.S);
   }
 }
