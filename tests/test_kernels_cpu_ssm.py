@@ -198,11 +198,12 @@ def _chunk_args(lengths: list[int], dtype=torch.float32, H=3, P=20, S=24, G=1, d
 
 @pytest.mark.parametrize("chunk", [8, 16, 64])
 def test_the_chunked_scan_matches_the_reference_across_chunk_boundaries(chunk):
-    """Sequences of 1 (token by token: short), 11, Q - 1, Q, Q + 1, 2Q + 3 tokens (a partial
-    last chunk, a chunk boundary at the end), every other one with an initial state; P and S
-    not multiples of a vector; strong decays (A down to -30) whose products underflow inside a
-    chunk. The state is judged at fp32's tolerance."""
-    args, kw = _chunk_args([1, 11, chunk - 1, chunk, chunk + 1, 2 * chunk + 3], decay=30.0)
+    """Sequences of 1, 11, Q - 1, Q, Q + 1, 2Q + 3, 4 and 3 tokens (a partial last chunk, a
+    chunk boundary at the end), every other one with an initial state (short ones with one go
+    token by token, from zeros the chunked form starts at 3 tokens); P and S not multiples of a
+    vector; strong decays (A down to -30) whose products underflow inside a chunk. The state is
+    judged at fp32's tolerance."""
+    args, kw = _chunk_args([1, 11, chunk - 1, chunk, chunk + 1, 2 * chunk + 3, 4, 3], decay=30.0)
     want_pool = kw["ssm_states"].clone()
     want = _reference.ssd_chunk_scan(*args, **{**kw, "ssm_states": want_pool})
     pool = kw["ssm_states"].clone()

@@ -15,11 +15,14 @@ vector ops per state element per token, near the FMA bound) or in the chunked SS
 per (sequence, group) with B and C in fp32), and the state carried over by one ``[S, Q] x [Q, P]``
 product: ~2 multiply-adds per state element per token in register-blocked GEMM kernels, the
 decays as products of the fp32 ``exp(d A)`` factors. The chunked form's set-up per head (the
-state transposed in and out, the decays) does not pay for itself on short sequences: those under
-~10 tokens (24 in the AVX2 build) go token by token inside the chunked tactics too. Measured (1
-thread, AMD Zen 5, H=64, P=64, S=128, G=1, bf16, one sequence with an initial state, alternating
-rounds): chunk16/chunk32 1.31x the recurrent at L=32, 1.36x at 128, 1.39x at 512, 1.45x at 2048;
-chunk64 1.29-1.40x; chunk128 (not exposed) 1.13-1.27x; equal at L=8 (token by token there).
+state transposed in and out, the decays) does not pay for itself on the shortest sequences:
+those under 10 tokens with an initial state (24 in the AVX2 build), or under 3 from zeros, go
+token by token inside the chunked tactics too. Measured (1 thread, AMD Zen 5, AVX-512-BF16
+build, H=64, P=64, S=128, G=1, bf16, one sequence, alternating rounds), chunk16 / chunk32 over
+the recurrent, with an initial state: 1.3x at L=32, 1.3-1.4x at 128, 1.36-1.42x at 512,
+1.38-1.41x at 2048, equal at 8 (token by token there); from zeros 1.2x at L=4, 1.5x at 8, 1.46x
+at 512. chunk64 1.15-1.36x; chunk128 (not exposed) 1.13-1.27x. The AVX2 build: 1.24-1.33x at
+L=32-128 with an initial state.
 """
 
 from __future__ import annotations
