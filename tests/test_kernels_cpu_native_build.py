@@ -21,7 +21,7 @@ from kernel_variants._cli import main
 from kernel_variants._native import build as _build
 from kernel_variants._native import stamp as _stamp
 from kernel_variants._runtime.core_build import CORE
-from kernel_variants.kernels.cpu_native._build import CONV, RMS, kernel
+from kernel_variants.kernels.cpu_native._build import CONV, GDN, RMS, SSM, kernel
 
 
 @pytest.fixture
@@ -140,18 +140,20 @@ def test_a_build_announces_itself_once_and_kv_build_reports_where(fresh_build_di
     # The stand-in build makes an empty module: kv build qualifies what it built and says so.
     assert main(["build"]) == 1
     out, err = capsys.readouterr()
-    assert out.count("FAILED") == 2
+    kernels = [ext.name for ext in (CONV, RMS, SSM, GDN)]
+    assert out.count("FAILED") == len(kernels)
     assert all("has no attribute" in v.reason for v in kv.verdicts() if v.variant == "cpu_native")
-    assert len(fresh_build_dir) == 3, ("one extension per op family, each serving both of its ops, and the "
-                                       "call core: each built once")
-    for ext, what, where in zip(("causal_conv1d", "gemma_rms_norm", "call_core"),
-                                ("C++ kernel of causal_conv1d", "C++ kernel of gemma_rms_norm", "C++ call core"),
-                                fresh_build_dir, strict=True):
-        notice = [ln for ln in err.splitlines() if f"building the cpu_native {what}" in ln]
-        assert len(notice) == 1 and str(where) in notice[0] and "about a minute" in notice[0]
+    assert len(fresh_build_dir) == len(kernels) + 1, ("one extension per op family, each serving all of its ops, "
+                                                      "and the call core: each built once")
+    for ext, what in [*((n, f"C++ kernel of {n}") for n in kernels), ("call_core", "C++ call core")]:
+        notice = [ln for ln in err.splitlines() if f"building the cpu_native {what} " in ln]
+        where = [d for d in fresh_build_dir if str(d) in "".join(notice)]
+        assert len(notice) == 1 and len(where) == 1 and "about a minute" in notice[0], (ext, notice)
         assert f"cpu_native {ext} build finished in" in err
-        assert str(where) in out
-    assert "causal_conv1d_fn,causal_conv1d_update" in out and "gemma_rms_norm,add_gemma_rms_norm" in out
+        assert str(where[0]) in out
+    for op in ("causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm",
+               "selective_state_update", "ssd_chunk_scan", "gated_delta_rule_update", "chunk_gated_delta_rule"):
+        assert op in out
     _build.load_extension.cache_clear()
     assert main(["build"]) == 1  # the same (stand-in) build: its stored verdicts stand
     assert "building" not in capsys.readouterr().err, "an existing build is loaded silently"
