@@ -74,6 +74,16 @@ from kernel_variants.integrations._vllm_cpu import (
     unpack_weight,
 )
 from kernel_variants.integrations._vllm_gated import register_gated_norms, unregister_gated_norms
+from kernel_variants.integrations._vllm_gdn import (
+    DECODE_NAME,
+    GATING_NAME,
+    OPS_MODULE,
+    PREFILL_NAME,
+    chunk_gated_delta_rule_cpu,
+    fused_gdn_gating_cpu,
+    fused_sigmoid_gating_delta_rule_update_cpu,
+)
+from kernel_variants.integrations._vllm_gdn import remember as remember_gdn
 from kernel_variants.integrations._vllm_ir import PROVIDER as IR_PROVIDER
 from kernel_variants.integrations._vllm_ir import register_provider as register_ir_provider
 from kernel_variants.integrations._vllm_ssm import (
@@ -108,7 +118,10 @@ __all__ = [
     "causal_conv1d_update",
     "causal_conv1d_update_cpu",
     "causal_conv1d_update_legacy",
+    "chunk_gated_delta_rule_cpu",
     "convention",
+    "fused_gdn_gating_cpu",
+    "fused_sigmoid_gating_delta_rule_update_cpu",
     "gdn_causal_conv1d_fwd_cpu",
     "gdn_causal_conv1d_update_cpu",
     "mamba_chunk_scan_combined_varlen",
@@ -217,7 +230,10 @@ def patch(*, also: Sequence[str] = (), build: bool = False, shadow: float = 0.0)
     (decode) and ``ssd_combined.mamba_chunk_scan_combined_varlen`` (prefill) are replaced by
     :func:`selective_state_update` and :func:`mamba_chunk_scan_combined_varlen`, which run
     vLLM's own function for the calls the ops do not cover (speculative decode, per-channel A,
-    prefix-caching checkpoints; ``integrations/_vllm_ssm.py``). The gated norms are not
+    prefix-caching checkpoints; ``integrations/_vllm_ssm.py``). So does vLLM-CPU's gated delta
+    rule: ``vllm._custom_ops``' ``fused_sigmoid_gating_delta_rule_update_cpu`` (decode),
+    ``chunk_gated_delta_rule_cpu`` (prefill) and ``fused_gdn_gating_cpu`` (:func:`kernel_variants.gdn_gating`)
+    (``integrations/_vllm_gdn.py``). The gated norms are not
     patched here but registered with vLLM's ``CustomOp.register_oot`` (:func:`register_gated_norms`),
     which must happen before the model is built (:func:`plugin` does both).
 
@@ -253,6 +269,9 @@ def patch(*, also: Sequence[str] = (), build: bool = False, shadow: float = 0.0)
         "_causal_conv1d_update_cpu": lambda original: gdn_causal_conv1d_update_cpu,
     }, SSU_MODULE: {SSU_NAME: remember(SSU_NAME, selective_state_update)},
         SSD_MODULE: {SSD_NAME: remember(SSD_NAME, mamba_chunk_scan_combined_varlen)},
+        OPS_MODULE: {DECODE_NAME: remember_gdn(DECODE_NAME, fused_sigmoid_gating_delta_rule_update_cpu),
+                     GATING_NAME: remember_gdn(GATING_NAME, fused_gdn_gating_cpu),
+                     PREFILL_NAME: remember_gdn(PREFILL_NAME, chunk_gated_delta_rule_cpu)},
     }, prefixes=("vllm", *plugin_packages()), also=names, ops=OPS, build=build, shadow=shadow)
     handle.convention = rule
     return handle
