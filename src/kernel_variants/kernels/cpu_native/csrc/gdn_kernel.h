@@ -703,7 +703,13 @@ void run_tiles(const Params& p, const Blk& blk, int tv, Home home, float* w, cha
   }
 }
 
-void run_item(const Params& p, const Layout& L, float* w, int64_t b, int64_t h) {
+// Which q/k head's rows the scratch holds (kf, qf, kk, kq): consecutive items of a sequence that
+// fits one block share them when their v heads read the same q/k head (Qwen3-Next: pairs).
+struct QkHeld {
+  int64_t b = -1, hk = -1;
+};
+
+void run_item(const Params& p, const Layout& L, float* w, int64_t b, int64_t h, QkHeld& held) {
   const Seq& q = p.seqs[b];
   if (q.pad) {
     zero_rows(p, q, h);
@@ -734,6 +740,8 @@ void run_item(const Params& p, const Layout& L, float* w, int64_t b, int64_t h) 
   const size_t ves = elsize(p.vdtype);
   const char* vin = static_cast<const char*>(p.v);
   char* out = static_cast<char*>(p.out);
+  const bool reuse = q.n <= kBlock && held.b == b && held.hk == hk;
+  held = q.n <= kBlock ? QkHeld{b, hk} : QkHeld{};
   for (int64_t t0 = 0; t0 < q.n; t0 += kBlock) {
     const int64_t n = std::min(kBlock, q.n - t0);
     for (int64_t t = 0; t < n; ++t) {
@@ -748,13 +756,15 @@ void run_item(const Params& p, const Layout& L, float* w, int64_t b, int64_t h) 
         prefetch_row(vin + (ta * p.v_st + h * p.v_sh) * ves, V * ves, false);
         prefetch_row(out + (ta * p.o_st + h * p.o_sh) * ves, V * ves, true);
       }
-      qk_row(p, p.k, p.k_st, p.k_sh, tt, hk, kf + t * K, 1.f);
-      qk_row(p, p.q, p.q_st, p.q_sh, tt, hk, qf + t * K, p.scale);
+      if (!reuse) {
+        qk_row(p, p.k, p.k_st, p.k_sh, tt, hk, kf + t * K, 1.f);
+        qk_row(p, p.q, p.q_st, p.q_sh, tt, hk, qf + t * K, p.scale);
+      }
       row_f32(vin + (tt * p.v_st + h * p.v_sh) * ves, p.vdtype, vf + t * Vr, V, Vr);
       gating(p, tt, h, alpha + t, beta + t);
     }
     // The pair passes' scalars (tile_pairs).
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = 0; t < n && !reuse; ++t) {
       kk[t] = t + 1 < n ? dot(kf + t * K, kf + (t + 1) * K, K) : 0.f;
       kq[t] = dot(kf + t * K, qf + t * K, K);
     }
@@ -774,7 +784,8 @@ void run_range(const Params& p, int64_t begin, int64_t end) {
   for (int64_t b = begin / p.Hv; b < (end + p.Hv - 1) / p.Hv; ++b) rows = std::max(rows, std::min(kBlock, p.seqs[b].n));
   const Layout L{p.K, round_up(p.V), round_up(p.K), rows};
   Scratch w(L.total());
-  for (int64_t i = begin; i < end; ++i) run_item(p, L, w.base, i / p.Hv, i % p.Hv);
+  QkHeld held;
+  for (int64_t i = begin; i < end; ++i) run_item(p, L, w.base, i / p.Hv, i % p.Hv, held);
 }
 
 }  // namespace KV_GDN_ISA_NS
