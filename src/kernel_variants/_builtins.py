@@ -25,6 +25,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("cpu_native", "kernel_variants.kernels.cpu_native"),
     ("vllm_cpu", "kernel_variants.kernels.vllm_cpu"),
     ("vllm_cpu_ssm", "kernel_variants.kernels.vllm_cpu_ssm"),
+    ("vllm_cpu_gdn", "kernel_variants.kernels.vllm_cpu_gdn"),
     ("asc", "kernel_variants.kernels.asc"),
     ("pto", "kernel_variants.kernels.pto"),
     ("npu_triton", "kernel_variants.kernels.npu_triton"),

