@@ -234,3 +234,38 @@ def test_shadow_catches_a_wrong_pool_and_returns_vllms(engine, with_variants, mo
             pytest.warns(kv.ShadowMismatch, match="differ beyond"):
         module.fused_sigmoid_gating_delta_rule_update_cpu(**call)
     assert torch.equal(call["initial_state_source"], want["initial_state_source"])  # vLLM's outcome
+
+
+def test_shadow_judges_an_fp32_pool_at_the_activations_tolerance(engine, with_variants, monkeypatch):
+    """vLLM-CPU's kernels round their intermediates to bf16: a variant within bf16's tolerance of
+    the engine on an fp32 pool agrees; the prefill's returned pool is judged as that state."""
+    from kernel_variants.ops.gdn import GdnCapabilities
+    from kernel_variants.plugin import Variant
+
+    def close(fn, decode):
+        def variant(*args, **kwargs):
+            o = fn(*args, **kwargs)
+            pool, slots = (args[7], args[8].long()) if decode else (kwargs["ssm_states"], torch.tensor([5, 3]))
+            pool[slots] *= 1 + 1e-3  # the slots it wrote (not the empty sequence's): beyond fp32's tolerance
+            return o
+
+        return variant
+
+    module, _ = engine
+    caps = GdnCapabilities(devices={"cpu"}, dtypes={"bfloat16"})
+    with_variants(Variant(id="close", op=UPDATE, version="1", priority=100, isolate=False, capabilities=caps,
+                          fn=close(_reference.gated_delta_rule_update, True)),
+                  Variant(id="close", op=CHUNK, version="1", priority=100, isolate=False, capabilities=caps,
+                          fn=close(_reference.chunk_gated_delta_rule, False)))
+    monkeypatch.setenv("KV_QUALIFY", "off")
+    decode, prefill = decode_call(), prefill_call()
+    decode["initial_state_source"] = decode["initial_state_source"].float()
+    prefill["initial_state"] = prefill["initial_state"].float()
+    with kv.force(gated_delta_rule_update="close", chunk_gated_delta_rule="close"), kv_vllm.patch(shadow=1.0), \
+            warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module.chunk_gated_delta_rule_cpu(**prefill)
+        module.fused_sigmoid_gating_delta_rule_update_cpu(**decode)
+    counts = {c.op: c for c in kv.shadow_report().counts if c.variant == "close"}
+    assert counts[UPDATE].shadowed == 1 and counts[CHUNK].shadowed == 1
+    assert counts[UPDATE].mismatches == counts[CHUNK].mismatches == 0

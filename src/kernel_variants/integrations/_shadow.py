@@ -31,7 +31,7 @@ from kernel_variants._policy import is_reference
 from kernel_variants._runtime import shadow as _shadow
 from kernel_variants._runtime.dispatcher import dispatcher
 from kernel_variants._runtime.errors import VariantFailed
-from kernel_variants._tolerances import mismatch
+from kernel_variants._tolerances import TOLERANCES, mismatch
 from kernel_variants._tuning.verify import allocation_bytes, clone_views
 from kernel_variants.integrations._common import mark
 
@@ -52,13 +52,18 @@ def _storage_copies(values: dict[str, Any]) -> tuple[dict[str, Any], dict[int, t
 #: and of its in-place outputs whose rows of skipped (padded) sequences the engine leaves unwritten.
 COMPUTED = "__kv_computed_state__"
 UNWRITTEN = "__kv_unwritten_rows__"
+COMPUTED_TOLERANCE = "__kv_computed_state_tolerance__"
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def computes_state(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Mark an adapter whose arguments ``names`` are states it writes with computed values."""
+def computes_state(*names: str, tolerance_of: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark an adapter whose arguments ``names`` are states it writes with computed values.
+    ``tolerance_of``: the argument whose dtype's tolerance judges them, where the engine's own
+    function computes in that dtype whatever the state's (vLLM-CPU's GDN kernels round their
+    intermediates to the activations' dtype: an fp32 pool comes out bf16-accurate)."""
     def mark_computed(fn: Callable[..., Any]) -> Callable[..., Any]:
         setattr(fn, COMPUTED, tuple(names))
+        setattr(fn, COMPUTED_TOLERANCE, tolerance_of)
         return fn
 
     return mark_computed
@@ -88,7 +93,8 @@ def _over(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         whole.untyped_storage(), like.storage_offset(), like.size(), like.stride())
 
 
-def _computed_state(name: str, engine: torch.Tensor, ours: torch.Tensor, before: torch.Tensor) -> str | None:
+def _computed_state(name: str, engine: torch.Tensor, ours: torch.Tensor, before: torch.Tensor,
+                    tolerance: tuple[float, float] | None = None) -> str | None:
     """A computed state: at the dtype's tolerance where the engine changed it, else bit for bit
     (the view's other elements, and the bytes of its allocation outside the view)."""
     rest_a = allocation_bytes(engine.untyped_storage(), engine.device).clone()
@@ -107,7 +113,7 @@ def _computed_state(name: str, engine: torch.Tensor, ours: torch.Tensor, before:
     if kept.any():
         return (f"{name}: {int(kept.sum())} elements of slots the engine left as they were were written "
                 f"(first at {[int(i) for i in kept.nonzero()[0]]})")
-    return mismatch(ours[changed], engine[changed], name) if changed.any() else None
+    return mismatch(ours[changed], engine[changed], name, tolerance=tolerance) if changed.any() else None
 
 
 def _tensors(result: Any) -> list[Any]:
@@ -116,20 +122,25 @@ def _tensors(result: Any) -> list[Any]:
 
 def judge_against_engine(engine: tuple[Any, dict[str, Any]], ours: tuple[Any, dict[str, Any]], *,
                          before: dict[str, Any] | None = None, computed: tuple[str, ...] = (),
-                         unwritten: tuple[str, ...] = ()) -> str | None:
+                         unwritten: tuple[str, ...] = (), tolerance: tuple[float, float] | None = None) -> str | None:
     """None when ``ours`` (a result, and the arguments it ran on, by name) agrees with the
     ``engine``'s (the same, run on its own copies of the call), else the first disagreement.
     ``computed``: states judged as :func:`_computed_state`, against their values ``before``;
-    ``unwritten``: in-place outputs judged only in the rows the engine wrote (:func:`leaves_rows`)."""
+    ``unwritten``: in-place outputs judged only in the rows the engine wrote (:func:`leaves_rows`);
+    ``tolerance``: (atol, rtol) for the computed states instead of their dtype's."""
     (ra, a), (rb, b) = engine, ours
     ta, tb = _tensors(ra), _tensors(rb)
     if len(ta) != len(tb):
         return f"returned {len(tb)} values, the engine {len(ta)}"
+    # A computed state the engine also returns (vLLM-CPU's GDN prefill returns its pool) is judged
+    # as that state, below.
+    states = {x.untyped_storage().data_ptr() for n, x in a.items()
+              if n in computed and isinstance(x, torch.Tensor) and before is not None}
     for k, (x, y) in enumerate(zip(ta, tb, strict=True)):
         what = "output" if len(ta) == 1 else f"output {k}"
         if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
             return f"{what}: {type(y).__name__}, the engine returned {type(x).__name__}"
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in states:
             why = mismatch(y, x, what, exact=not x.is_floating_point())
             if why is not None:
                 return why
@@ -141,7 +152,7 @@ def judge_against_engine(engine: tuple[Any, dict[str, Any]], ours: tuple[Any, di
         if not isinstance(x, torch.Tensor) or ("state" not in name and x.untyped_storage().data_ptr() in returned):
             continue
         if name in computed and before is not None and x.is_floating_point():
-            why = _computed_state(name, x, y, before[name])
+            why = _computed_state(name, x, y, before[name], tolerance)
             if why is not None:
                 return why
         elif "state" in name or not x.is_floating_point():
@@ -249,8 +260,11 @@ def _as_oracle(original: Callable[..., Any], sig: inspect.Signature, values: dic
 
 def _judge(adapter: Callable[..., Any], engine: tuple[Any, dict[str, Any]], ours: tuple[Any, dict[str, Any]],
            before: dict[str, Any]) -> str | None:
+    like = getattr(adapter, COMPUTED_TOLERANCE, None)
+    held = engine[1].get(like) if like is not None else None
+    tolerance = TOLERANCES[held.dtype] if isinstance(held, torch.Tensor) and held.dtype in TOLERANCES else None
     return judge_against_engine(engine, ours, before=before, computed=getattr(adapter, COMPUTED, ()),
-                                unwritten=getattr(adapter, UNWRITTEN, ()))
+                                unwritten=getattr(adapter, UNWRITTEN, ()), tolerance=tolerance)
 
 
 def _judged_call(adapter: Callable[..., Any], original: Callable[..., Any], sig: inspect.Signature,
