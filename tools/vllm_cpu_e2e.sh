@@ -15,7 +15,8 @@
 #      where vLLM's conv path rounds as ours does (fp32; bf16 on AVX-512-BF16; elsewhere it says
 #      so), no conv, scan or gated-norm call of the model reached vLLM's own functions or C++
 #      kernels in the patched run, and the dispatcher served exactly as many calls of each
-#      family (conv, scan decode, scan prefill, gated norm) as vLLM's ran unpatched;
+#      family (conv, scan decode, scan prefill, GDN decode, GDN prefill, gated norm) as vLLM's ran
+#      unpatched, each scan and GDN call judged against vLLM's own function;
 #   5. a tiny Qwen3 with kernel_variants as vLLM IR's rms_norm provider, eager and compiled.
 # KV_VLLM_VENV=dir reuses (or creates) that virtualenv instead of a temporary one.
 set -euo pipefail
@@ -87,7 +88,8 @@ for family, (keys, ops, adapters) in off["families"].items():
     expected, served = engine(off["engine_calls"], keys), sum(on["dispatched"].get(op, 0) for op in ops)
     if engine(on["engine_calls"], keys):
         problems.append(f"{family} calls reached vLLM's own functions under patch(): {on['engine_calls']}")
-    if served != expected or (expected == 0 and (family == "conv" or (arch == "mamba2"))):
+    own = (arch == "mamba2" and family.startswith("ssm")) or (arch == "gdn" and family.startswith("gdn"))
+    if served != expected or (expected == 0 and (family == "conv" or own)):
         problems.append(f"the dispatcher served {served} {family} calls, vLLM's functions ran {expected} unpatched "
                         f"({off['engine_calls']})")
     summary.append(f"{family} {served}/{expected}")
