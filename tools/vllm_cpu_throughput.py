@@ -14,11 +14,13 @@ a few layers, at a real model's widths, the vocabulary cut to 32k so that the LM
 outweigh four layers):
 
 - ``mamba2``: Mamba2ForCausalLM, mamba2-1.3b's widths (hidden 2048, state 128, head dim 64, one
-  group, conv width 4), 4 layers: kernel_variants serves the conv (``patch()``) and the plain
+  group, conv width 4), 4 layers: kernel_variants serves the conv and the selective scan's decode
+  update and prefill scan (``patch()``), the gated norm (``CustomOp.register_oot``) and the plain
   RMSNorms (IR provider).
 - ``gdn``: Qwen3NextForCausalLM, Qwen3-Next-80B-A3B's widths (hidden 2048, 16 key / 32 value
   heads of 128 in the GDN layers, 16 query / 2 KV heads of 256 in attention, experts of 512)
-  with 16 experts (top 4), 4 layers (3 GDN, 1 attention): the conv through ``patch()``.
+  with 16 experts (top 4), 4 layers (3 GDN, 1 attention): the conv and the gated delta rule's
+  decode, gating and prefill through ``patch()``, the output gated norm out of tree.
 - ``dense``: Qwen3ForCausalLM, Qwen3-1.7B's widths (hidden 2048, 16 / 8 heads of 128,
   intermediate 6144), 4 layers: the RMSNorms through the IR provider only.
 
@@ -166,6 +168,7 @@ def child(args: argparse.Namespace) -> int:
         from kernel_variants.integrations import vllm as kv_vllm
 
         handle = kv_vllm.patch()  # kv build ran first: nothing is left out or compiled
+        kv_vllm.register_gated_norms()  # Mamba2's and GDN's gated norms, out of tree (as the plugin does)
     from vllm import LLM, SamplingParams
 
     extra = {}
