@@ -80,8 +80,7 @@ LOADS_OUTSIDE = {
     "kernel_variants.integrations._shadow": "the engine function a shadow spec names",
     "kernel_variants.integrations._vllm_ir": "vLLM's IR ops",
     "kernel_variants.integrations._vllm_gated": "vLLM's layer modules and its CustomOp registry",
-    "kernel_variants.integrations._vllm_ssm": "vLLM's selective-scan modules (a replay's fallback)",
-    "kernel_variants.integrations._vllm_gdn": "vLLM's ops module (a replay's fallback)",
+    "kernel_variants.integrations._common": "an engine function's defining module (Originals: a replay's fallback)",
     "kernel_variants.integrations.vllm": "vLLM's ops module",
 }
 # Loaders of the names they are given, each with the module that declares those names: the string

@@ -261,3 +261,31 @@ class _ImportHook(importlib.abc.MetaPathFinder):
     def remove(self) -> None:
         if self in sys.meta_path:
             sys.meta_path.remove(self)
+
+
+class Originals:
+    """The engine functions ``patch()`` replaced, by name: what an uncovered call runs instead.
+    ``home(name)`` names the module that defines ``name`` (for a replay in a process where the
+    engine was never patched)."""
+
+    def __init__(self, home: Callable[[str], str]) -> None:
+        self._fns: dict[str, Callable[..., Any]] = {}
+        self._home = home
+
+    def remember(self, name: str, adapter: Callable[..., Any]) -> Callable[[Any], Callable[..., Any]]:
+        """A ``patch_engine`` factory: keeps the function it replaces, returns ``adapter``."""
+        def factory(original: Any) -> Callable[..., Any]:
+            self._fns[name] = original
+            return adapter
+
+        return factory
+
+    def own(self, name: str) -> Callable[..., Any]:
+        """The engine's own function ``name``: the one ``patch()`` replaced, else the one its
+        module holds (an adapter there means it is unknown here: RuntimeError)."""
+        fn = self._fns.get(name)
+        if fn is None:
+            fn = getattr(importlib.import_module(self._home(name)), name)
+            if getattr(fn, "__kv_integration__", False):
+                raise RuntimeError(f"the engine's own {name} is unknown here (its binding is an adapter)")
+        return fn

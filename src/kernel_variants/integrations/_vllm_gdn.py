@@ -30,14 +30,10 @@ The engine has no pad id here; the op's ``pad_slot_id`` is vLLM's ``PAD_SLOT_ID`
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 import kernel_variants
-from kernel_variants.integrations._common import mark
+from kernel_variants.integrations._common import Originals, mark
 from kernel_variants.integrations._shadow import computes_state
 
 #: Where vLLM defines the three functions (gdn_attention.py reaches them as ``ops.<name>``).
@@ -48,27 +44,8 @@ PREFILL_NAME = "chunk_gated_delta_rule_cpu"
 PAD_SLOT_ID = -1
 
 # The functions patch() replaced, by name: what an uncovered call runs.
-_ORIGINALS: dict[str, Callable[..., Any]] = {}
-
-
-def remember(name: str, adapter: Callable[..., Any]) -> Callable[[Any], Callable[..., Any]]:
-    """A ``patch_engine`` factory: keeps the function it replaces (the fallback), returns ``adapter``."""
-    def factory(original: Any) -> Callable[..., Any]:
-        _ORIGINALS[name] = original
-        return adapter
-
-    return factory
-
-
-def engine_own(name: str) -> Callable[..., Any]:
-    """vLLM's own function ``name``: the one ``patch()`` replaced, else (a replay, vLLM not
-    patched) the one ``vllm._custom_ops`` holds."""
-    fn = _ORIGINALS.get(name)
-    if fn is None:
-        fn = getattr(importlib.import_module(OPS_MODULE), name)
-        if getattr(fn, "__kv_integration__", False):
-            raise RuntimeError(f"vLLM's own {name} is unknown here (its binding is an adapter)")
-    return fn
+_ORIGINALS = Originals(lambda name: OPS_MODULE)
+remember, engine_own = _ORIGINALS.remember, _ORIGINALS.own
 
 
 def _tokens(*ts: torch.Tensor) -> bool:

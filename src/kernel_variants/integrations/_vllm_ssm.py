@@ -27,15 +27,12 @@ vLLM's own function (the one ``patch()`` replaced), unchanged:
 
 from __future__ import annotations
 
-import importlib
 import math
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
 import kernel_variants
-from kernel_variants.integrations._common import mark
+from kernel_variants.integrations._common import Originals, mark
 from kernel_variants.integrations._shadow import computes_state, leaves_rows
 
 #: Where vLLM defines the two functions (each bound by name in ``mamba_mixer2``).
@@ -45,28 +42,8 @@ SSU_NAME, SSD_NAME = "selective_state_update", "mamba_chunk_scan_combined_varlen
 NULL_BLOCK_ID = 0
 
 # The functions patch() replaced, by name: what an uncovered call runs.
-_ORIGINALS: dict[str, Callable[..., Any]] = {}
-
-
-def remember(name: str, adapter: Callable[..., Any]) -> Callable[[Any], Callable[..., Any]]:
-    """A ``patch_engine`` factory: keeps the function it replaces (the fallback), returns ``adapter``."""
-    def factory(original: Any) -> Callable[..., Any]:
-        _ORIGINALS[name] = original
-        return adapter
-
-    return factory
-
-
-def engine_own(name: str) -> Callable[..., Any]:
-    """vLLM's own function ``name``: the one ``patch()`` replaced, else (a replay, vLLM not
-    patched) the one its module holds."""
-    fn = _ORIGINALS.get(name)
-    if fn is None:
-        module = importlib.import_module(SSU_MODULE if name == SSU_NAME else SSD_MODULE)
-        fn = getattr(module, name)
-        if getattr(fn, "__kv_integration__", False):
-            raise RuntimeError(f"vLLM's own {name} is unknown here (its binding is an adapter)")
-    return fn
+_ORIGINALS = Originals(lambda name: SSU_MODULE if name == SSU_NAME else SSD_MODULE)
+remember, engine_own = _ORIGINALS.remember, _ORIGINALS.own
 
 
 def per_head(t: torch.Tensor | None, ndim: int) -> torch.Tensor | bool | None:
