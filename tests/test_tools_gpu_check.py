@@ -61,10 +61,19 @@ def test_environment_names_this_interpreter_and_its_call_path(cpu_run):
     assert "gpu" not in env and env["cpu"]
 
 
+# The ops tools/gpu_check.py qualifies (the conv and the RMSNorm families; the scans' GPU check is
+# issue work still to come).
+GPU_CHECK_OPS = {"causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm", "add_gemma_rms_norm", "rms_norm",
+                 "fused_add_rms_norm"}
+
+
 def _cpu_builtins() -> set[tuple[str, str, str]]:
-    """(op, variant, dtype) of every available non-reference variant that claims the CPU."""
+    """(op, variant, dtype) of every available non-reference variant of the checked ops that
+    claims the CPU."""
     out = set()
     for spec in dispatcher().registry.ops():
+        if spec.name not in GPU_CHECK_OPS:
+            continue
         for rv in kv.variants(spec.name):
             caps = rv.variant.capabilities
             if rv.variant.fn is spec.reference.fn or "cpu" not in caps.devices or rv.unavailable_reason():
@@ -77,8 +86,7 @@ def test_qualification_covers_every_cpu_builtin_in_three_dtypes_and_all_pass(cpu
     q = cpu_run[1]["steps"]["qualify"]["result"]
     got = {(v["op"], v["variant"], v["dtype"]) for v in q["verdicts"]}
     assert got == _cpu_builtins()
-    assert {op for op, _, _ in got} == {"causal_conv1d_fn", "causal_conv1d_update", "gemma_rms_norm",
-                                        "add_gemma_rms_norm", "rms_norm", "fused_add_rms_norm"}
+    assert {op for op, _, _ in got} == GPU_CHECK_OPS
     assert q["passed"] == len(got) > 0 and q["failed"] == 0 and q["failures"] == [] and q["skipped"] == 0
     assert all(v["passed"] and v["cases"] > 0 for v in q["verdicts"])
     assert q["triton_compilations"] == 0  # no Triton kernel compiles on a CPU without the interpreter

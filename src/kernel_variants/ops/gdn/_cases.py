@@ -61,6 +61,8 @@ def make_case(op: str, shape: tuple[int, ...], *, dtype: torch.dtype | str = tor
     else:
         q, k, v = (t.to(dtype).contiguous() for t in mixed.split([hk * k_dim, hk * k_dim, hv * v_dim], 1))
         q, k, v = q.view(total, hk, k_dim), k.view(total, hk, k_dim), v.view(total, hv, v_dim)
+    if not l2norm:  # unnormalised keys must be short for the delta rule to stay stable (|k| <~ 1)
+        q, k = q * k_dim ** -0.5, k * k_dim ** -0.5
     if inputs == "zero-qk" and total:
         q[:: 2].zero_()
         k[1:: 3].zero_()

@@ -194,7 +194,9 @@ SHARED: dict[str, dict[str, Any]] = {
     # raw dt past softplus's threshold (linear there); x small so the state stays O(1)
     "softplus-linear": dict(shape=(2, 4, 3), dt_scale=50.0, x_scale=0.05, **_SMALL),
     # raw dt to 1e4: exp overflows unless softplus is linear past its threshold; clamped after
-    "softplus-overflow-limited": dict(shape=(2, 4, 3), dt_scale=1e4, dt_limit=True, **_SMALL),
+    # where the class clamps, else a step of ~1e4, with x small so the state stays O(1) (a class
+    # without dt limits builds this case unclamped)
+    "softplus-overflow-limited": dict(shape=(2, 4, 3), dt_scale=1e4, x_scale=1e-4, dt_limit=True, **_SMALL),
     "no-softplus": dict(shape=(2, 4, 2), softplus=False, bias=False, **_SMALL),
     "A-zero": dict(shape=(2, 4, 3), a="zero", **_SMALL),
     "A-steep": dict(shape=(2, 4, 3), a="steep", **_SMALL),
