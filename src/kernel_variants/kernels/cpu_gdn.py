@@ -21,34 +21,12 @@ from __future__ import annotations
 import torch
 
 from kernel_variants._native import build
-from kernel_variants.kernels.cpu_native import _native
+from kernel_variants.kernels.cpu_native import _kernel_out, _native, _on_dense_slots
 from kernel_variants.kernels.cpu_native._build import GDN
 from kernel_variants.ops.gdn import GdnCapabilities
 from kernel_variants.plugin import Variant, hookimpl
 
 _NATIVE_GDN = _native(GDN)
-
-
-def _slot_dense(pool: torch.Tensor) -> bool:
-    """Whether each slot's ``[Hv, K, V]`` is dense (any slot stride), as the kernel takes it."""
-    _, h, k, v = pool.shape
-    return all(n <= 1 or st == want for n, st, want in ((v, pool.stride(3), 1), (k, pool.stride(2), v),
-                                                         (h, pool.stride(1), k * v)))
-
-
-def _run_pool(pool: torch.Tensor | None, call):
-    """``call(pool)``: with the pool itself, or (a slot that is not dense) a dense copy written back."""
-    if pool is None or _slot_dense(pool):
-        return call(pool)
-    dense = pool.clone(memory_format=torch.contiguous_format)
-    res = call(dense)
-    pool.copy_(dense)
-    return res
-
-
-def _unit_out(out: torch.Tensor | None) -> torch.Tensor | None:
-    """The caller's ``out`` where the kernel can write it (unit stride along V), else None."""
-    return out if out is None or out.shape[-1] <= 1 or out.stride(-1) == 1 else None
 
 
 def _finish(res: torch.Tensor, out: torch.Tensor | None, kout: torch.Tensor | None) -> torch.Tensor:
@@ -77,9 +55,9 @@ def gated_delta_rule_update(
     """q, k: [T, Hk, K]; v: [T, Hv, V]; a, b: [T, Hv]; A_log, dt_bias: [Hv]; state: [N, Hv, K, V]
     pool, updated in place at state_indices [B]; cu_seqlens: [B+1] (None: T sequences of one
     token). Returns o [T, Hv, V] in v's dtype (``out`` when given)."""
-    kout = _unit_out(out)
+    kout, _ = _kernel_out(out)
     ext = build.load_extension(GDN)
-    res = _run_pool(state, lambda pool: ext.update(
+    res = _on_dense_slots(state, lambda pool: ext.update(
         q, k, v, a, b, A_log, dt_bias, pool, state_indices, cu_seqlens, use_qk_l2norm, scale, softplus_beta,
         softplus_threshold, pad_slot_id, kout))
     return _finish(res, out, kout)
@@ -104,9 +82,9 @@ def chunk_gated_delta_rule(
     """q, k: [T, Hk, K]; v: [T, Hv, V]; g, beta: [T, Hv]; cu_seqlens: [B+1] (None: one sequence);
     ssm_states: None or [N, Hv, K, V] pool (read where has_initial_state [B], written at
     state_indices [B]). Returns o [T, Hv, V] in v's dtype (``out`` when given)."""
-    kout = _unit_out(out)
+    kout, _ = _kernel_out(out)
     ext = build.load_extension(GDN)
-    res = _run_pool(ssm_states, lambda pool: ext.scan(
+    res = _on_dense_slots(ssm_states, lambda pool: ext.scan(
         q, k, v, g, beta, cu_seqlens, pool, state_indices, has_initial_state, use_qk_l2norm, scale, pad_slot_id,
         kout))
     return _finish(res, out, kout)

@@ -32,34 +32,12 @@ import math
 import torch
 
 from kernel_variants._native import build
-from kernel_variants.kernels.cpu_native import _native
+from kernel_variants.kernels.cpu_native import _kernel_out, _native, _on_dense_slots
 from kernel_variants.kernels.cpu_native._build import SSM
 from kernel_variants.ops.ssm import SsmCapabilities
 from kernel_variants.plugin import Variant, hookimpl
 
 _NATIVE_SSM = _native(SSM)
-
-
-def _slot_dense(pool: torch.Tensor) -> bool:
-    """Whether each slot's ``[H, P, S]`` is dense (any slot stride), as the kernel takes it."""
-    _, h, p, s = pool.shape
-    return all(n <= 1 or st == want for n, st, want in ((s, pool.stride(3), 1), (p, pool.stride(2), s),
-                                                         (h, pool.stride(1), p * s)))
-
-
-def _run_pool(pool: torch.Tensor | None, call):
-    """``call(pool)``: with the pool itself, or (a slot that is not dense) a dense copy written back."""
-    if pool is None or _slot_dense(pool):
-        return call(pool)
-    dense = pool.clone(memory_format=torch.contiguous_format)
-    res = call(dense)
-    pool.copy_(dense)
-    return res
-
-
-def _unit_out(out: torch.Tensor | None) -> torch.Tensor | None:
-    """The caller's ``out`` where the kernel can write it (unit stride along P), else None."""
-    return out if out is None or out.shape[-1] <= 1 or out.stride(-1) == 1 else None
 
 
 def selective_state_update(
@@ -88,11 +66,11 @@ def selective_state_update(
     if one:
         x, dt, B, C = x.unsqueeze(1), dt.unsqueeze(1), B.unsqueeze(1), C.unsqueeze(1)
         z = None if z is None else z.unsqueeze(1)
-    kout = _unit_out(out)
+    kout, _ = _kernel_out(out)
     if kout is not None and one:
         kout = kout.unsqueeze(1)
     ext = build.load_extension(SSM)
-    res = _run_pool(state, lambda pool: ext.update(
+    res = _on_dense_slots(state, lambda pool: ext.update(
         pool, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, state_batch_indices,
         dst_state_batch_indices, pad_slot_id, kout))
     if one:
@@ -127,9 +105,9 @@ def ssd_chunk_scan(
     z: x's shape; ssm_states: None or [N, H, P, S] pool (read where has_initial_state, written);
     state_indices, has_initial_state: [B]. Returns y [T, H, P] in x's dtype (``out`` when given).
     ``chunk``: 0 token by token, Q > 0 the chunked form in chunks of Q tokens."""
-    kout = _unit_out(out)
+    kout, _ = _kernel_out(out)
     ext = build.load_extension(SSM)
-    res = _run_pool(ssm_states, lambda pool: ext.scan(
+    res = _on_dense_slots(ssm_states, lambda pool: ext.scan(
         x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus, dt_min, dt_max, pool, state_indices,
         has_initial_state, pad_slot_id, kout, chunk))
     return res if out is None or kout is not None else out.copy_(res)

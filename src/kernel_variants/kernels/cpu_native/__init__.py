@@ -16,6 +16,7 @@ reason, and a failed build makes it unavailable with the compiler's first error.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -117,6 +118,19 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     # Not .contiguous(): an empty tensor counts as contiguous whatever its strides, and the
     # kernels check the channel stride of empty inputs too.
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def _on_dense_slots(pool: torch.Tensor | None, call):
+    """``call(pool)`` for a state-pool kernel (the scans'), which takes any slot stride but each
+    slot (everything past the first dim) dense: with the pool itself, or with a dense copy that
+    is then written back."""
+    if pool is not None and any(n > 1 and pool.stride(d) != math.prod(pool.shape[d + 1:])
+                                for d, n in enumerate(pool.shape) if d > 0):
+        dense = _dense(pool)
+        res = call(dense)
+        pool.copy_(dense)
+        return res
+    return call(pool)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
