@@ -151,3 +151,32 @@ def noop_registry(*variants: Variant) -> Registry:
                 register(v)
 
     return Registry(make_plugin_manager(extra_plugins=[("noop", NoopPlugin())]))
+
+
+def same_round_ratio(num: Any, den: Any) -> tuple[float, float, float]:
+    """(median, min, max) over rounds of num / den, two ``Timing``s of one ``measure_interleaved``
+    (each window's figure kept in round order): a burst of other work hits both sides of a ratio."""
+    import statistics
+
+    r = [a / b for a, b in zip(num.samples_us, den.samples_us, strict=True)]
+    return statistics.median(r), min(r), max(r)
+
+
+def timed_or_exit(calls: dict, timing: Any, what: str) -> dict[str, Any]:
+    """``measure_interleaved(calls)`` on the CPU; exits naming ``what`` and the form that failed."""
+    from kernel_variants._tuning.timing import Timing, measure_interleaved
+
+    out = measure_interleaved(calls, "cpu", timing)
+    for name, t in out.items():
+        if not isinstance(t, Timing):
+            raise SystemExit(f"{what}: {name} failed: {t}")
+    return out
+
+
+def copy_floor(nbytes: int) -> Callable[[], Any]:
+    """One load and one store of ``nbytes``: the least a call that reads and writes that state pays."""
+    import torch
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)

