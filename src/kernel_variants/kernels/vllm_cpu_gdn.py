@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from kernel_variants.kernels._adapters import LazyKernel, Param, checked_ops, mark_written
+from kernel_variants.kernels._adapters import LazyKernel, Param, mark_written
+from kernel_variants.kernels.vllm_cpu import checked_ops
 from kernel_variants.kernels.vllm_cpu_ssm import _library
 from kernel_variants.ops.gdn import GdnCapabilities
 from kernel_variants.plugin import Variant, hookimpl

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from kernel_variants.kernels import vllm_cpu
-from kernel_variants.kernels._adapters import LazyKernel, Param, checked_ops, mark_written
+from kernel_variants.kernels._adapters import LazyKernel, Param, mark_written
 from kernel_variants.kernels._slots import int32
 from kernel_variants.ops.ssm import SsmCapabilities
 from kernel_variants.plugin import Variant, hookimpl
@@ -81,7 +81,7 @@ class _Ops(LazyKernel):
     """The two kernels, loaded (and their schemas checked) on first need."""
 
     def find(self) -> tuple[Any, str | None]:
-        return checked_ops("selective_state_update_cpu", SCHEMAS, _library)  # vLLM itself may have loaded the library
+        return vllm_cpu.checked_ops("selective_state_update_cpu", SCHEMAS, _library)  # vLLM itself may have loaded the library
 
 
 OPS = _Ops()
