@@ -38,15 +38,41 @@ def write_report(out_dir: str | Path, name: str, markdown: str, data: dict[str, 
 
 
 def cpu_model() -> str:
-    """The CPU's model name (figures say which CPU they came from: this project's machines vary)."""
+    """The CPU's model name with its family and model numbers, as lscpu gives them (figures say
+    which CPU they came from: this project's machines vary)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block says it
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    if "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']} model {fields['model']})"
+    return name
+
+
+def vllm_builds_by_isa() -> str:
+    """Make vLLM-CPU load the build of its kernels it loads on a CPU of ATen's ISA: under
+    ``ATEN_CPU_CAPABILITY=avx2`` its ``_C_AVX2`` (what an AVX2-only CPU runs), else what it picks
+    by the CPU. vLLM chooses by ``torch.cpu._is_avx512_supported()``, which reads the CPU, not
+    ATen's setting; call before importing vLLM. Returns the library it loaded, for the header."""
+    import torch
+
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2":
+        torch.cpu._is_avx512_supported = lambda: False  # vLLM's own test: no AVX-512 -> _C_AVX2
+    import vllm._custom_ops  # noqa: F401  (loads vLLM-CPU's kernels)
+
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            libs = {Path(line.split()[-1]).name.split(".")[0] for line in f if "/vllm/_C" in line}
+    except OSError:
+        libs = set()
+    return ", ".join(sorted(libs)) or "unknown"
 
 
 #: glibc's malloc tunables that the docs advise for CPU inference (docs/devices.md, "Allocator"):

