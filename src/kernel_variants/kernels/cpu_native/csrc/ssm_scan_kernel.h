@@ -415,6 +415,36 @@ KV_SSM_INLINE float dt_of(const Params& p, const Seq& q, int64_t b, int64_t t, i
   return d;
 }
 
+// d and dA = exp(d * A) of a head's tokens [t, t + n) (the chunked form), as dt_of and
+// std::exp(d * A) per token but a vector of tokens at a time: the per-token scalar softplus
+// (expf, log1pf) and exp were ~3% of the AVX2 build's prefill time at 64 heads. d, dA: whole vectors
+// (room for round_up(n)), the lanes past n hold d = 0, dA = 1.
+KV_SSM_INLINE void dt_chunk(const Params& p, const Seq& q, int64_t b, int64_t t, int64_t n, int64_t h, float A,
+                            float* d, float* dA) {
+  const float bias = p.dt_bias ? p.dt_bias[h] : 0.f;
+  const int64_t at = b * p.dt_sb + (q.t0 + t) * p.dt_st + h * p.dt_sh;
+  for (int64_t i = 0; i < n; ++i) {
+    float v = scalar_f32(p.dt, p.dtdtype, at + i * p.dt_st);
+    if (p.dt_bias) v += bias;
+    d[i] = v;
+  }
+  const int64_t nr = (n + VF - 1) / VF * VF;
+  for (int64_t i = n; i < nr; ++i) d[i] = 0.f;
+  const fVec thr(20.f), lo(p.dt_min), hi(p.dt_max), vA(A);
+  for (int64_t i = 0; i < nr; i += VF) {
+    fVec v = fVec::loadu(d + i);
+    // torch's softplus: x > 20 ? x : log1p(exp(x)) (NaN stays NaN: the compare is false).
+    if (p.softplus) v = fVec::blendv(v.exp().log1p(), v, v > thr);
+    if (p.clamp) v = at::vec::minimum(at::vec::maximum(v, lo), hi);
+    v.store(d + i);
+    (v * vA).exp().store(dA + i);
+  }
+  for (int64_t i = n; i < nr; ++i) {
+    d[i] = 0.f;
+    dA[i] = 1.f;
+  }
+}
+
 // One token's epilogue over P: y (+ D * x), silu(z) gate, rounded to x's dtype into o. zrow:
 // the token's z row or null; zf: fp32 room for it.
 template <class XT>
@@ -579,10 +609,20 @@ KV_SSM_INLINE void acc_store(const Acc& acc, float* o, int64_t ld) {
 
 // Runs op.run<R, NV>(r0, v0) over rows [0, rows) in blocks of MR and vectors [0, nvec) in
 // blocks of NB, the remainders with smaller blocks.
+// A block of 1 or 2 rows of at most 2 vectors (the AVX2 build's blocks) has 2 or 4 accumulators,
+// too few chains to cover the FMA latency: it runs at half rate or less (the 2 rows left of
+// S = 128 or Q = 32 in blocks of 6 were ~9% of the AVX2 y product's time). Such a remainder
+// takes the last full block with it, as 4 rows and 3 or 4.
 template <int NV, class Op>
 void rows_of(const Op& op, int64_t rows, int64_t v0) {
   int64_t r0 = 0;
-  for (; r0 + MR <= rows; r0 += MR) op.template run<MR, NV>(r0, v0);
+  const int64_t rem = rows % MR;
+  const int64_t full = NV <= 2 && rows > MR && rem > 0 && rem < 3 ? rows - MR - rem : rows;
+  for (; r0 + MR <= full; r0 += MR) op.template run<MR, NV>(r0, v0);
+  if (full != rows) {
+    op.template run<4, NV>(r0, v0);
+    r0 += 4;
+  }
   switch (rows - r0) {
     case 1: op.template run<1, NV>(r0, v0); break;
     case 2: op.template run<2, NV>(r0, v0); break;
@@ -619,8 +659,6 @@ struct CbOp {
   }
 };
 
-// yf[t] = din[t] * (C[t] . S0) + sum_{k <= t} M[t][k] dx[k] (M: C B^T times the decays, zero
-// above the diagonal). Rows t of the block need k < t0 + R only.
 // The rows of token i of a head's next chunk (x, z, out, B, C: strided by H * P, which no hardware
 // prefetcher follows), asked for a chunk's work (~Q x 500 cycles) ahead of their use, spread over
 // the y products (a burst of them fills the miss buffers).
@@ -639,6 +677,11 @@ struct NextRows {
   }
 };
 
+// y[t] = din[t] * (C[t] . S0) + sum_{k <= t} M[t][k] dx[k] (M: C B^T times the decays, zero
+// above the diagonal). Rows t of the block need k < t0 + R only. finish_row's epilogue is applied
+// to the block in registers: y + D x, the silu(z) gate, rounded into out's rows (o, z: token 0's
+// rows of the chunk, os, zs apart), with no fp32 y written and read back.
+template <class XT>
 struct YOp {
   const NextRows* next;
   const float* Cf;
@@ -646,8 +689,13 @@ struct YOp {
   const float* M;
   const float* dx;
   const float* din;
-  float* yf;
-  int64_t S, Pr, Qr, q;
+  const float* xf;
+  const XT* z;
+  XT* o;
+  int64_t zs, os;
+  float Dh;
+  bool hasD;
+  int64_t S, P, Pr, Qr, q;
   bool state;  // S0 is not all zeros
   template <int R, int NV>
   KV_SSM_INLINE void run(int64_t t0, int64_t v0) const {
@@ -664,7 +712,23 @@ struct YOp {
       }
     }
     mk<R, NV>(std::min<int64_t>(t0 + R, q), M + t0 * Qr, Qr, 1, dx + p0, Pr, acc);
-    acc_store<R, NV>(acc, yf + t0 * Pr + p0, Pr);
+    const fVec vD(Dh), one(1.f), zero(0.f);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = xf + (t0 + r) * Pr;
+      XT* orow = o + (t0 + r) * os;
+      for (int v = 0; v < NV; ++v) {
+        const int64_t i = p0 + v * VF;
+        const int n = static_cast<int>(std::min<int64_t>(VF, P - i));
+        fVec yv = acc[r][v];
+        if (hasD) yv = at::vec::fmadd(vD, fVec::loadu(xr + i), yv);
+        if (z) {
+          const XT* zr = z + (t0 + r) * zs + i;
+          const fVec zv = n == VF ? Io<XT>::load(zr) : Io<XT>::load(zr, n);
+          yv = yv * zv / (one + (zero - zv).exp());
+        }
+        store_y<XT>(orow + i, yv, n);
+      }
+    }
   }
 };
 
@@ -698,7 +762,7 @@ inline int64_t round_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // The chunked path's fp32 buffers, one set per work range (thread).
 struct ChunkWork {
   int64_t Q, Qr, Pr, S;
-  float *ST, *tmp, *Bf, *Cf, *BT, *xf, *dx, *dxt, *yf, *M, *cb1, *Rw, *dA, *din, *zf;
+  float *ST, *tmp, *Bf, *Cf, *BT, *xf, *dx, *dxt, *M, *cb1, *Rw, *dA, *din, *dd;
   // Per chunk of the (sequence, group) below: its C B^T [Q x Qr] and (bc_cached) its B and C
   // [Q x S] in fp32, formed by the first head of the group and read by the others; or null.
   float* cache = nullptr;
@@ -714,9 +778,9 @@ struct ChunkWork {
     Qr = round_up(Q);
     Pr = round_up(p.P);
     S = p.S;
-    const int64_t sizes[] = {S * Pr, p.P * S, Q * S, Q * S, S * Qr, Q * Pr, Q * Pr, Q * Pr, Q * Pr,
-                             Q * Qr, Q * Qr, Qr + VF, Qr, Qr, Pr};
-    float** ptrs[] = {&ST, &tmp, &Bf, &Cf, &BT, &xf, &dx, &dxt, &yf, &M, &cb1, &Rw, &dA, &din, &zf};
+    const int64_t sizes[] = {S * Pr, p.P * S, Q * S, Q * S, S * Qr, Q * Pr, Q * Pr, Q * Pr,
+                             Q * Qr, Q * Qr, Qr + VF, Qr, Qr, Qr};
+    float** ptrs[] = {&ST, &tmp, &Bf, &Cf, &BT, &xf, &dx, &dxt, &M, &cb1, &Rw, &dA, &din, &dd};
     // Room for every chunk of the longest sequence, up to kCacheBytes: C B^T, B and C where they
     // fit (~1.3 KiB a token at Q = 32, S = 128), else C B^T alone (each head converts B and C),
     // else nothing (each head also forms its own C B^T, chunk by chunk).
@@ -801,17 +865,6 @@ void state_out(void* dst, ChunkWork& w, int64_t P) {
   }
 }
 
-// Rw[0, n) *= a, whole vectors and a partial last one.
-KV_SSM_INLINE void scale_prefix(float* Rw, int64_t n, float a) {
-  const fVec va(a);
-  int64_t j = 0;
-  for (; j + VF <= n; j += VF) (fVec::loadu(Rw + j) * va).store(Rw + j);
-  if (j < n) {
-    const int m = static_cast<int>(n - j);
-    (Io<float>::load(Rw + j, m) * va).store(Rw + j, m);
-  }
-}
-
 // Below this many tokens a sequence goes token by token: the chunked form's set-up per head
 // costs more than it saves. With an initial state (transposed in, and a first chunk that reads
 // it) the crossover is ~10 tokens in the AVX-512 builds, ~25 in the AVX2 one (12 accumulators);
@@ -891,21 +944,16 @@ void run_item_chunked(const Params& p, float* wrec, ChunkWork& w, int64_t b, int
                       p.b_st * static_cast<int64_t>(bes), p.c_st * static_cast<int64_t>(bes),
                       P * xe, S * static_cast<int64_t>(bes), std::min(Q, sq.n - t0 - Q)};
     }
-    for (int64_t i = 0; i < qn; ++i) {
-      const int64_t tt = sq.t0 + t0 + i;
-      const float d = dt_of(p, sq, b, t0 + i, h);
-      w.dA[i] = std::exp(d * A);
-      float* xr = w.xf + i * Pr;
-      to_f32(x + b * p.x_sb + tt * p.x_st + h * p.x_sh, xr, P);
-      const fVec vd(d);
-      for (int64_t j = 0; j < Pr; j += VF) (vd * fVec::loadu(xr + j)).store(w.dx + i * Pr + j);
-    }
-    // The decays, row by row: Rw[0] from the chunk's start, Rw[1 + k] from token k.
+    dt_chunk(p, sq, b, t0, qn, h, A, w.dd, w.dA);
+    // The decays, row by row: Rw[0] from the chunk's start, Rw[1 + k] from token k. Each step
+    // scales whole vectors (a partial one went through a buffer and stalled on store forwarding);
+    // the lanes past i + 1 are zeros, or values that are set to 1 before they are read.
     float* Rw = w.Rw;
     std::fill(Rw, Rw + Qr + VF, 0.f);
     Rw[0] = 1.f;
     for (int64_t i = 0; i < qn; ++i) {
-      scale_prefix(Rw, i + 1, w.dA[i]);
+      const fVec va(w.dA[i]);
+      for (int64_t j = 0; j < i + 1; j += VF) (fVec::loadu(Rw + j) * va).store(Rw + j);
       Rw[i + 1] = 1.f;
       w.din[i] = Rw[0];
       const float* cr = cb + i * Qr;
@@ -915,18 +963,25 @@ void run_item_chunked(const Params& p, float* wrec, ChunkWork& w, int64_t b, int
       std::fill(mr + i + 1, mr + Qr, 0.f);
     }
     const float whole = Rw[0];
+    // x in fp32 (for D x), d x and tail d x in one pass over the chunk's x rows.
     for (int64_t k = 0; k < qn; ++k) {
-      const fVec tk(Rw[1 + k]);
-      for (int64_t j = 0; j < Pr; j += VF) (tk * fVec::loadu(w.dx + k * Pr + j)).store(w.dxt + k * Pr + j);
+      const XT* xr = x + b * p.x_sb + (sq.t0 + t0 + k) * p.x_st + h * p.x_sh;
+      const fVec vd(w.dd[k]), tk(Rw[1 + k]);
+      for (int64_t j = 0; j < Pr; j += VF) {
+        const fVec xv = j + VF <= P ? Io<XT>::load(xr + j) : Io<XT>::load(xr + j, static_cast<int>(P - j));
+        const fVec dxv = vd * xv;
+        xv.store(w.xf + k * Pr + j);
+        dxv.store(w.dx + k * Pr + j);
+        (tk * dxv).store(w.dxt + k * Pr + j);
+      }
     }
-    grid(YOp{&next, Cf, w.ST, w.M, w.dx, w.din, w.yf, S, Pr, Qr, qn, state}, qn, Pr / VF);
+    const int64_t tc = sq.t0 + t0;
+    grid(YOp<XT>{&next, Cf, w.ST, w.M, w.dx, w.din, w.xf, z ? z + b * p.z_sb + tc * p.z_st + h * p.z_sh : nullptr,
+                 out + b * p.o_sb + tc * p.o_st + h * p.o_sh, p.z_st, p.o_st, Dh, p.D != nullptr, S, P, Pr, Qr, qn,
+                 state},
+         qn, Pr / VF);
     grid(StOp{Bf, w.dxt, w.ST, whole, S, Pr, qn, state}, S, Pr / VF);
     state = true;
-    for (int64_t i = 0; i < qn; ++i) {
-      const int64_t tt = sq.t0 + t0 + i;
-      finish_row<XT>(p, w.yf + i * Pr, w.xf + i * Pr, z ? z + b * p.z_sb + tt * p.z_st + h * p.z_sh : nullptr, w.zf,
-                     Dh, out + b * p.o_sb + tt * p.o_st + h * p.o_sh);
-    }
   }
   if (dst) {
     switch (p.sdtype) {
