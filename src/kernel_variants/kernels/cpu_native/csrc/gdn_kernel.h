@@ -400,6 +400,7 @@ KV_GDN_INLINE void st_k2(const float* S, int64_t ld, int64_t K, const float* k1,
   fVec x0[NV], x1[NV], y0[NV], y1[NV];
   for (int j = 0; j < NV; ++j) x0[j] = x1[j] = y0[j] = y1[j] = fVec(0.f);
   int64_t i = 0;
+#pragma GCC unroll 2
   for (; i + 2 <= K; i += 2) {
     const float* r0 = S + i * ld;
     const float* r1 = r0 + ld;
@@ -432,6 +433,7 @@ KV_GDN_INLINE void one_pass(float* S, int64_t ld, int64_t K, const float* k, con
                             const float* kn2, const fVec& va, const fVec* u, fVec* o, fVec* an1, fVec* an2) {
   fVec oa[NV], x[NV], y[NV];
   for (int j = 0; j < NV; ++j) oa[j] = x[j] = y[j] = fVec(0.f);
+#pragma GCC unroll 4
   for (int64_t i = 0; i < K; ++i) {
     float* row = S + i * ld;
     const fVec ki(k[i]), qi(q[i]);
@@ -462,6 +464,11 @@ KV_GDN_INLINE void pair_pass(float* S, int64_t ld, int64_t K, const float* k1, c
                              const fVec* w2, fVec* dq, fVec* o2, fVec* an1, fVec* an2) {
   fVec d[NV], o[NV], x[NV], y[NV];
   for (int j = 0; j < NV; ++j) d[j] = o[j] = x[j] = y[j] = fVec(0.f);
+  // Four rows per iteration (here and in one_pass; two row pairs in st_k2): one row's twelve FMAs
+  // sit behind a load -> FMA -> FMA -> store chain, and rolled one row at a time the passes ran at
+  // about half the FMA peak. Unrolled: 8-10% faster at 16-32 tokens, 4-8% from 128 (Intel Xeon
+  // family 6 model 167, Hv=32, K=V=128, alternating runs; 8 rows measured as 4).
+#pragma GCC unroll 4
   for (int64_t i = 0; i < K; ++i) {
     float* row = S + i * ld;
     const fVec ki1(k1[i]), ki2(k2[i]), qi1(q1[i]), qi2(q2[i]);
