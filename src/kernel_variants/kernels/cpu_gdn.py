@@ -18,7 +18,8 @@ products (K Kᵀ, Q Kᵀ, the triangular solve). Built and measured once (2026-1
 family 6 model 167, 1 thread, Hv=32, K=V=128, one sequence, fp32 state): with register-blocked
 products, the K Kᵀ / Q Kᵀ of a q/k head shared by its v heads, denormals flushed and the next
 chunk's rows prefetched, chunks of 24-64 ran at 1.02-1.10x the recurrent kernel's time from 512
-tokens on AVX-512 (29.3 vs 28.6 µs per token at best) and 1.2-1.35x on AVX2: no shape it would win.
+tokens on AVX-512 (29.3 vs 28.6 µs per token at best) and 1.2-1.35x on AVX2: no shape it would win
+(and that was before the pair passes were unrolled, 4-10% more for the recurrent kernel).
 """
 
 from __future__ import annotations
