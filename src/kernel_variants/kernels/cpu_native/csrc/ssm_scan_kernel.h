@@ -406,19 +406,10 @@ void zero_rows(const Params& p, const Seq& q, int64_t b, int64_t h) {
     std::memset(out + b * p.o_sb + (q.t0 + t) * p.o_st + h * p.o_sh, 0, sizeof(XT) * p.P);
 }
 
-// d for token (b, t) of head h: dt (+ bias), softplus (torch's, threshold 20), clamp.
-KV_SSM_INLINE float dt_of(const Params& p, const Seq& q, int64_t b, int64_t t, int64_t h) {
-  float d = scalar_f32(p.dt, p.dtdtype, b * p.dt_sb + (q.t0 + t) * p.dt_st + h * p.dt_sh);
-  if (p.dt_bias) d += p.dt_bias[h];
-  if (p.softplus) d = d > 20.f ? d : std::log1p(std::exp(d));
-  if (p.clamp) d = std::min(std::max(d, p.dt_min), p.dt_max);
-  return d;
-}
-
-// d and dA = exp(d * A) of a head's tokens [t, t + n) (the chunked form), as dt_of and
-// std::exp(d * A) per token but a vector of tokens at a time: the per-token scalar softplus
-// (expf, log1pf) and exp were ~3% of the AVX2 build's prefill time at 64 heads. d, dA: whole vectors
-// (room for round_up(n)), the lanes past n hold d = 0, dA = 1.
+// d and dA = exp(d * A) of a head's tokens [t, t + n): dt (+ bias), softplus (torch's, threshold
+// 20), clamp, a vector of tokens at a time (as per-token scalars, softplus's expf and log1pf and
+// the exp were ~3% of the AVX2 build's chunked prefill at 64 heads). d, dA: whole vectors (room for
+// round_up(n)); the lanes past n hold d = 0, dA = 1.
 KV_SSM_INLINE void dt_chunk(const Params& p, const Seq& q, int64_t b, int64_t t, int64_t n, int64_t h, float A,
                             float* d, float* dA) {
   const float bias = p.dt_bias ? p.dt_bias[h] : 0.f;
@@ -445,6 +436,14 @@ KV_SSM_INLINE void dt_chunk(const Params& p, const Seq& q, int64_t b, int64_t t,
   }
 }
 
+// One vector of y's epilogue, both forms': y + D x (x: the vector's fp32 x, or null without D),
+// times silu(z) (z: the gate's vector, or null).
+KV_SSM_INLINE fVec epilogue(fVec y, const fVec& vD, const float* x, const fVec* z) {
+  if (x) y = at::vec::fmadd(vD, fVec::loadu(x), y);
+  if (z) y = y * *z / (fVec(1.f) + (fVec(0.f) - *z).exp());
+  return y;
+}
+
 // One token's epilogue over P: y (+ D * x), silu(z) gate, rounded to x's dtype into o. zrow:
 // the token's z row or null; zf: fp32 room for it.
 template <class XT>
@@ -452,14 +451,10 @@ KV_SSM_INLINE void finish_row(const Params& p, const float* y, const float* xf, 
                               XT* o) {
   const int64_t P = p.P;
   if (zrow) to_f32(zrow, zf, P);
-  const fVec vD(Dh), one(1.f), zero(0.f);
+  const fVec vD(Dh);
   for (int64_t i = 0; i < P; i += VF) {
-    fVec yv = fVec::loadu(y + i);
-    if (p.D) yv = at::vec::fmadd(vD, fVec::loadu(xf + i), yv);
-    if (zrow) {
-      const fVec zv = fVec::loadu(zf + i);
-      yv = yv * zv / (one + (zero - zv).exp());
-    }
+    const fVec zv = zrow ? fVec::loadu(zf + i) : fVec(0.f);
+    const fVec yv = epilogue(fVec::loadu(y + i), vD, p.D ? xf + i : nullptr, zrow ? &zv : nullptr);
     store_y<XT>(o + i, yv, static_cast<int>(std::min<int64_t>(VF, P - i)));
   }
 }
@@ -519,6 +514,7 @@ void run_item(const Params& p, float* w, int64_t b, int64_t h) {
   const size_t bes = elsize(p.bdtype);
   const char* Bm = static_cast<const char*>(p.B);
   const char* Cm = static_cast<const char*>(p.C);
+  alignas(64) float dv[VF], dAv[VF];  // d and exp(d A) of the vector of tokens t is in
   for (int64_t t = 0; t < q.n; ++t) {
     const int64_t tt = q.t0 + t;
     // A head's rows of consecutive tokens are H * P elements apart (8 KiB for bf16 at 64 x 64):
@@ -532,13 +528,14 @@ void run_item(const Params& p, float* w, int64_t b, int64_t h) {
       prefetch_row(Bm + (b * p.b_sb + ta * p.b_st + g * p.b_sg) * bes, S * bes, false);
       prefetch_row(Cm + (b * p.c_sb + ta * p.c_st + g * p.c_sg) * bes, S * bes, false);
     }
-    const float d = dt_of(p, q, b, t, h);
+    if (t % VF == 0) dt_chunk(p, q, b, t, std::min<int64_t>(VF, q.n - t), h, A, dv, dAv);
+    const float d = dv[t % VF];
     to_f32(x + b * p.x_sb + tt * p.x_st + h * p.x_sh, xf, P);
     const fVec vd(d);
     for (int64_t i = 0; i < Pr; i += VF) (vd * fVec::loadu(xf + i)).store(dx + i);
     row_f32(Bm + (b * p.b_sb + tt * p.b_st + g * p.b_sg) * bes, p.bdtype, Bf, S);
     row_f32(Cm + (b * p.c_sb + tt * p.c_st + g * p.c_sg) * bes, p.bdtype, Cf, S);
-    const Tok k{std::exp(d * A), dx, Bf, Cf};
+    const Tok k{dAv[t % VF], dx, Bf, Cf};
     const bool first = t == 0, last = t == q.n - 1;
     // Source: the pool's rows for the first token (when there is an initial state), else the
     // work state; destination: the pool's rows for the last token, else the work state. With
@@ -712,21 +709,16 @@ struct YOp {
       }
     }
     mk<R, NV>(std::min<int64_t>(t0 + R, q), M + t0 * Qr, Qr, 1, dx + p0, Pr, acc);
-    const fVec vD(Dh), one(1.f), zero(0.f);
+    const fVec vD(Dh);
     for (int r = 0; r < R; ++r) {
       const float* xr = xf + (t0 + r) * Pr;
       XT* orow = o + (t0 + r) * os;
       for (int v = 0; v < NV; ++v) {
         const int64_t i = p0 + v * VF;
         const int n = static_cast<int>(std::min<int64_t>(VF, P - i));
-        fVec yv = acc[r][v];
-        if (hasD) yv = at::vec::fmadd(vD, fVec::loadu(xr + i), yv);
-        if (z) {
-          const XT* zr = z + (t0 + r) * zs + i;
-          const fVec zv = n == VF ? Io<XT>::load(zr) : Io<XT>::load(zr, n);
-          yv = yv * zv / (one + (zero - zv).exp());
-        }
-        store_y<XT>(orow + i, yv, n);
+        const XT* zr = z ? z + (t0 + r) * zs + i : nullptr;
+        const fVec zv = !zr ? fVec(0.f) : n == VF ? Io<XT>::load(zr) : Io<XT>::load(zr, n);
+        store_y<XT>(orow + i, epilogue(acc[r][v], vD, hasD ? xr + i : nullptr, zr ? &zv : nullptr), n);
       }
     }
   }
